@@ -1,0 +1,240 @@
+"""Test and demo helpers: tiny models built from a config (no download), GRPO-shaped batches, the ordinary
+per-row reference forward, and error measures. Importing this module imports transformers lazily.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "create_dummy_batch",
+    "tiny_config",
+    "tiny_model",
+    "exact_fp64_norms",
+    "ordinary_logprobs",
+    "ordinary_logprobs_padded",
+    "max_rel_grad_error",
+    "grads_of",
+]
+
+
+def create_dummy_batch(
+    batch_size: int = 8,
+    num_unique_prompts: int = 2,
+    prompt_len: int = 4096,
+    response_len: int = 512,
+    device: str = "cuda",
+    include_training_fields: bool = False,
+    add_padding: bool = False,
+    vocab_size: int = 1000,
+    seed: int = 0,
+    shuffle: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A GRPO-shaped micro-batch in verl's layout.
+
+    ``num_unique_prompts`` prompts, each repeated ``batch_size / num_unique_prompts`` times (the remainder goes to
+    the first prompts). With ``add_padding`` prompts have different valid lengths (left pad) and responses end
+    early (right pad); one response in every group of >= 3 has length 1 and the last row of the batch may
+    have an empty response. With ``shuffle`` siblings are not adjacent.
+
+    Returns a dict:
+        ``input_ids [B, P+R] int64``, ``attention_mask [B, P+R] int64``, ``position_ids [B, P+R] int64``,
+        ``responses [B, R] int64``, ``response_mask [B, R] int64``; with ``include_training_fields`` also
+        ``old_log_probs``, ``advantages``, ``ref_log_prob`` ``[B, R] float32`` (zeros on pads).
+    """
+    for name, v in (("batch_size", batch_size), ("num_unique_prompts", num_unique_prompts),
+                    ("prompt_len", prompt_len), ("response_len", response_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "response_len" else 1):
+            raise ValueError(f"{name}: expected a positive int, got {v!r}.")
+    if num_unique_prompts > batch_size:
+        raise ValueError(f"num_unique_prompts: expected <= batch_size ({batch_size}), got {num_unique_prompts}.")
+    gen = torch.Generator().manual_seed(seed)
+    B, G, P, R = batch_size, num_unique_prompts, prompt_len, response_len
+    group = torch.arange(B) * G // B  # contiguous groups of near-equal size
+    prompts = torch.randint(1, vocab_size, (G, P), generator=gen)
+    p_len = torch.full((G,), P)
+    r_len = torch.full((B,), R)
+    if add_padding:
+        p_len = torch.randint(max(1, P // 2), P + 1, (G,), generator=gen)
+        p_len[0] = P
+        r_len = torch.randint(max(1, R // 2), R + 1, (B,), generator=gen) if R > 0 else r_len
+        if R > 0:
+            r_len[0] = R
+            for g in range(G):
+                rows = (group == g).nonzero().flatten()
+                if rows.numel() >= 3:
+                    r_len[rows[1]] = 1
+            if B >= 3 and (group == group[-1]).sum() >= 2:
+                r_len[-1] = 0
+    input_ids = torch.zeros(B, P + R, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
+    responses = torch.randint(1, vocab_size, (B, R), generator=gen)
+    for b in range(B):
+        g = int(group[b])
+        p, r = int(p_len[g]), int(r_len[b])
+        input_ids[b, P - p:P] = prompts[g, P - p:]
+        attention_mask[b, P - p:P + r] = 1
+    responses = responses * attention_mask[:, P:]
+    input_ids[:, P:] = responses
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0) * attention_mask
+    # verl keeps counting positions on the right pad; the valid tokens are what matter.
+    response_mask = attention_mask[:, P:].clone()
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": responses,
+        "response_mask": response_mask,
+    }
+    if include_training_fields:
+        m = response_mask.float()
+        batch["old_log_probs"] = (-torch.rand(B, R, generator=gen) * 2 - 0.1) * m
+        adv = torch.randn(G, generator=gen)[group]
+        batch["advantages"] = (adv[:, None] + 0.1 * torch.randn(B, R, generator=gen)) * m
+        batch["ref_log_prob"] = (-torch.rand(B, R, generator=gen) * 2 - 0.1) * m
+    if shuffle:
+        perm = torch.randperm(B, generator=gen)
+        batch = {k: v[perm] for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab_size: int = 128,
+                hidden: int = 32, heads: int = 4):
+    """A small config built offline. ``kind``: ``qwen3`` or ``qwen3_moe``; ``gqa=False`` gives MHA."""
+    kv = heads // 2 if gqa else heads
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=hidden // heads, max_position_embeddings=4096,
+                  tie_word_embeddings=False, attention_dropout=0.0)
+    if kind == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(intermediate_size=2 * hidden, **common)
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=hidden, num_experts=4,
+                              num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, **common)
+    raise ValueError(f"kind: expected 'qwen3' or 'qwen3_moe', got {kind!r}.")
+
+
+def tiny_model(kind: str = "qwen3", *, dtype: torch.dtype = torch.float64, seed: int = 0,
+               attn_implementation: str = "sdpa", exact_norms: bool = True, **cfg_kwargs):
+    """A randomly initialised ``*ForCausalLM`` from :func:`tiny_config`; deterministic for a given ``seed``.
+
+    With ``exact_norms`` (default) RMSNorm modules keep fp64 in fp64 (see :func:`exact_fp64_norms`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(kind, **cfg_kwargs)
+    cfg._attn_implementation = attn_implementation
+    if hasattr(cfg, "num_experts") and dtype == torch.float64:
+        cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if exact_norms:
+        exact_fp64_norms(model)
+    return model
+
+
+def _exact_rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    dt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    x = hidden_states.to(dt)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(hidden_states.dtype)
+
+
+def _exact_topk_router_forward(self, hidden_states: torch.Tensor):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(router_logits.to(dt), dim=-1)
+    top, idx = torch.topk(probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return router_logits, top.to(router_logits.dtype), idx
+
+
+def exact_fp64_norms(model) -> None:
+    """Make RMSNorm (``weight * x / rms(x)``) and top-k MoE router instances keep fp64 in fp64.
+
+    transformers' RMSNorm and Qwen3-MoE router cast to fp32 whatever the input dtype; in fp64 that rounding,
+    differently summed by the ordinary and the deduplicated backward, leaves ~1e-8 relative gradient differences
+    that are not zorro's. The swap is per instance (test oracle only) and changes nothing for fp32/bf16.
+    """
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if hasattr(mod, "variance_epsilon") and isinstance(w, torch.Tensor) and w.dim() == 1:
+            mod.forward = types.MethodType(_exact_rmsnorm_forward, mod)
+        elif all(hasattr(mod, a) for a in ("top_k", "num_experts", "norm_topk_prob", "hidden_dim")) and \
+                isinstance(w, torch.Tensor) and w.dim() == 2:
+            mod.forward = types.MethodType(_exact_topk_router_forward, mod)
+
+
+def ordinary_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, *,
+                      temperature: float = 1.0, calculate_entropy: bool = False):
+    """The ordinary per-row forward (the oracle): each row's valid tokens alone, full logits, log-softmax.
+
+    Returns ``(log_probs [N], entropy [N] | None)`` over valid response tokens in original row order.
+    """
+    B, S = input_ids.shape
+    Pw = S - response_width
+    lps, ents = [], []
+    for b in range(B):
+        valid = attention_mask[b].bool()
+        p = int(valid[:Pw].sum())
+        r = int(valid[Pw:].sum())
+        if r == 0:
+            continue
+        x = input_ids[b][valid][None]
+        logits = model(input_ids=x, use_cache=False).logits[0, p - 1:p + r - 1]
+        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature
+        logp = torch.log_softmax(logits, -1)
+        lps.append(logp.gather(-1, x[0, p:p + r, None]).squeeze(-1))
+        if calculate_entropy:
+            ents.append(-(logp.exp() * logp).sum(-1))
+    empty = torch.zeros(0, dtype=torch.float64 if model.dtype == torch.float64 else torch.float32,
+                        device=input_ids.device)
+    lp = torch.cat(lps) if lps else empty
+    ent = (torch.cat(ents) if ents else empty) if calculate_entropy else None
+    return lp, ent
+
+
+def ordinary_logprobs_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             position_ids: torch.Tensor, response_width: int, *, temperature: float = 1.0,
+                             calculate_entropy: bool = False):
+    """The ordinary *batched* forward as verl runs it (padded rows, attention mask, full logits) — the
+    benchmark's "full logits" baseline. Returns ``[B, R]`` log-probs (and entropy)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
+    logits = logits[:, -response_width - 1:-1].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, input_ids[:, -response_width:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if calculate_entropy else None
+    return lp, ent
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    """``{name: grad.clone()}`` of every parameter that has a gradient."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_rel_grad_error(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+                       floor: Optional[float] = None) -> tuple[float, str]:
+    """Largest per-tensor relative error ``max|got - ref| / max|ref|`` over all parameters, and its name.
+
+    Every reference gradient must be present in ``got``. ``floor`` (default: the tensor's dtype eps) keeps an
+    all-zero reference gradient from dividing by zero.
+    """
+    missing = sorted(set(ref) ^ set(got))
+    if missing:
+        raise AssertionError(f"gradients present in only one model: {missing[:5]}")
+    worst, worst_name = 0.0, ""
+    for n, g in ref.items():
+        denom = max(g.abs().max().item(), floor if floor is not None else torch.finfo(g.dtype).eps)
+        err = (got[n] - g).abs().max().item() / denom
+        if err > worst:
+            worst, worst_name = err, n
+    return worst, worst_name
