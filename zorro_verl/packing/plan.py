@@ -76,6 +76,8 @@ class ZorroPlan:
     * ``prompt_start [G]``: packed offset of each unique prompt; ``response_start [B]``: of each row's response.
     * ``logit_index [N]``: packed rows whose hidden state predicts each valid response token, original row order;
       ``target_ids [N]``: the predicted tokens; ``out_row [N]``, ``out_col [N]``: their place in ``[B, R]``.
+    * ``source_index [T]``: flat index into ``[B * S]`` of the verl batch each packed token was read from (a
+      prompt token from its group's first row).
     """
 
     B: int
@@ -106,6 +108,7 @@ class ZorroPlan:
     target_ids: torch.Tensor
     out_row: torch.Tensor
     out_col: torch.Tensor
+    source_index: torch.Tensor
     # Backend index sets, built lazily from the tensors above (no host sync: all shapes are Python ints here).
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -131,6 +134,31 @@ class ZorroPlan:
     def from_padded(self, padded: torch.Tensor) -> torch.Tensor:
         """Gather ``[B, R, ...]`` at the valid response tokens -> ``[N, ...]`` (original row order)."""
         return padded[self.out_row, self.out_col]
+
+    def full_index(self) -> torch.Tensor:
+        """``[B, S]``: the packed position each token of the verl batch maps to (-1 on pads)."""
+
+        def build():
+            dev = self.device
+            Pw = self.S - self.R
+            ar = torch.arange(self.S, device=dev)[None, :]
+            p = self.row_prompt_lens[:, None]
+            r = self.response_lens[:, None]
+            in_prompt = (ar >= Pw - p) & (ar < Pw)
+            in_resp = (ar >= Pw) & (ar < Pw + r)
+            pidx = self.prompt_start[self.row_group][:, None] + ar - (Pw - p)
+            ridx = self.response_start[:, None] + ar - Pw
+            return torch.where(in_prompt, pidx, torch.where(in_resp, ridx, -1))
+
+        return self._cached("full_index", build)
+
+    def response_positions(self) -> torch.Tensor:
+        """``[N]``: packed position of each valid response token, original row order."""
+        return self._cached("response_positions", lambda: self.response_start[self.out_row] + self.out_col)
+
+    def packed_response_order(self) -> torch.Tensor:
+        """``[N]``: permutation from original row order to packed (group-major) order of the response tokens."""
+        return self._cached("packed_response_order", lambda: torch.argsort(self.response_positions()))
 
     # ------------------------------------------------------------------ backend index sets
     def _cached(self, key, build):
@@ -454,7 +482,8 @@ def build_plan(
     seg_pos0[resp_seg_sorted] = p_len[order]
     seg_of_tok = torch.repeat_interleave(torch.arange(G + B, device=dev), seg_len, output_size=T)
     local = torch.arange(T, device=dev) - seg_off[seg_of_tok]
-    packed_ids = input_ids.reshape(-1)[seg_src_row[seg_of_tok] * S + seg_src_col[seg_of_tok] + local]
+    source_index = seg_src_row[seg_of_tok] * S + seg_src_col[seg_of_tok] + local
+    packed_ids = input_ids.reshape(-1)[source_index]
     packed_pos = seg_pos0[seg_of_tok] + local
 
     # ---- response-predicting rows, original row order
@@ -471,6 +500,6 @@ def build_plan(
         input_ids=packed_ids, position_ids=packed_pos, row_group=row_group, group_rep_row=group_rep_row,
         group_sizes=group_sizes, prompt_lens=prompt_lens, response_lens=r_len, row_prompt_lens=row_prompt_lens,
         prompt_start=prompt_start, response_start=response_start, logit_index=logit_index, target_ids=target_ids,
-        out_row=out_row, out_col=out_col,
+        out_row=out_row, out_col=out_col, source_index=source_index,
     )
     return plan
