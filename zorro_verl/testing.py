@@ -102,12 +102,12 @@ def create_dummy_batch(
 
 
 def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab_size: int = 128,
-                hidden: int = 32, heads: int = 4):
+                hidden: int = 32, heads: int = 4, tie_word_embeddings: bool = False):
     """A small config built offline. ``kind``: ``qwen3`` or ``qwen3_moe``; ``gqa=False`` gives MHA."""
     kv = heads // 2 if gqa else heads
     common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv, head_dim=hidden // heads, max_position_embeddings=4096,
-                  tie_word_embeddings=False, attention_dropout=0.0)
+                  tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0)
     if kind == "qwen3":
         from transformers import Qwen3Config
 
@@ -238,3 +238,116 @@ def max_rel_grad_error(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor
         if err > worst:
             worst, worst_name = err, n
     return worst, worst_name
+
+
+# ---------------------------------------------------------------------------------------------------- hybrid models
+#: ``kind`` names of :func:`tiny_hybrid_config`.
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def tiny_hybrid_config(kind: str = "qwen3_5", *, layer_types: tuple = ("linear_attention", "full_attention",
+                                                                      "linear_attention"),
+                       vocab_size: int = 128, hidden: int = 32, heads: int = 4, gqa: bool = True,
+                       linear_k_heads: int = 2, linear_v_heads: int = 4, linear_head_dim: int = 8,
+                       conv_kernel: int = 4):
+    """A small hybrid (gated delta-net + full attention) text config built offline.
+
+    ``kind``: ``qwen3_5`` (Qwen3.5 dense text), ``qwen3_5_moe`` (Qwen3.5 MoE text) or ``qwen3_next``. The default
+    layer pattern starts and ends with linear attention; ``linear_v_heads > linear_k_heads`` exercises the key-head
+    repeat of the delta rule.
+    """
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=len(layer_types),
+                  layer_types=list(layer_types), num_attention_heads=heads,
+                  num_key_value_heads=heads // 2 if gqa else heads, head_dim=hidden // heads,
+                  max_position_embeddings=4096, tie_word_embeddings=False, attention_dropout=0.0,
+                  linear_conv_kernel_dim=conv_kernel, linear_key_head_dim=linear_head_dim,
+                  linear_value_head_dim=linear_head_dim, linear_num_key_heads=linear_k_heads,
+                  linear_num_value_heads=linear_v_heads)
+    moe = dict(moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden, num_experts=4,
+               num_experts_per_tok=2)
+    if kind == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(intermediate_size=2 * hidden, **common)
+    if kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**moe, **common)
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(intermediate_size=2 * hidden, decoder_sparse_step=1, norm_topk_prob=True, **moe,
+                               **common)
+    raise ValueError(f"kind: expected one of {HYBRID_KINDS}, got {kind!r}.")
+
+
+def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                      attn_implementation: str = "sdpa", exact: bool = True, **cfg_kwargs):
+    """A randomly initialised hybrid ``*ForCausalLM`` from :func:`tiny_hybrid_config`; deterministic per ``seed``.
+
+    With ``exact`` (default) and fp64, :func:`exact_fp64_hybrid` makes the oracle keep fp64 end to end.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hybrid_config(kind, **cfg_kwargs)
+    cfg._attn_implementation = attn_implementation
+    if hasattr(cfg, "num_experts") and dtype == torch.float64:
+        cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():  # random, not the zero/one init, so every parameter matters in the tests
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    if exact:
+        exact_fp64_hybrid(model)
+    return model
+
+
+def _exact_offset_rmsnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(dt)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (y * (1.0 + self.weight.to(dt))).type_as(x)
+
+
+def _exact_gated_rmsnorm_forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None):
+    dt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    x = hidden_states.to(dt)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    x = self.weight * x.to(hidden_states.dtype)
+    return (x * torch.nn.functional.silu(gate.to(dt))).to(hidden_states.dtype)
+
+
+def _exact_normalized_router_forward(self, hidden_states: torch.Tensor):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    top, idx = torch.topk(torch.softmax(router_logits.to(dt), dim=-1), self.top_k, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True)
+    return router_logits, top.to(router_logits.dtype), idx
+
+
+def exact_fp64_hybrid(model) -> None:
+    """Per-instance fp64-exact swaps for hybrid models (test oracle only; fp32/bf16 behaviour unchanged).
+
+    transformers computes these in fp32 whatever the input dtype: the ``1 + weight`` RMSNorms, the gated RMSNorm of
+    the delta-net output, the MoE routers and the torch fallback delta-rule kernels. The kernels are replaced by
+    :func:`zorro_verl.recurrent.chunk_gated_delta_rule_ref` (the same math, dtype-preserving), set on the instance
+    attribute the module calls, so the ordinary forward and zorro use the same kernel.
+    """
+    from zorro_verl.recurrent import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+
+    for mod in model.modules():
+        name = type(mod).__name__
+        w = getattr(mod, "weight", None)
+        if name.endswith("RMSNormGated"):
+            mod.forward = types.MethodType(_exact_gated_rmsnorm_forward, mod)
+        elif name.endswith("RMSNorm") and hasattr(mod, "eps") and isinstance(w, torch.Tensor) and w.dim() == 1:
+            mod.forward = types.MethodType(_exact_offset_rmsnorm_forward, mod)
+        elif name.endswith("TopKRouter") and isinstance(w, torch.Tensor) and w.dim() == 2:
+            fwd = _exact_topk_router_forward if hasattr(mod, "norm_topk_prob") else _exact_normalized_router_forward
+            mod.forward = types.MethodType(fwd, mod)
+        if hasattr(mod, "chunk_gated_delta_rule"):
+            mod.chunk_gated_delta_rule = chunk_gated_delta_rule_ref
+            mod.recurrent_gated_delta_rule = recurrent_gated_delta_rule_ref
