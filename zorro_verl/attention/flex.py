@@ -49,7 +49,7 @@ def _flex(device: torch.device):
 def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scaling: float) -> torch.Tensor:
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
-    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+    if query.device.type == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad):
         raise ValueError("attention backend 'flex': FlexAttention has no backward on CPU. Use "
                          "attn_implementation='sdpa' for training on CPU, or run flex on CUDA.")
     out = _flex(query.device)(query, key, value, block_mask=block_mask_for(plan), scale=scaling,

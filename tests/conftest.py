@@ -1,0 +1,16 @@
+import os
+
+import pytest
+import torch
+
+# Determinism and a quiet CPU: tiny models, fp64, two cores.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (not available on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
