@@ -18,12 +18,21 @@ from zorro_verl.integrations.transformers import backend_for, install_zorro, is_
 from zorro_verl.logprob import LOGITS_MODES
 from zorro_verl.packing import ZorroPlan, build_plan
 
-__all__ = ["DeduplicatedActor", "Qwen3ModelOncePatcher", "ModelOutput"]
+__all__ = ["DeduplicatedActor", "Qwen3ModelOncePatcher", "ModelOutput", "load_causal_lm"]
 
 logger = logging.getLogger(__name__)
 
 _REQUIRED = ("input_ids", "attention_mask", "responses")
 _TRAINING = ("old_log_probs", "advantages")
+
+
+def load_causal_lm(model_name_or_path: str, *, dtype: torch.dtype, device="cpu"):
+    """Load a ``*ForCausalLM`` (hub id or local directory) with the ordinary ``sdpa`` attention; zorro replaces
+    it when installed."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device)
 
 
 @dataclass
@@ -172,11 +181,8 @@ class DeduplicatedActor:
         if not isinstance(model_name_or_path, str):
             raise TypeError(f"model_name_or_path: expected a str (hub id or local directory), got "
                             f"{type(model_name_or_path).__name__}; use DeduplicatedActor.from_model for a module.")
-        from transformers import AutoModelForCausalLM
-
-        # The ordinary attention the model loads with; zorro replaces it at patch() time.
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, attn_implementation="sdpa")
-        self._setup(model.to(dev), dev, logits_optimization, world_size, max_token_len)
+        model = load_causal_lm(model_name_or_path, dtype=dtype, device=dev)
+        self._setup(model, dev, logits_optimization, world_size, max_token_len)
 
     @classmethod
     def from_model(cls, model, *, logits_optimization: str = "none", use_split_attention: bool = True,

@@ -1,0 +1,26 @@
+# Source me: creates or reuses .venv and installs zorro_verl with its test and verl dependencies.
+# torch is installed first, pinned to the CPU wheel on this machine's disk (a later unpinned resolve would pull
+# a multi-GB CUDA build). Re-installs only when the dependency files changed (stamp in .venv).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for c in python3.11 python3.12 python3.10 python3; do command -v "$c" >/dev/null 2>&1 && { PY="$c"; break; }; done
+fi
+[ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+STAMP_SRC="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+if [ "$(cat .venv/.zorro-stamp 2>/dev/null || true)" != "$STAMP_SRC" ]; then
+  echo "[setup] installing torch==2.13.0 (CPU) first, then zorro_verl[dev]"
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev]" "torch==2.13.0"
+  echo "$STAMP_SRC" > .venv/.zorro-stamp
+else
+  echo "[setup] .venv up to date"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"

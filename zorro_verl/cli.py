@@ -1,0 +1,28 @@
+"""The ``zorro-verl`` command: ``demo`` (the main job) and ``bench`` (the benchmark harness)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: zorro-verl {demo,bench} [options]   (zorro-verl demo --help for a command's options)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from zorro_verl.demo import main as demo_main
+
+        return demo_main(rest)
+    if cmd == "bench":
+        from zorro_verl.bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"zorro-verl: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
