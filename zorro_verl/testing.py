@@ -209,7 +209,8 @@ def ordinary_logprobs_padded(model, input_ids: torch.Tensor, attention_mask: tor
     benchmark's "full logits" baseline. Returns ``[B, R]`` log-probs (and entropy)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits
-    logits = logits[:, -response_width - 1:-1].float() / temperature
+    logits = logits[:, -response_width - 1:-1]
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature
     logp = torch.log_softmax(logits, -1)
     lp = logp.gather(-1, input_ids[:, -response_width:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1) if calculate_entropy else None
