@@ -1,0 +1,59 @@
+"""Fixtures for the verl 0.9 engine tests: CPU platform, a 1-process gloo group, tiny Qwen3 checkpoints on disk,
+stock and zorro engines built from the same weights, and verl-layout batches. Skips cleanly without verl 0.9."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def _verl_09():
+    try:
+        import importlib.metadata as md
+
+        v = md.version("verl")
+    except Exception:
+        return None
+    return v if v.startswith("0.9") else None
+
+
+VERL_09 = _verl_09()
+needs_verl = pytest.mark.skipif(VERL_09 is None, reason="verl 0.9.x is not installed")
+
+
+@pytest.fixture(scope="session")
+def verl_cpu():
+    """CPU platform + zorro plugin registered (before verl.workers.engine is imported), 1-rank gloo group."""
+    if VERL_09 is None:
+        pytest.skip("verl 0.9.x is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("the verl engine CPU tests run on CPU-only hosts")
+    os.environ["ZORRO_VERL_CPU_PLATFORM"] = "1"
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
+    from zorro_verl.integrations.verl.plugin import register
+
+    register()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny fp32 Qwen3 (GQA, 2 layers) saved as an HF checkpoint directory."""
+    from zorro_verl.testing import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    model = tiny_model("qwen3", dtype=torch.float32, seed=0)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,151 @@
+"""The zorro FSDP engine vs verl 0.9.1's stock FSDPEngineWithLMHead on CPU (FSDP2, fp32, 1-rank gloo).
+
+Tolerances (issue 4): log-probs / entropy max abs <= 1e-5; PPO loss and grad norm relative <= 1e-5 (fp32).
+"""
+
+import logging
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
+
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def _infer(engine, td):
+    with engine.eval_mode():
+        return engine.infer_batch(td.clone(), loss_function=None)
+
+
+def _resp(out, td, key):
+    from zorro_verl.integrations.verl.testing import response_values
+
+    return response_values(out["model_output"][key], td)
+
+
+@pytest.fixture(scope="module")
+def engines(verl_cpu, tiny_ckpt):
+    from zorro_verl.integrations.verl.testing import build_engine
+
+    return build_engine(tiny_ckpt, zorro=False), build_engine(tiny_ckpt, zorro=True)
+
+
+@pytest.mark.parametrize("dynamic, rmpad, temperature, entropy", [
+    (False, True, 1.0, True),
+    (False, False, 0.7, True),
+    (True, True, 0.7, False),
+    (True, False, 1.3, True),
+])
+def test_infer_matches_stock(engines, dynamic, rmpad, temperature, entropy):
+    from zorro_verl.integrations.verl.testing import make_engine_batch
+
+    stock, zorro = engines
+    # 3 prompts over 12 shuffled rows (interleaved siblings), uneven prompt/response lengths, a 1-token and an empty
+    # response; micro-batch size 3 / token budget 40 force splits and several micro-batches.
+    td = make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3, shuffle=True,
+                           temperature=temperature, calculate_entropy=entropy, use_dynamic_bsz=dynamic,
+                           micro_batch_size=3, max_token_len=40, use_remove_padding=rmpad)
+    a, b = _infer(stock, td), _infer(zorro, td)
+    mask = td["response_mask"].bool()
+    lp_a, lp_b = _resp(a, td, "log_probs"), _resp(b, td, "log_probs")
+    assert mask.sum() > 20 and lp_a[mask].abs().max() > 1.0  # a real comparison, not zeros
+    assert (lp_a - lp_b)[mask].abs().max().item() <= ATOL
+    if entropy:
+        ea, eb = _resp(a, td, "entropy"), _resp(b, td, "entropy")
+        assert (ea - eb)[mask].abs().max().item() <= ATOL
+    else:
+        assert "entropy" not in b["model_output"]
+    m = b["metrics"]
+    assert m["zorro/fallback_batches"] == [0.0]
+    assert m["zorro/dedup_ratio"][0] > 1.0 and m["zorro/prompt_tokens_saved"][0] > 0
+
+
+def test_microbatches_keep_groups_and_budget(engines):
+    from zorro_verl.integrations.verl.engine import group_ids, row_lengths
+    from zorro_verl.integrations.verl.testing import make_engine_batch
+    from zorro_verl.packing.microbatch import microbatch_cost
+
+    _, zorro = engines
+    td = make_engine_batch(batch_size=12, num_prompts=4, prompt_len=8, response_len=5, seed=5, shuffle=True,
+                           use_dynamic_bsz=True, max_token_len=30)
+    mbs = zorro.zorro_micro_batches(td)
+    p, r = row_lengths(td)
+    g = group_ids(td, p)
+    assert sorted(b for mb in mbs.batches for b in mb) == list(range(12))
+    assert all(microbatch_cost(mb, g, p, r) <= 30 for mb in mbs.batches)
+    # the ordinary (per-row) token count of some micro-batch exceeds the budget: dedup packs more per micro-batch
+    assert any(int((p[mb] + r[mb]).sum()) > 30 for mb in mbs.batches)
+
+
+def _train_pair(ckpt, td, **kw):
+    from zorro_verl.integrations.verl.testing import build_engine, ppo_loss_fn
+
+    outs, params = [], []
+    for z in (False, True):
+        eng = build_engine(ckpt, zorro=z, **kw)
+        with eng.train_mode():
+            out = eng.train_batch(td.clone(), loss_function=ppo_loss_fn())
+        outs.append(out)
+        sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in eng.module.state_dict().items()}
+        params.append(sd)
+    return outs, params
+
+
+@pytest.mark.parametrize("dynamic, ckpt_grad", [(False, False), (True, True)])
+def test_train_step_matches_stock(verl_cpu, tiny_ckpt, dynamic, ckpt_grad):
+    from zorro_verl.integrations.verl.testing import make_engine_batch
+
+    td = make_engine_batch(batch_size=10, num_prompts=3, prompt_len=7, response_len=6, seed=11, shuffle=True,
+                           temperature=0.9, calculate_entropy=True, use_dynamic_bsz=dynamic, micro_batch_size=2,
+                           max_token_len=40)
+    (a, b), (pa, pb) = _train_pair(tiny_ckpt, td, gradient_checkpointing=ckpt_grad)
+    loss_a, loss_b = sum(a["loss"]), sum(b["loss"])
+    gn_a, gn_b = float(a["metrics"]["grad_norm"]), float(b["metrics"]["grad_norm"])
+    assert abs(loss_a) > 1e-4 and gn_a > 1e-4
+    assert abs(loss_a - loss_b) <= RTOL * abs(loss_a)
+    assert abs(gn_a - gn_b) <= RTOL * gn_a
+    # the optimizer step moved both models the same way
+    moved = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    assert moved <= 1e-6
+    assert b["metrics"]["zorro/split_groups"][0] >= 0
+
+
+def test_unsupported_raise_and_warn(verl_cpu, tiny_ckpt, engines, caplog):
+    from verl.utils import tensordict_utils as tu
+
+    from zorro_verl.integrations.verl.testing import build_engine, make_engine_batch
+
+    stock, zorro = engines
+    td = make_engine_batch(batch_size=6, num_prompts=2, seed=2)
+    tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
+    with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
+        _infer(zorro, td)
+    warn = build_engine(tiny_ckpt, zorro=True, zorro_settings={"on_unsupported": "warn"})
+    with caplog.at_level(logging.WARNING):
+        out1 = _infer(warn, td)
+        out2 = _infer(warn, td)
+    assert sum("calculate_sum_pi_squared" in r.getMessage() for r in caplog.records) == 1  # warned once
+    assert out1["metrics"]["zorro/fallback_batches"] == [1.0] and out2["metrics"]["zorro/fallback_batches"] == [1.0]
+    ref = _infer(stock, td)
+    mask = td["response_mask"].bool()
+    assert (_resp(ref, td, "log_probs") - _resp(out1, td, "log_probs"))[mask].abs().max().item() <= ATOL
+    # after the fallback the engine is back on zorro attention
+    td2 = make_engine_batch(batch_size=6, num_prompts=2, seed=2)
+    assert _infer(warn, td2)["metrics"]["zorro/fallback_batches"] == [0.0]
+
+
+def test_disabled_engine_is_stock(verl_cpu, tiny_ckpt):
+    from zorro_verl.integrations.verl.testing import build_engine, make_engine_batch
+
+    eng = build_engine(tiny_ckpt, zorro=True, zorro_settings={"enable": False})
+    out = _infer(eng, make_engine_batch(batch_size=4, num_prompts=2))
+    assert not any(k.startswith("zorro/") for k in out["metrics"])
+    assert eng.module.config._attn_implementation == "sdpa"
+
+
+def test_static_unsupported_setting_raises(verl_cpu, tiny_ckpt):
+    from zorro_verl.integrations.verl.testing import build_engine
+
+    with pytest.raises(ValueError, match="logits_optimization=memory"):
+        build_engine(tiny_ckpt, zorro=True, zorro_settings={"logits_optimization": "memory"})
