@@ -51,6 +51,14 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _scatter_valid(T: int, index: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out [T]`` with ``out[index[valid]] = values[valid]`` without boolean indexing (no host sync): invalid
+    entries are written to a dummy slot ``T`` that is cut off."""
+    out = torch.zeros(T + 1, dtype=values.dtype, device=values.device)
+    out.scatter_(0, torch.where(valid, index, T).flatten(), values.flatten())
+    return out[:T]
+
+
 def _segments_to_tokens(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
     """Expand segments into token indices: ``starts [n], lengths [n] -> [total]`` = ``cat(arange(s, s+l))``."""
     if total == 0:
@@ -215,11 +223,11 @@ class ZorroPlan:
             key_prompt = key_prompt.expand(self.B, Rm, Pm)
             key_own = (ar_r[None, :] <= ar_r[:, None])[None].expand(self.B, Rm, Rm)  # [B, Rmax(q), Rmax(k)]
             response_mask = torch.cat([key_prompt, key_own], dim=2)[:, None]  # [B, 1, Rmax, Pmax+Rmax]
-            out_index = torch.empty(self.T, dtype=torch.long, device=dev)
             flat_p = torch.arange(self.G * Pm, device=dev).view(self.G, Pm)
             flat_r = self.G * Pm + torch.arange(self.B * Rm, device=dev).view(self.B, Rm)
-            out_index[prompt_index[p_valid]] = flat_p[p_valid]
-            out_index[response_index[r_valid]] = flat_r[r_valid]
+            out_index = _scatter_valid(self.T, torch.cat([prompt_index.flatten(), response_index.flatten()]),
+                                       torch.cat([p_valid.flatten(), r_valid.flatten()]),
+                                       torch.cat([flat_p.flatten(), flat_r.flatten()]))
             return {
                 "prompt_index": prompt_index,
                 "response_index": response_index,
@@ -248,13 +256,13 @@ class ZorroPlan:
             idx = torch.where(ar < p, pstart + ar, self.response_start[:, None] + ar - p)
             valid = ar < p + r
             idx = torch.where(valid, idx, 0)
-            out_index = torch.empty(self.T, dtype=torch.long, device=dev)
             flat = torch.arange(self.B * Lm, device=dev).view(self.B, Lm)
             rep = self.group_rep_row
-            p_valid = ar < self.prompt_lens[:, None]  # [G, Lmax]
-            out_index[idx[rep][p_valid]] = flat[rep][p_valid]
-            r_valid = (ar >= p) & valid
-            out_index[idx[r_valid]] = flat[r_valid]
+            p_valid = ar < self.prompt_lens[:, None]  # [G, Lmax]: prompt tokens read from the group's first row
+            r_valid = (ar >= p) & valid  # [B, Lmax]: every row's own response tokens
+            out_index = _scatter_valid(self.T, torch.cat([idx[rep].flatten(), idx.flatten()]),
+                                       torch.cat([p_valid.flatten(), r_valid.flatten()]),
+                                       torch.cat([flat[rep].flatten(), flat.flatten()]))
             return {"row_index": idx, "out_index": out_index}
 
         return self._cached("rows", build)
