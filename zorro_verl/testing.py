@@ -297,7 +297,7 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     with torch.no_grad():  # random, not the zero/one init, so every parameter matters in the tests
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     if exact:
@@ -333,9 +333,10 @@ def exact_fp64_hybrid(model) -> None:
     """Per-instance fp64-exact swaps for hybrid models (test oracle only; fp32/bf16 behaviour unchanged).
 
     transformers computes these in fp32 whatever the input dtype: the ``1 + weight`` RMSNorms, the gated RMSNorm of
-    the delta-net output, the MoE routers and the torch fallback delta-rule kernels. The kernels are replaced by
-    :func:`zorro_verl.recurrent.chunk_gated_delta_rule_ref` (the same math, dtype-preserving), set on the instance
-    attribute the module calls, so the ordinary forward and zorro use the same kernel.
+    the delta-net output, the MoE routers, the delta-net log-decay and the torch fallback delta-rule kernels. The
+    kernels are replaced by :func:`zorro_verl.recurrent.chunk_gated_delta_rule_ref` (the same math,
+    dtype-preserving), set on the instance attribute the module calls, so the ordinary forward and zorro use the
+    same kernel; the delta-net forward by a written-out copy that keeps the log-decay in fp64 (as zorro does).
     """
     from zorro_verl.recurrent import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 
@@ -349,6 +350,40 @@ def exact_fp64_hybrid(model) -> None:
         elif name.endswith("TopKRouter") and isinstance(w, torch.Tensor) and w.dim() == 2:
             fwd = _exact_topk_router_forward if hasattr(mod, "norm_topk_prob") else _exact_normalized_router_forward
             mod.forward = types.MethodType(fwd, mod)
-        if hasattr(mod, "chunk_gated_delta_rule"):
+        if hasattr(mod, "chunk_gated_delta_rule") and hasattr(mod, "A_log"):
             mod.chunk_gated_delta_rule = chunk_gated_delta_rule_ref
             mod.recurrent_gated_delta_rule = recurrent_gated_delta_rule_ref
+            mod.forward = types.MethodType(_exact_gated_deltanet_forward, mod)
+
+
+def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                  **kwargs) -> torch.Tensor:
+    """The ordinary (one sequence per batch row) gated delta-net forward of Qwen3.5 / Qwen3-Next, written out for
+    the fp64 oracle: the model's own math, with the log-decay kept in fp64 for fp64 inputs (transformers rounds
+    ``a`` and ``A_log`` to fp32 there). Training forwards only: no cache, no padding mask."""
+    F = torch.nn.functional
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("exact gated delta-net oracle: no cache and no attention_mask (run rows unpadded).")
+    Bsz, L, _ = hidden_states.shape
+    if hasattr(self, "in_proj_qkvz"):
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden_states),
+                                                             self.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(Bsz, L, -1) for x in (q, k, v)], -1)
+    else:
+        mixed = self.in_proj_qkv(hidden_states)
+        z = self.in_proj_z(hidden_states)
+        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    mixed = F.silu(self.conv1d(mixed.transpose(1, 2))[:, :, :L]).transpose(1, 2)  # causal: keep the first L
+    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q = q.reshape(Bsz, L, -1, self.head_k_dim)
+    k = k.reshape(Bsz, L, -1, self.head_k_dim)
+    v = v.reshape(Bsz, L, -1, self.head_v_dim)
+    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias)
+    rep = self.num_v_heads // self.num_k_heads
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    o, _ = self.chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), initial_state=None, output_final_state=False,
+                                       use_qk_l2norm_in_kernel=True)
+    o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(o.reshape(Bsz, L, -1))

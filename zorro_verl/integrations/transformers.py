@@ -4,8 +4,9 @@
   (idempotent, never at import). No mask function is registered, so transformers passes ``attention_mask=None``
   and builds no O(T^2) mask.
 * :func:`install_zorro` switches a model's attention to ``"zorro"`` and checks, with a tiny probe forward, that every
-  decoder layer's sequence mixing goes through it (hybrid linear-attention layers or models that do not dispatch
-  through ``ALL_ATTENTION_FUNCTIONS`` raise here, never silently).
+  decoder layer's sequence mixing goes through it. Gated delta-net (``linear_attention``) layers of hybrid models
+  (Qwen3.5, Qwen3-Next) get per-instance forwards from :mod:`zorro_verl.integrations.hybrid`; any other layer type,
+  or a model that does not dispatch through ``ALL_ATTENTION_FUNCTIONS``, raises here, never silently.
 * :func:`zorro_forward` runs the decoder on the packed row with the plan as the ``zorro_plan`` kwarg and computes
   log-probs / entropy only at response-predicting rows.
 
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.attention import attend
+from zorro_verl.integrations import hybrid
 from zorro_verl.logprob import response_logprobs
 from zorro_verl.packing import ZorroPlan, build_plan
 
@@ -34,6 +36,9 @@ __all__ = [
 ]
 
 ZORRO_ATTN_NAME = "zorro"
+
+#: config.layer_types entries zorro handles: full attention (registered function) and linear attention (hybrid.py).
+_HANDLED_LAYER_TYPES = ("full_attention", hybrid.LINEAR_ATTENTION)
 
 #: The API's ``attn_implementation`` names the kernel zorro uses inside its split attention.
 _KERNEL_TO_BACKEND = {
@@ -112,26 +117,37 @@ def is_installed(model) -> bool:
 
 
 def _num_attention_layers(model) -> int:
+    """Decoder layers whose sequence mixing must call the ``"zorro"`` attention: the ``full_attention`` ones of
+    ``config.layer_types`` when the config lists them (hybrid models), else ``config.num_hidden_layers``."""
     cfg = _config(model)
     cfg = getattr(cfg, "text_config", None) or cfg
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
         raise ValueError(f"model: cannot tell its decoder layer count (config.num_hidden_layers is {n!r}); zorro "
                          "supports decoder-only language models.")
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return sum(t == "full_attention" for t in types[:n])
     return n
 
 
 def _check_layer_types(model) -> None:
+    """Refuse (at patch time) any layer type whose sequence mixing zorro does not handle.
+
+    ``full_attention`` goes through the registered attention; ``linear_attention`` (gated delta-net, Qwen3.5 /
+    Qwen3-Next) through the instance wrappers of :mod:`zorro_verl.integrations.hybrid`, which check the module.
+    """
     cfg = _config(model)
     cfg = getattr(cfg, "text_config", None) or cfg
     types = getattr(cfg, "layer_types", None)
     if types:
-        other = sorted({t for t in types if t != "full_attention"})
+        other = sorted({t for t in types if t not in _HANDLED_LAYER_TYPES})
         if other:
             raise ValueError(
-                f"model: layers of type {other} do not mix the sequence through zorro's attention (only "
-                "'full_attention' does). Running them over the packed row would let one response see its siblings "
-                "— refused. Use a model whose layers are all full attention.")
+                f"model: layers of type {other} do not mix the sequence through zorro (only "
+                f"{list(_HANDLED_LAYER_TYPES)} are handled). Running them over the packed row would let one response "
+                "see its siblings — refused. Use a model whose layers are all of the handled types.")
+    hybrid.check_linear_attention_supported(model)
 
 
 def install_zorro(model, *, probe: bool = True) -> None:
@@ -143,10 +159,16 @@ def install_zorro(model, *, probe: bool = True) -> None:
     register_zorro_attention()
     _check_layer_types(model)
     if is_installed(model):
+        hybrid.wrap_linear_attention(model)  # idempotent
         return
     previous = getattr(_config(model), "_attn_implementation", None)
     model.set_attn_implementation(ZORRO_ATTN_NAME)
     model._zorro_previous_attn = previous
+    try:
+        hybrid.wrap_linear_attention(model)
+    except Exception:
+        uninstall_zorro(model)
+        raise
     if not probe:
         return
     try:
@@ -157,7 +179,9 @@ def install_zorro(model, *, probe: bool = True) -> None:
 
 
 def uninstall_zorro(model) -> None:
-    """Restore the attention implementation the model had before :func:`install_zorro`."""
+    """Restore the attention implementation (and linear-attention forwards) the model had before
+    :func:`install_zorro`."""
+    hybrid.unwrap_linear_attention(model)
     prev = getattr(model, "_zorro_previous_attn", None)
     if is_installed(model):
         model.set_attn_implementation(prev or "sdpa")
@@ -186,15 +210,22 @@ def _decoder_forward(model, plan: ZorroPlan) -> torch.Tensor:
                          f"{getattr(_config(model), '_attn_implementation', None)!r}). Call install_zorro(model) "
                          "or DeduplicatedActor.patch() first.")
     plan._cache["attn_calls"] = 0
+    plan._cache["recurrent_calls"] = 0
     decoder = model.get_decoder()
     out = decoder(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], zorro_plan=plan,
                   use_cache=False)
     calls, expected = plan._cache["attn_calls"], _num_attention_layers(model)
     if calls != expected:
         raise ValueError(
-            f"model: {expected} decoder layers but the zorro attention was called {calls} times; some layers do "
+            f"model: {expected} attention layers but the zorro attention was called {calls} times; some layers do "
             "not dispatch attention through transformers' ALL_ATTENTION_FUNCTIONS (or mix the sequence another "
             "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
+    rec_calls, rec_expected = plan._cache["recurrent_calls"], len(hybrid.linear_attention_modules(model))
+    if rec_calls != rec_expected:
+        raise ValueError(
+            f"model: {rec_expected} linear-attention layers but zorro's gated delta-net forward ran {rec_calls} "
+            "times; a linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) "
+            "again after changing the model.")
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[0]  # [T, H]
 

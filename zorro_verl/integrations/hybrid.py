@@ -1,0 +1,205 @@
+"""Hybrid linear-attention models (Qwen3.5 dense/MoE, Qwen3-Next): zorro for their gated delta-net layers.
+
+These models interleave ``full_attention`` layers (they dispatch through the registered ``"zorro"`` attention) with
+``linear_attention`` layers (``config.layer_types``), whose module mixes the sequence with a short causal conv and the
+gated delta rule — not through the attention interface. :func:`wrap_linear_attention` replaces the ``forward`` of
+each such module **instance** (never the class) with :func:`zorro_gated_deltanet_forward`, which runs the layer on the
+packed row with each prompt processed once (:mod:`zorro_verl.recurrent`); :func:`unwrap_linear_attention` undoes it.
+
+Kernels: the module's own ``chunk_gated_delta_rule`` — transformers' torch fallback on CPU, flash-linear-attention
+on GPU (then called varlen with ``cu_seqlens`` and one initial state per response, no padding). On CUDA without
+flash-linear-attention the torch fallback runs padded and a warning is given once (counted per micro-batch in
+``plan._cache["zorro_recurrent_fallback_calls"]``). The conv is a gather of each token's ``Kc-1`` predecessors in its
+ordinary row (:func:`~zorro_verl.recurrent.packed_causal_conv`) on every device, so causal-conv1d is not needed.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from zorro_verl.packing import ZorroPlan
+from zorro_verl.recurrent import packed_causal_conv, packed_gated_delta_rule
+
+__all__ = [
+    "LINEAR_ATTENTION",
+    "linear_attention_modules",
+    "check_linear_attention_supported",
+    "wrap_linear_attention",
+    "unwrap_linear_attention",
+    "is_wrapped",
+    "zorro_gated_deltanet_forward",
+]
+
+LINEAR_ATTENTION = "linear_attention"
+
+#: Attributes every supported gated delta-net module has; plus one of the two projection layouts below.
+_COMMON_ATTRS = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "chunk_gated_delta_rule", "num_k_heads",
+                 "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_kernel_size")
+_LAYOUT_QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_LAYOUT_QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
+_SILU = ("silu", "swish")
+_NO_FORWARD = object()  # marks "the instance had no forward of its own" for unwrap
+_warned_fallback: set = set()
+
+
+def _text_config(model):
+    cfg = model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def linear_attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
+    """``[(layer_index, module)]`` of every ``linear_attention`` layer per ``config.layer_types`` (empty if none).
+
+    Raises ``ValueError`` when such a layer has no ``linear_attn`` module (an unknown hybrid layout).
+    """
+    types_ = getattr(_text_config(model), "layer_types", None) or []
+    if LINEAR_ATTENTION not in types_:
+        return []
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError("model: config.layer_types has linear_attention layers but the decoder has no `layers` "
+                         "list; zorro cannot find them. This model is not supported by zorro.")
+    out = []
+    for i, t in enumerate(types_[: len(layers)]):
+        if t != LINEAR_ATTENTION:
+            continue
+        mod = getattr(layers[i], "linear_attn", None)
+        if not isinstance(mod, torch.nn.Module):
+            raise ValueError(f"model: layer {i} is a linear_attention layer without a `linear_attn` module; zorro "
+                             "supports the gated delta-net layers of Qwen3.5 / Qwen3-Next only.")
+        out.append((i, mod))
+    return out
+
+
+def check_linear_attention_supported(model) -> list[tuple[int, torch.nn.Module]]:
+    """Check every linear-attention module is a gated delta-net zorro can run; returns them. Raises ``ValueError``."""
+    mods = linear_attention_modules(model)
+    for i, mod in mods:
+        missing = [a for a in _COMMON_ATTRS if not hasattr(mod, a)]
+        layouts = [lay for lay in (_LAYOUT_QWEN3_5, _LAYOUT_QWEN3_NEXT) if all(hasattr(mod, a) for a in lay)]
+        if missing or not layouts:
+            raise ValueError(
+                f"model: linear-attention layer {i} ({type(mod).__name__}) is not a gated delta-net zorro knows "
+                f"(missing {missing or 'a known projection layout'}); running it over the packed row would let a "
+                "response see its siblings — refused. Supported: Qwen3.5 (dense/MoE) and Qwen3-Next.")
+        act = getattr(mod, "activation", "silu")
+        if act not in _SILU:
+            raise ValueError(f"model: linear-attention layer {i} uses conv activation {act!r}; zorro supports "
+                             f"{_SILU}.")
+    return mods
+
+
+def is_wrapped(module: torch.nn.Module) -> bool:
+    return "_zorro_saved_forward" in module.__dict__
+
+
+def wrap_linear_attention(model) -> int:
+    """Replace ``forward`` of each linear-attention module instance (idempotent). Returns how many are wrapped."""
+    mods = check_linear_attention_supported(model)
+    for _, mod in mods:
+        if is_wrapped(mod):
+            continue
+        mod._zorro_saved_forward = mod.__dict__.get("forward", _NO_FORWARD)
+        mod.forward = types.MethodType(zorro_gated_deltanet_forward, mod)
+    return len(mods)
+
+
+def unwrap_linear_attention(model) -> None:
+    """Restore the forward each wrapped linear-attention module had before :func:`wrap_linear_attention`."""
+    for _, mod in linear_attention_modules(model):
+        if not is_wrapped(mod):
+            continue
+        saved = mod.__dict__.pop("_zorro_saved_forward")
+        if saved is _NO_FORWARD:
+            del mod.forward
+        else:
+            mod.forward = saved
+
+
+def _uses_fla(fn) -> bool:
+    return (getattr(fn, "__module__", "") or "").split(".")[0] == "fla"
+
+
+def _projections(mod, h: torch.Tensor):
+    """Token-wise projections of the layer exactly as the model computes them.
+
+    Args: h ``[1, T, hidden]``. Returns ``mixed_qkv [T, C]`` (conv input), ``z [T, H, Dv]``, ``b``, ``a [T, H]``.
+    """
+    T = h.shape[1]
+    if hasattr(mod, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key-head group
+        q, k, v, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(h), mod.in_proj_ba(h))
+        mixed = torch.cat([x.reshape(1, T, -1) for x in (q, k, v)], -1)
+    else:  # Qwen3.5
+        mixed = mod.in_proj_qkv(h)
+        z = mod.in_proj_z(h)
+        b, a = mod.in_proj_b(h), mod.in_proj_a(h)
+    return mixed[0], z.reshape(T, -1, mod.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+
+
+def _log_decay(mod, a: torch.Tensor) -> torch.Tensor:
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` ``[T, Hv]``, computed as the model does in fp32 for fp32 / bf16 /
+    fp16 (``.float()`` keeps ``exp(A_log)`` finite in fp16). In fp64 it stays fp64, where the model would round
+    ``a`` and ``A_log`` (and, in backward, their gradients) to fp32: that fp32 rounding of gradients summed in a
+    different order would cap fp64 agreement with the ordinary forward at ~1e-7.
+    """
+    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return -mod.A_log.to(dt).exp() * F.softplus(a.to(dt) + mod.dt_bias)
+
+
+def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                 zorro_plan: ZorroPlan | None = None, **kwargs) -> torch.Tensor:
+    """The wrapped forward of a gated delta-net module instance on the packed row.
+
+    Args:
+        hidden_states: ``[1, T, hidden]`` (the packed dedup row).
+        zorro_plan: the micro-batch's plan (the ``zorro_plan`` kwarg of the model call).
+
+    Returns:
+        ``[1, T, hidden]`` equal, token for token, to the module's output on each ordinary row ``[prompt|response]``.
+    """
+    if zorro_plan is None:
+        raise ValueError("zorro linear attention: called without a plan (the `zorro_plan` kwarg is missing). Run the "
+                         "model through zorro_verl.integrations.transformers.zorro_forward, or uninstall zorro "
+                         "(uninstall_zorro(model)) for an ordinary forward.")
+    if not isinstance(zorro_plan, ZorroPlan):
+        raise TypeError(f"zorro_plan: expected a ZorroPlan, got {type(zorro_plan).__name__}.")
+    if cache_params is not None:
+        raise ValueError("zorro linear attention: got a cache; zorro runs training forwards. Call the model with "
+                         "use_cache=False.")
+    if attention_mask is not None:
+        raise ValueError("zorro linear attention: got an attention_mask; call the model without one (the plan "
+                         "carries the structure).")
+    plan = zorro_plan
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != plan.T:
+        raise ValueError(f"zorro linear attention: expected hidden_states [1, T={plan.T}, hidden] (one packed row), "
+                         f"got {tuple(hidden_states.shape)}.")
+    plan._cache["recurrent_calls"] = plan._cache.get("recurrent_calls", 0) + 1
+    T = plan.T
+    mixed, z, b, a = _projections(self, hidden_states)  # [T, C], [T, Hv, Dv], [T, Hv], [T, Hv]
+    mixed = F.silu(packed_causal_conv(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))
+    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q = q.reshape(T, -1, self.head_k_dim)  # [T, Hk, Dk]
+    k = k.reshape(T, -1, self.head_k_dim)
+    v = v.reshape(T, -1, self.head_v_dim)  # [T, Hv, Dv]
+    beta = b.sigmoid()
+    g = _log_decay(self, a)  # [T, Hv]
+    rep = self.num_v_heads // self.num_k_heads
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=1)
+        k = k.repeat_interleave(rep, dim=1)
+    kernel = self.chunk_gated_delta_rule
+    varlen = _uses_fla(kernel)
+    if hidden_states.is_cuda and not varlen:
+        plan._cache["zorro_recurrent_fallback_calls"] = plan._cache.get("zorro_recurrent_fallback_calls", 0) + 1
+        if "fla" not in _warned_fallback:
+            _warned_fallback.add("fla")
+            warnings.warn("zorro: flash-linear-attention is not installed; the gated delta-net layers run the torch "
+                          "fallback kernel on GPU (exact but slow). `pip install flash-linear-attention` for speed.",
+                          RuntimeWarning, stacklevel=2)
+    core = packed_gated_delta_rule(kernel, q, k, v, g, beta, plan, varlen=varlen)  # [T, Hv, Dv]
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(1, T, -1))
