@@ -344,7 +344,9 @@ def test_gpu_bf16_relative_rule(kind):
     oracle <= 2x (log-probs) / 3x (grads) that of the ordinary bf16 forward."""
     batch = {k: v.cuda() for k, v in _batch(B=8, G=2, P=150, R=90, seed=6).items()}
     R = 90
-    m16 = tiny_hybrid_model(kind, dtype=torch.float32, seed=5, exact=False).to("cuda", torch.bfloat16)
+    # Head dims of 16/32: the Triton kernels of flash-linear-attention need dot sizes >= 16.
+    m16 = tiny_hybrid_model(kind, dtype=torch.float32, seed=5, exact=False, hidden=64, linear_head_dim=32)
+    m16 = m16.to("cuda", torch.bfloat16)
     m64 = copy.deepcopy(m16).to(torch.float64)
     if hasattr(m64.config, "num_experts"):
         m64.set_experts_implementation("eager")

@@ -315,7 +315,8 @@ def _exact_offset_rmsnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _exact_gated_rmsnorm_forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None):
     dt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     x = hidden_states.to(dt)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps  # fla's FusedRMSNormGated: eps
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     x = self.weight * x.to(hidden_states.dtype)
     return (x * torch.nn.functional.silu(gate.to(dt))).to(hidden_states.dtype)
 
