@@ -171,3 +171,17 @@ def test_plan_properties(batch):
         for a in range(toks.numel()):
             expect[toks[a], toks[: a + 1]] = True
     assert (dm == expect).all()
+
+
+def test_plan_survives_fsdp_style_input_casting():
+    """FSDP2 casts forward kwargs with torch.distributed.utils._apply_to_tensors, which rebuilds dataclasses and
+    dicts. The copy must share the built indices and the attention-call counter with the original."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    p = build_plan(IDS, MASK, 3)
+    built = p.padded_index()
+    copy = _apply_to_tensors(lambda t: t, p)
+    assert copy is not p and copy._cache is p._cache
+    assert copy.padded_index() is built
+    copy._cache["attn_calls"] = 7
+    assert p._cache["attn_calls"] == 7

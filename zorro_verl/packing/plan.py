@@ -30,13 +30,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ZorroPlan", "build_plan", "ATTENTION_BACKENDS"]
+__all__ = ["ZorroPlan", "PlanCache", "build_plan", "ATTENTION_BACKENDS"]
 
 #: Names accepted for ``ZorroPlan.backend``.
 #: ``sdpa``/``eager``: the reference two-call attention with SDPA or explicit math;
 #: ``flash``: flash-attn varlen (GPU); ``flex``: FlexAttention block mask;
-#: ``standard``: "standard QKV" mode — K/V expanded to full rows, one ordinary causal call.
-ATTENTION_BACKENDS = ("sdpa", "eager", "flash", "flex", "standard")
+#: ``standard``: "standard QKV" mode — K/V expanded to full rows, one ordinary causal call;
+#: ``flash_copyfree``: flash varlen without per-response K/V copies (prompt/self parts merged by log-sum-exp).
+ATTENTION_BACKENDS = ("sdpa", "eager", "flash", "flex", "standard", "flash_copyfree")
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,32 @@ def _segments_to_tokens(starts: torch.Tensor, lengths: torch.Tensor, total: int)
     seg = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), lengths, output_size=total)
     local = torch.arange(total, device=starts.device) - _excl_cumsum(lengths)[seg]
     return starts[seg] + local
+
+
+class PlanCache:
+    """The plan's lazily built index sets and per-forward counters.
+
+    Deliberately *not* a dict: FSDP2 (and other ``tree_map``-style input casts) rebuild dataclasses and dicts
+    found in forward kwargs; an opaque holder is passed through by reference, so a plan copied that way still shares
+    its built indices and attention-call count with the original.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self):
+        self._data: dict = {}
+
+    def get(self, key, default=None):
+        return self._data.get(key, default)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __setitem__(self, key, value):
+        self._data[key] = value
+
+    def __contains__(self, key):
+        return key in self._data
 
 
 @dataclass
@@ -118,7 +145,7 @@ class ZorroPlan:
     out_col: torch.Tensor
     source_index: torch.Tensor
     # Backend index sets, built lazily from the tensors above (no host sync: all shapes are Python ints here).
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _cache: PlanCache = field(default_factory=PlanCache, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived, host-side (for the API)
     @property
