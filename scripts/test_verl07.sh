@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# verl 0.7.1 legacy-actor tests. verl 0.7.1 pins numpy<2, so it gets its own environment (.venv-verl07, built on
+# first use, reused after; VENV_VERL07 overrides the path). Runs tests/verl07 on CPU (gloo, one process).
+# Usage: bash scripts/test_verl07.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV_VERL07:-.venv-verl07}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.zorro-verl07-ready"
+# What the legacy actor path needs on CPU, and nothing else (verl is installed without its dependencies: its full
+# list pulls wandb, vllm-era extras and a CUDA torch). transformers is the version the main environment tests.
+DEPS=("numpy<2" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers==5.10.4" "ray>=2.41.0" "hydra-core" "codetiming"
+      "einops" "packaging" "pytest")
+
+if [[ ! -f "$STAMP" ]]; then
+  start=$(date +%s)
+  python3.11 -m venv "$VENV"
+  # torch first (the CPU wheel on local disk): anything depending on torch must not pull a CUDA build.
+  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q --no-deps verl==0.7.1
+  constraints="$(mktemp)"
+  printf 'torch==2.13.0\nnumpy<2\n' > "$constraints"
+  "$PY" -m pip install -q -c "$constraints" "${DEPS[@]}"
+  rm -f "$constraints"
+  "$PY" -m pip install -q --no-deps -e .
+  "$PY" - <<'PY'
+import importlib.metadata as md
+import numpy, torch, transformers, verl.workers.actor.dp_actor  # noqa: F401  the actor path imports
+assert md.version("verl") == "0.7.1" and numpy.__version__.startswith("1."), (md.version("verl"), numpy.__version__)
+print(f"verl {md.version('verl')}, torch {torch.__version__}, transformers {transformers.__version__}, numpy {numpy.__version__}")
+PY
+  touch "$STAMP"
+  echo "built $VENV in $(( $(date +%s) - start )) s"
+fi
+
+exec "$PY" -m pytest tests/verl07 -q -p no:cacheprovider "$@"
