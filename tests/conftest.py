@@ -14,3 +14,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    import sys
+
+    mod = sys.modules.get("tests.test_equivalence")
+    if mod is not None and any(mod.WORST.values()):
+        worst = ", ".join(f"{k} {v:.2e}" for k, v in mod.WORST.items())
+        terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny Qwen3/Qwen3-MoE), worst: {worst}")
