@@ -29,6 +29,10 @@ def attend(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch
         from zorro_verl.attention.varlen import attend_varlen
 
         return attend_varlen(plan, query, key, value, scaling)
+    if plan.backend == "flash_copyfree":
+        from zorro_verl.attention.copyfree import attend_copyfree
+
+        return attend_copyfree(plan, query, key, value, scaling)
     if plan.backend == "flex":
         from zorro_verl.attention.flex import attend_flex
 

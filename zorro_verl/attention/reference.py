@@ -52,30 +52,103 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1)
 
 
+# Layout moves between the packed row and the padded blocks of the two calls (prompt blocks [G, Pmax] and response
+# blocks [B, Rmax] / [B, Pmax + Rmax]), as autograd Functions on 2-D rows [T, H*D] (row gathers on 2-D tensors
+# are several times faster than on [T, H, D]) whose backward is one index_select / index_add per block — not
+# autograd's generic slice/zeros/accumulating index_put per indexing op. Pad slots read row 0 in forward; their
+# gradients go to a dummy row T and are dropped, which is exact: no valid output depends on a pad slot.
+class _ToBlocks(torch.autograd.Function):
+    """``x [T, F] -> (x[src_p] [Mp, F], x[src_r] [Mr, F])``; backward sums each slot's gradient into its row
+    (``dst_*`` = ``src_*`` with pads -> ``T``). Used for queries (each token read once) and keys/values (a prompt
+    token is read by its prompt block and by each of its group's response blocks)."""
+
+    @staticmethod
+    def forward(ctx, x, src_p, src_r, dst_p, dst_r):
+        ctx.save_for_backward(dst_p, dst_r)
+        ctx.T = x.shape[0]
+        return x.index_select(0, src_p), x.index_select(0, src_r)
+
+    @staticmethod
+    def backward(ctx, dp, dr):
+        dst_p, dst_r = ctx.saved_tensors
+        ref = dp if dp is not None else dr
+        dx = ref.new_zeros((ctx.T + 1, ref.shape[1]))
+        if dp is not None:
+            dx.index_add_(0, dst_p, dp)
+        if dr is not None:
+            dx.index_add_(0, dst_r, dr)
+        return dx[:ctx.T], None, None, None, None
+
+
+class _FromBlocks(torch.autograd.Function):
+    """``(yp [Mp, F], yr [Mr, F]) -> x [T, F]``, each token from its valid slot (``out_index [T]`` into
+    ``cat(yp, yr)``); backward gathers ``dx`` into the blocks with pad slots zeroed (a pad query's gradient must
+    not reach any key)."""
+
+    @staticmethod
+    def forward(ctx, yp, yr, out_index, src_p, src_r, pad_p, pad_r):
+        ctx.save_for_backward(src_p, src_r, pad_p, pad_r)
+        return torch.cat([yp, yr]).index_select(0, out_index)
+
+    @staticmethod
+    def backward(ctx, dx):
+        src_p, src_r, pad_p, pad_r = ctx.saved_tensors
+        dp = dx.index_select(0, src_p).index_fill_(0, pad_p, 0)
+        dr = dx.index_select(0, src_r).index_fill_(0, pad_r, 0)
+        return dp, dr, None, None, None, None, None
+
+
+def _layout(plan: ZorroPlan) -> dict:
+    """Flat index sets of the reference backend (cached in the plan). Slots of the prompt blocks ``[G*Pmax]``, of
+    the response query blocks ``[B*Rmax]`` and of the response key blocks ``[B*(Pmax+Rmax)]`` (= per response
+    ``[its prompt ; itself]``): ``*_src`` the packed row each slot reads (pads: 0), ``*_dst`` the same with pads ->
+    ``T``, ``pad_*`` the pad slots' positions."""
+
+    def build():
+        idx = plan.padded_index()
+        pi, ri = idx["prompt_index"], idx["response_index"]  # [G, Pmax], [B, Rmax]
+        Pm, Rm, T = plan.max_prompt_len, plan.max_response_len, plan.T
+        dev = plan.device
+        p_valid = torch.arange(Pm, device=dev)[None, :] < plan.prompt_lens[:, None]  # [G, Pmax]
+        r_valid = torch.arange(Rm, device=dev)[None, :] < plan.response_lens[:, None]  # [B, Rmax]
+        kv_src = torch.cat([pi[plan.row_group], ri], 1).flatten()  # [B*(Pmax+Rmax)]
+        kv_valid = torch.cat([p_valid[plan.row_group], r_valid], 1).flatten()
+        p_src, r_src = pi.flatten(), ri.flatten()
+        p_valid, r_valid = p_valid.flatten(), r_valid.flatten()
+        return {
+            "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": (~p_valid).nonzero().flatten(),
+            "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": (~r_valid).nonzero().flatten(),
+            "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T), "response_mask": idx["response_mask"],
+            "out_index": idx["out_index"],
+        }
+
+    return plan._cached("reference_layout", build)
+
+
 def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float, math: str = "sdpa") -> torch.Tensor:
     """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
-    idx = plan.padded_index()
-    q, k, v = _tokens_first(query), _tokens_first(key), _tokens_first(value)  # [T, H, D]
-    G, B = plan.G, plan.B
+    lay = _layout(plan)
+    G, B, T, Pm, Rm = plan.G, plan.B, plan.T, plan.max_prompt_len, plan.max_response_len
+    Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[3]
+    rows = lambda x: _tokens_first(x).reshape(T, -1)  # noqa: E731  [1, H, T, D] -> [T, H*D] (a view if possible)
+    p_src, p_dst, r_src, r_dst = lay["p_src"], lay["p_dst"], lay["r_src"], lay["r_dst"]
 
-    pi = idx["prompt_index"]  # [G, Pmax]
-    qp = q[pi].transpose(1, 2)  # [G, Hq, Pmax, D]
-    kp = k[pi].transpose(1, 2)  # [G, Hkv, Pmax, D]
-    vp = v[pi].transpose(1, 2)
-    out_p = dense_attention(qp, kp, vp, scaling, causal=True, math=math)  # [G, Hq, Pmax, D]
-    parts = [out_p.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])]  # [G*Pmax, Hq, D]
-
+    qp, qr = _ToBlocks.apply(rows(query), p_src, r_src, p_dst, r_dst)  # [G*Pmax, Hq*D], [B*Rmax, Hq*D]
+    kp, kr = _ToBlocks.apply(rows(key), p_src, lay["kv_src"], p_dst, lay["kv_dst"])  # [.., Hkv*D]: r [B*(Pm+Rm)]
+    vp, vr = _ToBlocks.apply(rows(value), p_src, lay["kv_src"], p_dst, lay["kv_dst"])
+    blk = lambda x, n, L, H: x.view(n, L, H, D).transpose(1, 2)  # noqa: E731  [n*L, H*D] -> [n, H, L, D]
+    out_p = dense_attention(blk(qp, G, Pm, Hq), blk(kp, G, Pm, Hkv), blk(vp, G, Pm, Hkv), scaling, causal=True,
+                            math=math)  # [G, Hq, Pmax, D]
+    out_p = out_p.transpose(1, 2).reshape(G * Pm, Hq * D)
     if plan.N > 0:
-        ri = idx["response_index"]  # [B, Rmax]
-        qr = q[ri].transpose(1, 2)  # [B, Hq, Rmax, D]
-        kr = torch.cat([kp[plan.row_group], k[ri].transpose(1, 2)], dim=2)  # [B, Hkv, Pmax+Rmax, D]
-        vr = torch.cat([vp[plan.row_group], v[ri].transpose(1, 2)], dim=2)
-        out_r = dense_attention(qr, kr, vr, scaling, mask=idx["response_mask"], math=math)  # [B, Hq, Rmax, D]
-        parts.append(out_r.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))  # [B*Rmax, Hq, D]
-    del G, B
-    out = torch.cat(parts, 0)[idx["out_index"]]  # [T, Hq, D]
-    return out.unsqueeze(0)
+        out_r = dense_attention(blk(qr, B, Rm, Hq), blk(kr, B, Pm + Rm, Hkv), blk(vr, B, Pm + Rm, Hkv), scaling,
+                                mask=lay["response_mask"], math=math)  # [B, Hq, Rmax, D]
+        out_r = out_r.transpose(1, 2).reshape(B * Rm, Hq * D)
+    else:  # no response token anywhere: the response blocks are empty (Rmax = 0)
+        out_r = qr
+    out = _FromBlocks.apply(out_p, out_r, lay["out_index"], p_src, r_src, lay["p_pad"], lay["r_pad"])  # [T, Hq*D]
+    return out.view(1, T, Hq, D)
 
 
 def attend_standard(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
