@@ -122,12 +122,24 @@ def test_packed_causal_conv_equals_per_row_conv(P, Kc):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(plan.T, C, generator=gen, dtype=torch.float64)
     w = torch.randn(C, Kc, generator=gen, dtype=torch.float64)
-    out = packed_causal_conv(x, w, None, plan)  # [T, C]
+    bias = torch.randn(C, generator=gen, dtype=torch.float64)
     idx, valid = _per_row_tokens(plan)
     rows = x[idx] * valid[..., None]  # [B, Lmax, C] right padded: the causal conv never sees the pad
-    ref = torch.nn.functional.conv1d(rows.transpose(1, 2), w[:, None], padding=Kc - 1, groups=C)
+    ref = torch.nn.functional.conv1d(rows.transpose(1, 2), w[:, None], bias, padding=Kc - 1, groups=C)
     ref = ref[:, :, : idx.shape[1]].transpose(1, 2)  # [B, Lmax, C]
+    out = packed_causal_conv(x, w, bias, plan)  # [T, C]
     assert (out[idx[valid]] - ref[valid]).abs().max().item() < 1e-14
+    act = packed_causal_conv(x, w, bias, plan, activation="silu")
+    assert (act - torch.nn.functional.silu(out)).abs().max().item() == 0
+    # causal-conv1d's contract (x [1, C, L] channel-last, weight [C, Kc], zero left padding, fused activation), by
+    # torch on CPU: exercises the GPU index path.
+    def fake_kernel(x, weight, bias, activation):
+        L = x.shape[-1]
+        y = torch.nn.functional.conv1d(x, weight[:, None], bias, padding=Kc - 1, groups=C)[..., :L]
+        return torch.nn.functional.silu(y) if activation else y
+
+    via_kernel = packed_causal_conv(x, w, bias, plan, activation="silu", causal_conv1d_fn=fake_kernel)
+    assert (via_kernel - act).abs().max().item() < 1e-14
 
 
 def _varlen_ref_kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):

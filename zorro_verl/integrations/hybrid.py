@@ -6,11 +6,11 @@ gated delta rule — not through the attention interface. :func:`wrap_linear_att
 each such module **instance** (never the class) with :func:`zorro_gated_deltanet_forward`, which runs the layer on the
 packed row with each prompt processed once (:mod:`zorro_verl.recurrent`); :func:`unwrap_linear_attention` undoes it.
 
-Kernels: the module's own ``chunk_gated_delta_rule`` — transformers' torch fallback on CPU, flash-linear-attention
-on GPU (then called varlen with ``cu_seqlens`` and one initial state per response, no padding). On CUDA without
-flash-linear-attention the torch fallback runs padded and a warning is given once (counted per micro-batch in
-``plan._cache["zorro_recurrent_fallback_calls"]``). The conv is a gather of each token's ``Kc-1`` predecessors in its
-ordinary row (:func:`~zorro_verl.recurrent.packed_causal_conv`) on every device, so causal-conv1d is not needed.
+Kernels are the module's own: ``chunk_gated_delta_rule`` — transformers' torch fallback on CPU, flash-linear-attention
+on GPU (then called varlen with ``cu_seqlens`` and one initial state per response, no padding; the fallback runs
+padded) — and ``causal_conv1d_fn`` (causal-conv1d on GPU, else torch's conv1d) over a context-expanded row
+(:func:`~zorro_verl.recurrent.packed_causal_conv`). On CUDA a missing fast kernel is warned about once per process and
+counted per layer call in ``plan._cache["zorro_recurrent_fallback/<library>"]``.
 """
 
 from __future__ import annotations
@@ -124,6 +124,16 @@ def _uses_fla(fn) -> bool:
     return (getattr(fn, "__module__", "") or "").split(".")[0] == "fla"
 
 
+def _report_fallback(plan: ZorroPlan, library: str, consequence: str, pip_name: str) -> None:
+    """A fast GPU kernel is missing: warn once per process, count every layer call in the plan's metrics."""
+    key = f"zorro_recurrent_fallback/{library}"
+    plan._cache[key] = plan._cache.get(key, 0) + 1
+    if library not in _warned_fallback:
+        _warned_fallback.add(library)
+        warnings.warn(f"zorro: {library} is not installed; on GPU {consequence}. `pip install {pip_name}` for "
+                      "speed.", RuntimeWarning, stacklevel=3)
+
+
 def _projections(mod, h: torch.Tensor):
     """Token-wise projections of the layer exactly as the model computes them.
 
@@ -180,7 +190,16 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
     plan._cache["recurrent_calls"] = plan._cache.get("recurrent_calls", 0) + 1
     T = plan.T
     mixed, z, b, a = _projections(self, hidden_states)  # [T, C], [T, Hv, Dv], [T, Hv], [T, Hv]
-    mixed = F.silu(packed_causal_conv(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))
+    conv_fn = getattr(self, "causal_conv1d_fn", None)
+    if hidden_states.is_cuda:
+        if conv_fn is None:
+            _report_fallback(plan, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
+                             "causal-conv1d")
+        if not _uses_fla(self.chunk_gated_delta_rule):
+            _report_fallback(plan, "flash-linear-attention", "the gated delta rule runs the torch fallback kernel "
+                             "(exact but slow)", "flash-linear-attention")
+    mixed = packed_causal_conv(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan, activation="silu",
+                               causal_conv1d_fn=conv_fn)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q = q.reshape(T, -1, self.head_k_dim)  # [T, Hk, Dk]
     k = k.reshape(T, -1, self.head_k_dim)
@@ -192,14 +211,6 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
         q = q.repeat_interleave(rep, dim=1)
         k = k.repeat_interleave(rep, dim=1)
     kernel = self.chunk_gated_delta_rule
-    varlen = _uses_fla(kernel)
-    if hidden_states.is_cuda and not varlen:
-        plan._cache["zorro_recurrent_fallback_calls"] = plan._cache.get("zorro_recurrent_fallback_calls", 0) + 1
-        if "fla" not in _warned_fallback:
-            _warned_fallback.add("fla")
-            warnings.warn("zorro: flash-linear-attention is not installed; the gated delta-net layers run the torch "
-                          "fallback kernel on GPU (exact but slow). `pip install flash-linear-attention` for speed.",
-                          RuntimeWarning, stacklevel=2)
-    core = packed_gated_delta_rule(kernel, q, k, v, g, beta, plan, varlen=varlen)  # [T, Hv, Dv]
+    core = packed_gated_delta_rule(kernel, q, k, v, g, beta, plan, varlen=_uses_fla(kernel))  # [T, Hv, Dv]
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(1, T, -1))

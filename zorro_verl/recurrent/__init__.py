@@ -31,7 +31,7 @@ import torch
 from zorro_verl.packing.plan import ZorroPlan, _cu_seqlens, _segments_to_tokens
 
 __all__ = [
-    "conv_context_index",
+    "conv_expanded_index",
     "packed_causal_conv",
     "recurrent_segment_index",
     "packed_gated_delta_rule",
@@ -49,52 +49,76 @@ def _cached(plan: ZorroPlan, key, build):
 
 
 # ---------------------------------------------------------------------------------------------------- causal conv
-def conv_context_index(plan: ZorroPlan, kernel_size: int) -> torch.Tensor:
-    """``[T, Kc] int64``: for packed token ``t``, the packed index of the conv input ``Kc-1-k`` steps back in its
-    ordinary row ``[prompt | own response]`` (column ``k`` pairs with ``conv1d.weight[:, 0, k]``), or ``T`` (a zero
-    row) before the row's start. A response's steps back past its first token land in its group's prompt.
+def conv_expanded_index(plan: ZorroPlan, kernel_size: int) -> dict:
+    """Index set of the packed causal conv: every segment preceded by its ``Kc-1`` context slots.
 
+    Expanded row (``X`` = a context slot)::
+
+        packed:    [ P0 ....... | R00 ... | R01 ... | P1 ... | R10 ... ]
+        expanded:  [ XXX P0 ... | XXX R00 | XXX R01 | XXX P1 | XXX R10 ]
+
+    A prompt's slots are zeros (the ordinary conv's left padding); a response's slots hold the last ``Kc-1`` inputs
+    of its group's prompt (zeros where the prompt is shorter). One causal conv over the expanded row then gives, at
+    each token, exactly the conv of its ordinary row ``[prompt | response]``: a window of ``Kc`` never reaches past a
+    segment's context slots.
+
+    Returns ``{"src": [Lx] int64`` (packed index feeding each expanded slot, ``T`` = a zero row), ``"pos": [T] int64``
+    (expanded position of each packed token)``}``, ``Lx = T + (Kc-1) * (G + non-empty responses)``.
     Cached in ``plan._cache[("zorro_recurrent_conv", Kc)]``.
     """
 
     def build():
         dev = plan.device
-        group, seg, is_prompt = plan.token_layout()  # [T] each
-        pos = plan.position_ids  # [T]: position in the ordinary row (prompt 0..p-1, response p..p+r-1)
-        p = plan.prompt_lens[group]  # [T]
-        pstart = plan.prompt_start[group]  # [T]
+        c = kernel_size - 1
+        _, seg, _ = plan.token_layout()  # [T]
+        is_start = torch.ones(plan.T, dtype=torch.bool, device=dev)
+        is_start[1:] = seg[1:] != seg[:-1]
+        ordinal = torch.cumsum(is_start.long(), 0)  # [T] 1 + packed-order index of the token's segment
         t = torch.arange(plan.T, device=dev)
-        back = torch.arange(kernel_size - 1, -1, -1, device=dev)  # [Kc]: column k looks Kc-1-k steps back
-        v = pos[:, None] - back[None, :]  # [T, Kc] position in the ordinary row
-        in_own = (~is_prompt)[:, None] & (v >= p[:, None])  # still inside the token's own response
-        idx = torch.where(in_own, t[:, None] - back[None, :], pstart[:, None] + v)
-        return torch.where(v >= 0, idx, plan.T)
+        pos = t + c * ordinal  # [T]
+        n_seg = plan.G + plan.num_nonempty_responses
+        src = torch.full((plan.T + c * n_seg,), plan.T, dtype=torch.long, device=dev)
+        src[pos] = t
+        if c > 0 and plan.N > 0:
+            rows = recurrent_segment_index(plan)["rows"]  # [Bnz] non-empty responses
+            g = plan.row_group[rows]
+            m = torch.arange(c, device=dev)
+            v = plan.prompt_lens[g][:, None] - c + m[None, :]  # [Bnz, c] position in the ordinary row
+            slot = pos[plan.response_start[rows]][:, None] - c + m[None, :]
+            src[slot] = torch.where(v >= 0, plan.prompt_start[g][:, None] + v, plan.T)
+        return {"src": src, "pos": pos}
 
     return _cached(plan, ("zorro_recurrent_conv", kernel_size), build)
 
 
-def packed_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       plan: ZorroPlan) -> torch.Tensor:
-    """Depthwise causal conv of every ordinary row, computed once per packed token (no activation).
+def packed_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: ZorroPlan, *,
+                       activation: Optional[str] = None, causal_conv1d_fn: Optional[Callable] = None) -> torch.Tensor:
+    """Depthwise causal conv of every ordinary row, computed once per packed token.
 
     Args:
         x: ``[T, C]`` conv inputs of the packed row.
         weight: ``[C, Kc]`` (``conv1d.weight.squeeze(1)``); bias: ``[C]`` or ``None``.
+        activation: ``None`` or ``"silu"`` (applied after the conv).
+        causal_conv1d_fn: the causal-conv1d package's kernel (GPU), called as the model calls it; else
+            ``torch.nn.functional.conv1d``.
 
     Returns:
-        ``[T, C]`` equal to ``conv1d(row, padding=Kc-1)[:len]`` of each ordinary row at its tokens. The gather's
-        backward adds each response's use of the prompt's last ``Kc-1`` inputs into the prompt.
+        ``[T, C]`` equal to ``act(conv1d(row, padding=Kc-1)[:len])`` of each ordinary row at its tokens. The gather
+        into the expanded row adds, in backward, each response's use of its prompt's last ``Kc-1`` inputs into the
+        prompt. Memory: one ``[T + (Kc-1)(G+B), C]`` copy of the inputs.
     """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation: expected None or 'silu', got {activation!r}.")
     T, C = x.shape
     Kc = weight.shape[-1]
-    idx = conv_context_index(plan, Kc)  # [T, Kc]
-    x_ext = torch.cat([x, x.new_zeros(1, C)])  # [T+1, C], row T is the zero left padding
-    out = x_ext[idx[:, 0]] * weight[:, 0]
-    for k in range(1, Kc):  # Kc (= 4) terms, not a loop over responses
-        out = out + x_ext[idx[:, k]] * weight[:, k]
-    if bias is not None:
-        out = out + bias
-    return out
+    idx = conv_expanded_index(plan, Kc)
+    x_exp = torch.cat([x, x.new_zeros(1, C)])[idx["src"]]  # [Lx, C]; row T of the source is the zero slot
+    if causal_conv1d_fn is not None:
+        y = causal_conv1d_fn(x=x_exp.t()[None], weight=weight, bias=bias, activation=activation)  # [1, C, Lx]
+        return y[0].t()[idx["pos"]]
+    y = torch.nn.functional.conv1d(x_exp.t()[None], weight[:, None, :], bias, groups=C)  # [1, C, Lx - Kc + 1]
+    out = y[0].t()[idx["pos"] - (Kc - 1)]  # output j is the window ending at expanded position j + Kc - 1
+    return torch.nn.functional.silu(out) if activation else out
 
 
 # ---------------------------------------------------------------------------------------------------- gated delta rule
