@@ -33,6 +33,8 @@ __all__ = [
     "is_installed",
     "zorro_forward",
     "backend_for",
+    "reset_layer_calls",
+    "check_layer_calls",
 ]
 
 ZORRO_ATTN_NAME = "zorro"
@@ -209,25 +211,37 @@ def _decoder_forward(model, plan: ZorroPlan) -> torch.Tensor:
         raise ValueError("model: zorro is not installed on this model (its attn_implementation is "
                          f"{getattr(_config(model), '_attn_implementation', None)!r}). Call install_zorro(model) "
                          "or DeduplicatedActor.patch() first.")
-    plan._cache["attn_calls"] = 0
-    plan._cache["recurrent_calls"] = 0
+    reset_layer_calls(plan)
     decoder = model.get_decoder()
     out = decoder(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], zorro_plan=plan,
                   use_cache=False)
-    calls, expected = plan._cache["attn_calls"], _num_attention_layers(model)
+    check_layer_calls(model, plan)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[0]  # [T, H]
+
+
+def reset_layer_calls(plan: ZorroPlan) -> None:
+    """Zero the per-forward counters of zorro's sequence mixers (attention and gated delta-net) in ``plan``."""
+    plan._cache["attn_calls"] = 0
+    plan._cache["recurrent_calls"] = 0
+
+
+def check_layer_calls(model, plan: ZorroPlan) -> None:
+    """After one decoder forward on ``plan`` (counters zeroed by :func:`reset_layer_calls`): every full-attention
+    layer called the zorro attention once and every linear-attention layer ran zorro's gated delta-net forward once.
+    Raises ``ValueError`` otherwise (a layer bypassed zorro: the deduplicated result would be wrong)."""
+    calls, expected = plan._cache.get("attn_calls", 0), _num_attention_layers(model)
     if calls != expected:
         raise ValueError(
             f"model: {expected} attention layers but the zorro attention was called {calls} times; some layers do "
             "not dispatch attention through transformers' ALL_ATTENTION_FUNCTIONS (or mix the sequence another "
             "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
-    rec_calls, rec_expected = plan._cache["recurrent_calls"], len(hybrid.linear_attention_modules(model))
+    rec_calls, rec_expected = plan._cache.get("recurrent_calls", 0), len(hybrid.linear_attention_modules(model))
     if rec_calls != rec_expected:
         raise ValueError(
             f"model: {rec_expected} linear-attention layers but zorro's gated delta-net forward ran {rec_calls} "
             "times; a linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) "
             "again after changing the model.")
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[0]  # [T, H]
 
 
 def zorro_forward(model, plan: ZorroPlan, *, temperature: float = 1.0, calculate_entropy: bool = False,
