@@ -144,12 +144,17 @@ def recurrent_segment_index(plan: ZorroPlan) -> dict:
         r_valid = ar_r[None, :] < plan.response_lens[:, None]  # [B, Rmax]
         p_idx = torch.where(p_valid, plan.prompt_start[:, None] + ar_p[None, :], 0)
         r_idx = torch.where(r_valid, plan.response_start[:, None] + ar_r[None, :], 0)
-        padded_out = torch.empty(plan.T, dtype=torch.long, device=dev)
-        padded_out[p_idx[p_valid]] = torch.arange(plan.G * Pm, device=dev).view(plan.G, Pm)[p_valid]
-        padded_out[r_idx[r_valid]] = plan.G * Pm + torch.arange(plan.B * Rm, device=dev).view(plan.B, Rm)[r_valid]
-
+        # No boolean indexing (a hidden host sync): every size below is a Python int of the plan.
         prompt_tokens = _segments_to_tokens(plan.prompt_start, plan.prompt_lens, plan.num_prompt_tokens)
         ar_b = torch.arange(plan.B, device=dev)
+        tok_g = torch.repeat_interleave(torch.arange(plan.G, device=dev), plan.prompt_lens,
+                                        output_size=plan.num_prompt_tokens)
+        all_resp = _segments_to_tokens(plan.response_start, plan.response_lens, plan.N)  # rows in 0..B-1 order
+        tok_b = torch.repeat_interleave(ar_b, plan.response_lens, output_size=plan.N)
+        padded_out = torch.empty(plan.T, dtype=torch.long, device=dev)
+        padded_out[prompt_tokens] = tok_g * Pm + prompt_tokens - plan.prompt_start[tok_g]
+        padded_out[all_resp] = plan.G * Pm + tok_b * Rm + all_resp - plan.response_start[tok_b]
+
         key = torch.where(plan.response_lens > 0, plan.response_start, plan.T + ar_b)  # empty rows last
         rows = torch.argsort(key)[: plan.num_nonempty_responses]
         r = plan.response_lens[rows]
