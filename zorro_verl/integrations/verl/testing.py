@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "response_values"]
+__all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "response_values", "engine_grads", "grad_rel_error",
+           "rank_batches", "ray_engine_worker_class"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
@@ -88,3 +89,92 @@ def response_values(nested: torch.Tensor, td) -> torch.Tensor:
     from verl.workers.utils.padding import no_padding_2_padding
 
     return no_padding_2_padding(nested, td)
+
+
+def engine_grads(engine) -> dict:
+    """Full (unsharded) gradients after ``train_batch`` (clipped as the optimizer saw them), by parameter name."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def grad_rel_error(a: dict, b: dict) -> float:
+    """``max_k max|a_k - b_k| / max_k max|a_k|`` over parameters; raises if the parameter sets differ."""
+    if a.keys() != b.keys() or not a:
+        raise ValueError(f"gradient sets differ or are empty: {sorted(a)} vs {sorted(b)}")
+    scale = max(v.abs().max().item() for v in a.values())
+    return max((a[k] - b[k]).abs().max().item() for k in a) / scale
+
+
+def rank_batches(rank: int, use_dynamic_bsz: bool):
+    """Per-DP-rank data for the 2-rank tests: rank 0 has four 2-row groups, rank 1 groups of 3, 3 and 2, so with a
+    micro-batch size of 4 rank 0 needs 2 micro-batches and rank 1 needs 3 (the engine must agree on 3)."""
+    if rank == 0:
+        return make_engine_batch(batch_size=8, num_prompts=4, prompt_len=7, response_len=5, seed=21, shuffle=True,
+                                 temperature=0.8, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=4,
+                                 max_token_len=40, global_batch_size=16)
+    return make_engine_batch(batch_size=8, num_prompts=3, prompt_len=7, response_len=5, seed=22, shuffle=True,
+                             temperature=0.8, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=4, max_token_len=40,
+                             global_batch_size=16)
+
+
+def ray_engine_worker_class():
+    """A verl ``Worker`` (built lazily: verl must be importable) that compares the two engines on its DP shard."""
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    class ZorroEngineTestWorker(Worker):
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def compare(self, ckpt: str, use_dynamic_bsz: bool) -> dict:
+            import importlib.metadata as md
+            import os
+
+            import torch.distributed as dist
+            from verl.workers.engine import EngineRegistry
+
+            from zorro_verl.integrations.verl.engine import ZorroFSDPEngineWithLMHead
+            from zorro_verl.integrations.verl.plugin import register as register_plugin
+            from zorro_verl.packing.microbatch import fixed_size_microbatches
+
+            has_ep = any(ep.name == "zorro_verl" for ep in md.entry_points(group="verl.plugins"))
+            # with the entry point installed, `import verl` in this Ray worker has already registered the engine
+            registered_by_plugin = EngineRegistry._engines["language_model"]["fsdp2"].get("cpu") \
+                is ZorroFSDPEngineWithLMHead
+            register_plugin()
+            if not dist.is_initialized():
+                dist.init_process_group(backend="gloo", rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
+            rank = dist.get_rank()
+            td = rank_batches(rank, use_dynamic_bsz)
+            res = {"rank": rank, "has_entry_point": has_ep, "registered_by_plugin": registered_by_plugin}
+            from zorro_verl.integrations.verl.engine import group_ids, row_lengths
+
+            p, r = row_lengths(td)
+            res["local_fixed_count"] = len(fixed_size_microbatches(group_ids(td, p), p, r, 4))
+            outs = {}
+            for z in (False, True):
+                eng = build_engine(ckpt, zorro=z, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=4,
+                                   max_token_len=40)
+                with eng.eval_mode():
+                    inf = eng.infer_batch(td.clone(), loss_function=None)
+                with eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+                    tr = eng.train_batch(td.clone(), loss_function=ppo_loss_fn())
+                outs[z] = (inf, tr, engine_grads(eng))
+                if z:
+                    res["zorro_count"] = len(eng.zorro_last_micro_batches)
+                    res["zorro_metrics"] = {k: v for k, v in inf["metrics"].items() if k.startswith("zorro/")}
+            mask = td["response_mask"].bool()
+            (ia, ta, sa), (ib, tb, sb) = outs[False], outs[True]
+            res["logp_max_abs"] = (response_values(ia["model_output"]["log_probs"], td)
+                                   - response_values(ib["model_output"]["log_probs"], td))[mask].abs().max().item()
+            res["entropy_max_abs"] = (response_values(ia["model_output"]["entropy"], td)
+                                      - response_values(ib["model_output"]["entropy"], td))[mask].abs().max().item()
+            res["loss"] = (sum(ta["loss"]), sum(tb["loss"]))
+            res["grad_norm"] = (float(ta["metrics"]["grad_norm"]), float(tb["metrics"]["grad_norm"]))
+            res["grad_rel"] = grad_rel_error(sa, sb)
+            return res
+
+    return ZorroEngineTestWorker
