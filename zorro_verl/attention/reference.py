@@ -93,8 +93,8 @@ class _FromBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx):
         src_p, src_r, pad_p, pad_r = ctx.saved_tensors
-        dp = dx.index_select(0, src_p).index_fill_(0, pad_p, 0)
-        dr = dx.index_select(0, src_r).index_fill_(0, pad_r, 0)
+        dp = dx.index_select(0, src_p).masked_fill_(pad_p[:, None], 0)
+        dr = dx.index_select(0, src_r).masked_fill_(pad_r[:, None], 0)
         return dp, dr, None, None, None, None, None
 
 
@@ -102,7 +102,7 @@ def _layout(plan: ZorroPlan) -> dict:
     """Flat index sets of the reference backend (cached in the plan). Slots of the prompt blocks ``[G*Pmax]``, of
     the response query blocks ``[B*Rmax]`` and of the response key blocks ``[B*(Pmax+Rmax)]`` (= per response
     ``[its prompt ; itself]``): ``*_src`` the packed row each slot reads (pads: 0), ``*_dst`` the same with pads ->
-    ``T``, ``pad_*`` the pad slots' positions."""
+    ``T``, ``pad_*`` the pad flags of the slots (no host sync: masks, not positions)."""
 
     def build():
         idx = plan.padded_index()
@@ -116,8 +116,8 @@ def _layout(plan: ZorroPlan) -> dict:
         p_src, r_src = pi.flatten(), ri.flatten()
         p_valid, r_valid = p_valid.flatten(), r_valid.flatten()
         return {
-            "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": (~p_valid).nonzero().flatten(),
-            "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": (~r_valid).nonzero().flatten(),
+            "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": ~p_valid,
+            "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": ~r_valid,
             "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T), "response_mask": idx["response_mask"],
             "out_index": idx["out_index"],
         }
