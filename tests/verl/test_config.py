@@ -1,0 +1,88 @@
+"""The Hydra preset and the plugin config dataclass: composed with verl 0.9.1's own ppo_trainer config."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+def _compose(overrides=()):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base=None):
+        base = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8", "data.train_batch_size=8"]
+        return compose(config_name="zorro_ppo_trainer", overrides=base + list(overrides))
+
+
+def test_preset_builds_zorro_engine_configs():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from zorro_verl.integrations.verl.engine_config import ZorroFSDPEngineConfig, zorro_settings_of
+
+    cfg = _compose(["actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=warn"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.fsdp_config, ZorroFSDPEngineConfig) and actor.engine is actor.fsdp_config
+    s = zorro_settings_of(actor.engine)
+    assert (s.enable, s.rollout_n, s.on_unsupported, s.group_balance) == (True, 5, "warn", True)
+    ref = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.fsdp_config)
+    assert isinstance(ref, ZorroFSDPEngineConfig)
+    rs = zorro_settings_of(ref)
+    assert (rs.enable, rs.rollout_n, rs.on_unsupported) == (True, 5, "warn")
+    # the override that turns it off leaves verl's config otherwise unchanged
+    off = _compose(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"])
+    assert zorro_settings_of(omega_conf_to_dataclass(off.actor_rollout_ref.ref.fsdp_config)).enable is False
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.actor.fsdp_config.zorro.logits_optimization=fast", "logits_optimization"),
+    ("+actor_rollout_ref.actor.fsdp_config.zorro.bogus=1", "bogus"),
+    ("actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=ignore", "on_unsupported"),
+])
+def test_preset_rejects_bad_values(override, key):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = _compose([override])
+    with pytest.raises(Exception, match=key) as info:
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    # Hydra wraps the ValueError; the message still names the key and the fix
+    assert "zorro" in str(info.value)
+
+
+def test_self_check_when_another_engine_is_registered():
+    from verl.workers.engine import EngineRegistry, FSDPEngineWithLMHead
+
+    from zorro_verl.integrations.verl.plugin import ensure_registered
+
+    slots = EngineRegistry._engines["language_model"]["fsdp2"]
+    saved = slots["cpu"]
+    slots["cpu"] = FSDPEngineWithLMHead
+    try:
+        with pytest.raises(RuntimeError, match="not the zorro engine"):
+            ensure_registered()
+    finally:
+        slots["cpu"] = saved
+    ensure_registered()
+
+
+def test_entry_point_registers_at_import_verl():
+    """`import verl` in a fresh process loads the verl.plugins entry point (needs the pyproject entry point)."""
+    import importlib.metadata as md
+
+    if not any(ep.name == "zorro_verl" for ep in md.entry_points(group="verl.plugins")):
+        pytest.skip("zorro-verl's verl.plugins entry point is not installed (pip install -e . after the pyproject "
+                    "change)")
+    code = ("import verl\n"
+            "from verl.workers.engine import EngineRegistry\n"
+            "from zorro_verl.integrations.verl.engine import ZorroFSDPEngineWithLMHead as Z\n"
+            "t = EngineRegistry._engines['language_model']\n"
+            "assert all(c is Z for b in ('fsdp', 'fsdp2') for c in t[b].values()), t\n"
+            "print('ok')\n")
+    env = dict(os.environ, ZORRO_VERL_CPU_PLATFORM="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
