@@ -153,3 +153,19 @@ def cpu_bert_padding():
     au._get_attention_functions = lambda: (pure.index_first_axis, pure.pad_input, pure.rearrange, pure.unpad_input)
     yield
     au._get_attention_functions = original
+
+
+def fsdp2_wrap(model):
+    """A copy of ``model`` sharded the way verl 0.7.1's worker does for ``strategy=fsdp2`` (``apply_fsdp2``: each
+    decoder layer, then the root; fp32 mixed precision with input casting), on a 1-rank CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    m = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    # verl 0.7.1 indexes model._no_split_modules, a set in transformers 5: name the layer class explicitly.
+    apply_fsdp2(m, {"mesh": mesh, "mp_policy": mp, "offload_policy": None, "reshard_after_forward": True},
+                {"wrap_policy": {"transformer_layer_cls_to_wrap": [type(m.model.layers[0]).__name__]}})
+    return m
