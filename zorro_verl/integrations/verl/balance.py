@@ -132,9 +132,9 @@ def install_v1_hook(module) -> None:
         g = [labels.setdefault(v1_group_of_key(k), len(labels)) for k in batch.keys]
         p = [int(t.get("prompt_len", 0)) for t in batch.tags]
         r = [int(t.get("response_len", t["seq_len"] - t.get("prompt_len", 0))) for t in batch.tags]
-        # verl's upsampled padding rows carry no prompt_len tag: give each its own group
+        # verl's synthetic padding rows (upsampling) are no-ops: each its own group
         for i, t in enumerate(batch.tags):
-            if "prompt_len" not in t:
+            if t.get("is_padding") or "prompt_len" not in t:
                 g[i] = len(labels) + i
         bal = balance_groups_across_ranks(g, p, r, dp_size, equal_size=True)
         batch.reorder(bal.permutation())
