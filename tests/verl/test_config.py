@@ -86,3 +86,38 @@ def test_entry_point_registers_at_import_verl():
     env = dict(os.environ, ZORRO_VERL_CPU_PLATFORM="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _example_overrides():
+    """The Hydra overrides of examples/grpo_qwen3_vllm_common.sh, shell variables replaced by sample values."""
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "grpo_qwen3_vllm_common.sh")
+    values = {"DATA_DIR": "/data", "MODEL": "Qwen/Qwen3-1.7B", "ROLLOUT_N": "8", "EXP": "x", "NGPUS": "8",
+              "NNODES": "1"}
+    out = []
+    for line in open(path):
+        m = re.match(r"\s+([a-z_.]+=\S+)", line)
+        if m:
+            ov = m.group(1).replace('"', "").replace("'", "")
+            out.append(re.sub(r"\$(\w+)", lambda v: values[v.group(1)], ov))
+    assert len(out) > 20
+    return out
+
+
+@pytest.mark.parametrize("extra, enabled", [([], True), (["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"],
+                                                          False)])
+def test_example_launch_lines_compose(extra, enabled):
+    """The zorro example and its baseline twin compose against verl 0.9.1's config and differ only in `enable`."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from zorro_verl.integrations.verl.engine_config import zorro_settings_of
+
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base=None):
+        cfg = compose(config_name="zorro_ppo_trainer", overrides=_example_overrides() + extra)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.fsdp_config)
+    assert zorro_settings_of(actor.engine).enable is enabled and zorro_settings_of(ref).enable is enabled
+    assert zorro_settings_of(actor.engine).rollout_n == cfg.actor_rollout_ref.rollout.n == 8
+    assert actor.strategy == "fsdp2" and cfg.actor_rollout_ref.rollout.name == "vllm"

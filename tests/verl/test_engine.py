@@ -6,6 +6,7 @@ Tolerances (issue 4): log-probs / entropy max abs <= 1e-5; PPO loss and grad nor
 import logging
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
 
@@ -149,3 +150,16 @@ def test_static_unsupported_setting_raises(verl_cpu, tiny_ckpt):
 
     with pytest.raises(ValueError, match="logits_optimization=memory"):
         build_engine(tiny_ckpt, zorro=True, zorro_settings={"logits_optimization": "memory"})
+
+
+def test_per_sample_temperature(engines):
+    from zorro_verl.integrations.verl.testing import make_engine_batch
+
+    stock, zorro = engines
+    td = make_engine_batch(batch_size=8, num_prompts=3, seed=9, micro_batch_size=2)
+    del td["temperature"]
+    td["temperature"] = torch.linspace(0.5, 1.5, 8)  # one temperature per row
+    a, b = _infer(stock, td), _infer(zorro, td)
+    mask = td["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        assert (_resp(a, td, key) - _resp(b, td, key))[mask].abs().max().item() <= ATOL
