@@ -163,3 +163,38 @@ def test_per_sample_temperature(engines):
     mask = td["response_mask"].bool()
     for key in ("log_probs", "entropy"):
         assert (_resp(a, td, key) - _resp(b, td, key))[mask].abs().max().item() <= ATOL
+
+
+def test_empty_multimodal_field_is_text_only(engines):
+    """verl's V1 agent loop puts an empty ``multi_modal_inputs`` dict per sample on text batches: still zorro."""
+    from verl.utils import tensordict_utils as tu
+
+    from zorro_verl.integrations.verl.testing import make_engine_batch
+
+    _, zorro = engines
+    td = make_engine_batch(batch_size=4, num_prompts=2, seed=4)
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", [{} for _ in range(4)])
+    assert _infer(zorro, td)["metrics"]["zorro/fallback_batches"] == [0.0]
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", [{"pixel_values": torch.zeros(1, 3)} for _ in range(4)])
+    with pytest.raises(ValueError, match="multimodal"):
+        _infer(zorro, td)
+
+
+def test_nested_prompts_responses_layout(engines):
+    """V1 trainer batches carry jagged ``prompts`` / ``responses`` (no attention_mask split): same results."""
+    from zorro_verl.integrations.verl.testing import make_engine_batch
+
+    stock, zorro = engines
+    td = make_engine_batch(batch_size=8, num_prompts=3, seed=12, micro_batch_size=2)
+    am, P = td["attention_mask"], td["prompts"].shape[1]
+    prompts = [td["prompts"][i][am[i, :P].bool()] for i in range(8)]
+    responses = [td["responses"][i][am[i, P:].bool()] for i in range(8)]
+    ref = _infer(stock, td)
+    mask = td["response_mask"].bool()
+    want = _resp(ref, td, "log_probs")
+    td2 = td.clone()
+    del td2["prompts"], td2["responses"]
+    td2["prompts"] = torch.nested.as_nested_tensor(prompts, layout=torch.jagged)
+    td2["responses"] = torch.nested.as_nested_tensor(responses, layout=torch.jagged)
+    got = _resp(_infer(zorro, td2), td, "log_probs")
+    assert (want - got)[mask].abs().max().item() <= ATOL

@@ -23,18 +23,26 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_ray_worker_group_zorro_equals_stock(ray_cluster, tiny_ckpt):
+@pytest.fixture(scope="module")
+def worker_group(ray_cluster):
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     from zorro_verl.integrations.verl.testing import ray_engine_worker_class
 
     cls = RayClassWithInitArgs(cls=ray_cluster.remote(ray_engine_worker_class()))
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
-    results = sorted(wg.compare(tiny_ckpt, False), key=lambda r: r["rank"])
+    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_ray_worker_group_zorro_equals_stock(worker_group, tiny_ckpt, dynamic):
+    results = sorted(worker_group.compare(tiny_ckpt, dynamic), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1]
-    assert [r["local_fixed_count"] for r in results] == [2, 3]  # the ranks disagree locally ...
-    assert [r["zorro_count"] for r in results] == [3, 3]  # ... and the engine syncs them
+    if not dynamic:
+        assert [r["local_fixed_count"] for r in results] == [2, 3]  # the ranks disagree locally ...
+        assert [r["zorro_count"] for r in results] == [3, 3]  # ... and the engine syncs them
+    else:
+        assert results[0]["zorro_count"] == results[1]["zorro_count"]
     for r in results:
         if r["has_entry_point"]:
             assert r["registered_by_plugin"], "the verl.plugins entry point did not register the engine in a worker"

@@ -173,7 +173,11 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if get(data=data, key="force_group_size", default=1) != 1:
             return "force_group_size > 1"
         if "multi_modal_inputs" in data.keys():
-            return "multimodal inputs"
+            from verl.utils.model import extract_multi_modal_inputs
+
+            # verl's V1 agent loop stores an (empty) entry per sample for text-only data: only real inputs count
+            if extract_multi_modal_inputs(data["multi_modal_inputs"]):
+                return "multimodal inputs"
         if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
             return "3-D position ids (mrope)"
         return None
