@@ -9,8 +9,10 @@ PY="$VENV/bin/python"
 STAMP="$VENV/.zorro-verl07-ready"
 # What the legacy actor path needs on CPU, and nothing else (verl is installed without its dependencies: its full
 # list pulls wandb, vllm-era extras and a CUDA torch). transformers is the version the main environment tests.
-DEPS=("numpy<2" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers==5.10.4" "ray>=2.41.0" "hydra-core" "codetiming"
-      "einops" "packaging" "pytest")
+# TRANSFORMERS_VERL07 picks another transformers release (with its own VENV_VERL07).
+# TRANSFORMERS_VERL07=4.57.3 passes too.
+DEPS=("numpy<2" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers==${TRANSFORMERS_VERL07:-5.10.4}" "ray>=2.41.0"
+      "hydra-core" "codetiming" "einops" "packaging" "pytest")
 
 if [[ ! -f "$STAMP" ]]; then
   start=$(date +%s)

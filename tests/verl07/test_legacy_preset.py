@@ -36,6 +36,8 @@ def test_preset_gives_zorro_actor_and_ref_settings():
     off = legacy_settings_of(omega_conf_to_dataclass(
         _compose("actor_rollout_ref.actor.fsdp_config.zorro.enable=false").actor_rollout_ref.actor))
     assert not off.enable
+    ref_off = _compose("actor_rollout_ref.ref.fsdp_config.zorro.enable=false").actor_rollout_ref
+    assert legacy_settings_of(ref_off.actor).enable and not legacy_settings_of(ref_off.ref).enable
 
 
 def test_preset_rejects_unknown_key():
