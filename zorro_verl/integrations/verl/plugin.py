@@ -88,5 +88,16 @@ def register_group_balance() -> None:
     wrapt.register_post_import_hook(lambda mod: balance.install_v1_hook(mod), "verl.trainer.ppo.v1.trainer_base")
 
 
-if os.environ.get("ZORRO_VERL_PLUGIN_DISABLE", "0") != "1":
+def _verl_is_09_or_newer() -> bool:
+    import importlib.metadata as md
+
+    try:
+        major, minor = (int(x) for x in md.version("verl").split(".")[:2])
+    except Exception:  # unknown layout: let register() fail loudly if the engine API is missing
+        return True
+    return (major, minor) >= (0, 9)
+
+
+# verl >= 0.9 imports this module at `import verl`; older verl (the legacy actor integration) has no engine plugin.
+if os.environ.get("ZORRO_VERL_PLUGIN_DISABLE", "0") != "1" and _verl_is_09_or_newer():
     register()
