@@ -40,7 +40,7 @@ def _assert_updates_equal(stock, zorro, ms, mz):
     for k in LOSS_KEYS:
         assert abs(ms[k] - mz[k]) <= TOL, (k, ms[k], mz[k])
     gs, gz = ms["actor/grad_norm"], mz["actor/grad_norm"]
-    assert len(gs) == len(gz) >= 2
+    assert len(gs) == len(gz) >= 1
     for a, b in zip(gs, gz):
         assert abs(a - b) <= TOL * max(1.0, abs(a)), (gs, gz)
     diff = max((p.detach() - q.detach()).abs().max().item()
@@ -119,6 +119,16 @@ def test_fsdp2_wrapped_actor_matches_stock(base_model):
     ref = [p.full_tensor() if isinstance(p, DTensor) else p for p in stock.actor_module.parameters()]
     assert max((p - q).abs().max().item() for p, q in zip(ref, full)) <= TOL
     assert mz["zorro/dedup_ratio"] > 1.3
+
+
+@pytest.mark.parametrize("mini,epochs", [(16, 1), (8, 2)], ids=["on_policy", "two_epochs"])
+def test_update_policy_mini_batches_and_epochs(base_model, mini, epochs):
+    """One mini-batch (verl's on-policy branch: old log-probs from the forward) and two PPO epochs."""
+    stock, zorro = _pair(base_model, mini=mini, micro=4, ppo_epochs=epochs)
+    data = make_batch(allow_empty=False)
+    ms, mz = stock.update_policy(data), zorro.update_policy(data)
+    _assert_updates_equal(stock, zorro, ms, mz)
+    assert len(mz["actor/grad_norm"]) == epochs * (16 // mini)
 
 
 def _siblings_adjacent_within(data, mini):

@@ -36,7 +36,9 @@ Unsupported settings (Ulysses > 1, fused kernels, prefix grouper, ``calculate_su
 ``logits_optimization=memory``, vision-language models or multimodal / 3-D position inputs) raise ``ValueError``
 with ``on_unsupported=raise``; with ``warn`` they warn once and run the stock forward, counted in
 ``zorro/fallback_batches``. ``update_policy`` adds ``zorro/dedup_ratio`` (ordinary / deduplicated tokens of its
-forwards), ``zorro/fallback_batches`` and ``zorro/split_groups`` to the actor metrics.
+forwards), ``zorro/fallback_batches`` and ``zorro/split_groups`` to the actor metrics; they cover every forward of
+the actor since the previous ``update_policy`` (so the step's old-log-prob pass is included; verl 0.7's worker
+reports no metrics from ``compute_log_prob``).
 
 Installation: :func:`install` (called by importing :mod:`zorro_verl.integrations.verl.legacy_plugin`, e.g. through
 ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``) makes ``DataParallelPPOActor(config,
