@@ -121,3 +121,17 @@ def test_example_launch_lines_compose(extra, enabled):
     assert zorro_settings_of(actor.engine).enable is enabled and zorro_settings_of(ref).enable is enabled
     assert zorro_settings_of(actor.engine).rollout_n == cfg.actor_rollout_ref.rollout.n == 8
     assert actor.strategy == "fsdp2" and cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def test_other_strategies_refuse_zorro():
+    """fsdp_turbo reads the same fsdp_config: with zorro enabled its engine refuses to start (no silent stock run)."""
+    from verl.workers.config import HFModelConfig  # noqa: F401  (verl's engine package is importable)
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.engine_config import ZorroFSDPEngineConfig
+
+    turbo = EngineRegistry._engines["language_model"]["fsdp_turbo"]["cuda"]
+    assert turbo._zorro_guard
+    cfg = ZorroFSDPEngineConfig(strategy="fsdp_turbo", zorro={"enable": True})
+    with pytest.raises(RuntimeError, match="fsdp_turbo"):
+        turbo(model_config=None, engine_config=cfg, optimizer_config=None, checkpoint_config=None)

@@ -45,8 +45,32 @@ def register() -> None:
             if cls is FSDPEngineWithLMHead:
                 slots[key] = ZorroFSDPEngineWithLMHead
         slots.setdefault("cpu", ZorroFSDPEngineWithLMHead)
+    # Every other language-model backend (fsdp_turbo reads the same fsdp_config) refuses a zorro-enabled config at
+    # construction instead of silently running the stock forward.
+    for backend, slots in table.items():
+        if backend in _BACKENDS:
+            continue
+        for key, cls in list(slots.items()):
+            if not getattr(cls, "_zorro_guard", False):
+                slots[key] = _guarded(cls, backend)
     register_group_balance()
     _done = True
+
+
+def _guarded(cls, backend: str):
+    """A subclass of engine ``cls`` whose constructor raises when its engine config enables zorro."""
+
+    def __init__(self, *args, **kwargs):
+        from zorro_verl.integrations.verl.engine_config import zorro_settings_of
+
+        engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
+        if engine_config is not None and zorro_settings_of(engine_config).enable:
+            raise RuntimeError(f"zorro is enabled but the actor/ref strategy is {backend!r}: the zorro engine supports "
+                               "strategy fsdp or fsdp2 (actor_rollout_ref.actor.strategy=fsdp2).")
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def ensure_registered() -> None:
