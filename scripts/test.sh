@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: set up .venv (see setup_env.sh), then run pytest.
+# The whole test suite on a fresh machine: set up .venv (see setup_env.sh), run pytest, then the verl 0.7.1
+# legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 start=$(date +%s)
 python -m pytest -q -p no:cacheprovider tests "$@"
 echo "[test] main suite took $(( $(date +%s) - start )) s"
+start=$(date +%s)
+bash scripts/test_verl07.sh
+echo "[test] verl 0.7.1 suite took $(( $(date +%s) - start )) s"
