@@ -148,8 +148,8 @@ def test_disabled_engine_is_stock(verl_cpu, tiny_ckpt):
 def test_static_unsupported_setting_raises(verl_cpu, tiny_ckpt):
     from zorro_verl.integrations.verl.testing import build_engine
 
-    with pytest.raises(ValueError, match="logits_optimization=memory"):
-        build_engine(tiny_ckpt, zorro=True, zorro_settings={"logits_optimization": "memory"})
+    with pytest.raises(ValueError, match="fused kernels"):
+        build_engine(tiny_ckpt, zorro=True, engine_overrides={"use_fused_kernels": True})
 
 
 def test_per_sample_temperature(engines):
@@ -198,3 +198,21 @@ def test_nested_prompts_responses_layout(engines):
     td2["responses"] = torch.nested.as_nested_tensor(responses, layout=torch.jagged)
     got = _resp(_infer(zorro, td2), td, "log_probs")
     assert (want - got)[mask].abs().max().item() <= ATOL
+
+
+def test_memory_mode_forward_only(verl_cpu, tiny_ckpt, engines):
+    """logits_optimization=memory: chunked head for log-prob passes; training steps are refused (or fall back)."""
+    from zorro_verl.integrations.verl.testing import build_engine, make_engine_batch, ppo_loss_fn
+
+    stock, _ = engines
+    mem = build_engine(tiny_ckpt, zorro=True, zorro_settings={"logits_optimization": "memory"})
+    td = make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3, temperature=0.7,
+                           micro_batch_size=3)
+    a, b = _infer(stock, td), _infer(mem, td)
+    mask = td["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        assert (_resp(a, td, key) - _resp(b, td, key))[mask].abs().max().item() <= ATOL
+    assert b["metrics"]["zorro/fallback_batches"] == [0.0]
+    with pytest.raises(ValueError, match="memory for training"):
+        with mem.train_mode():
+            mem.train_batch(td.clone(), loss_function=ppo_loss_fn())

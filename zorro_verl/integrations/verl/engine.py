@@ -37,7 +37,7 @@ from zorro_verl.integrations.transformers import (
     zorro_attention_forward,
 )
 from zorro_verl.integrations.verl.engine_config import zorro_settings_of
-from zorro_verl.logprob import logprobs_from_logits
+from zorro_verl.logprob import logprobs_from_logits, response_logprobs
 from zorro_verl.packing import build_plan
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
 
@@ -154,8 +154,6 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
         if getattr(self.engine_config, "use_fused_kernels", False):
             return "fused kernels (set actor_rollout_ref.model.use_fused_kernels=false)"
-        if self.zorro.logits_optimization == "memory":
-            return "logits_optimization=memory inside the verl engine (use none or compute)"
         if getattr(self.model_config, "lora_rank", 0) > 0:
             return "LoRA (lora_rank > 0) is not verified with zorro"
         hf = getattr(self.model_config, "hf_config", None)
@@ -170,6 +168,10 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         for key in ("use_fused_kernels", "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
             if get(data=data, key=key, default=False):
                 return f"{key}=True"
+        if self.zorro.logits_optimization == "memory" and "temperature" in data.keys():
+            t = data["temperature"]
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and not bool((t == t.reshape(-1)[0]).all()):
+                return "per-sample temperatures with logits_optimization=memory"
         if get(data=data, key="force_group_size", default=1) != 1:
             return "force_group_size > 1"
         if "multi_modal_inputs" in data.keys():
@@ -226,6 +228,10 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         reason = self._zorro_static_reason or self._zorro_batch_unsupported(data)
+        if reason is None and not forward_only and self.zorro.logits_optimization == "memory":
+            # The chunked head recompute runs in backward, after FSDP2 may have resharded (freed) the root's
+            # parameters: not safe; memory mode serves the forward-only passes (old log-prob, ref).
+            reason = "logits_optimization=memory for training steps (it serves forward-only log-prob passes)"
         if reason is not None:
             if self._zorro_static_reason is None:
                 self._zorro_unsupported(reason)
@@ -328,14 +334,17 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                         else torch.autocast(device_type=device_name, dtype=autocast_dtype))
         with autocast_ctx:
             self._reset_attention_calls()
-            raw = self.module(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
-                              attention_mask=None, zorro_plan=plan, use_cache=False,
-                              logits_to_keep=plan.logit_index)
-            self._check_attention_calls(plan)
-            logits = raw.logits[0]  # [N, V]
-            if not unit:  # same op and dtype as verl's _scale_logits_by_temperature
-                logits = logits / temperature[plan.out_row].clamp(min=1e-8).to(logits.dtype)[:, None]
-            logp, ent = self._logprobs(logits, plan.target_ids, calculate_entropy)
+            if self.zorro.logits_optimization == "memory":
+                logp, ent = self._memory_logprobs(plan, temperature, calculate_entropy)
+            else:
+                raw = self.module(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
+                                  attention_mask=None, zorro_plan=plan, use_cache=False,
+                                  logits_to_keep=plan.logit_index)
+                self._check_attention_calls(plan)
+                logits = raw.logits[0]  # [N, V]
+                if not unit:  # same op and dtype as verl's _scale_logits_by_temperature
+                    logits = logits / temperature[plan.out_row].clamp(min=1e-8).to(logits.dtype)[:, None]
+                logp, ent = self._logprobs(logits, plan.target_ids, calculate_entropy)
 
             offsets = micro_batch["input_ids"].offsets()
             # predict-next layout: the token at column j of row b's response is predicted at row position p_b-1+j
@@ -356,6 +365,32 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 metrics = {}
             output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
             return loss, output
+
+    def _memory_logprobs(self, plan, temperature, calculate_entropy):
+        """``logits_optimization=memory``: never more than one ``[chunk, V]`` block of logits.
+
+        The root forward runs with ``logits_to_keep=logit_index`` so FSDP's hooks and the final norm run as usual; a
+        temporary pre-hook on the LM head keeps its input (the ``[N, H]`` response-predicting hidden states) and
+        hands the head an empty slice, then zorro's chunked log-prob Function calls the head module per chunk
+        (FSDP2 keeps the root's parameters unsharded after its forward).
+        """
+        head = self.module.get_output_embeddings()
+        kept = {}
+
+        def keep_input(module, args):
+            kept["h"] = args[0]
+            return (args[0][:, :0],) + tuple(args[1:])
+
+        handle = head.register_forward_pre_hook(keep_input)
+        try:
+            self.module(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=None,
+                        zorro_plan=plan, use_cache=False, logits_to_keep=plan.logit_index)
+        finally:
+            handle.remove()
+        self._check_attention_calls(plan)
+        t = float(temperature[0]) if temperature.numel() else 1.0
+        return response_logprobs(kept["h"][0], head, plan.target_ids, temperature=t,
+                                 calculate_entropy=calculate_entropy, mode="memory", chunk_size=_COMPUTE_CHUNK)
 
     def _logprobs(self, logits, targets, calculate_entropy):
         if self.zorro.logits_optimization == "none" or logits.shape[0] <= _COMPUTE_CHUNK:

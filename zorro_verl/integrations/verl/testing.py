@@ -17,7 +17,7 @@ __all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "response_values"
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
                  max_token_len: int = 64, use_remove_padding: bool = True, gradient_checkpointing: bool = False,
-                 zorro_settings: Optional[dict] = None, lr: float = 1e-2):
+                 zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None):
     """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -33,7 +33,8 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                   mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                   use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                   infer_micro_batch_size_per_gpu=micro_batch_size, max_token_len_per_gpu=max_token_len,
-                  infer_max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding)
+                  infer_max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
+                  **(engine_overrides or {}))
     if zorro:
         settings = {"enable": True, "attention_backend": "sdpa", **(zorro_settings or {})}
         engine_config = ZorroFSDPEngineConfig(zorro=settings, **common)
