@@ -45,11 +45,11 @@ print(','.join(b for b in available_backends(torch.device('cuda')) if b != 'sdpa
 echo "backends that will run: $BACKENDS"
 
 echo "== GPU tests"
-timeout 200 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+timeout 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 echo "== GPU benchmark (bf16, qwen3-0.6b shape, backends $BACKENDS)"
-timeout 330 "$PY" -m zorro_verl.bench --device cuda --model qwen3-0.6b --dtype bfloat16 \
+timeout 280 "$PY" -m zorro_verl.bench --device cuda --model qwen3-0.6b --dtype bfloat16 \
     --scenario 8,2,4096,512 --scenario 16,1,8192,1024 --backends "$BACKENDS" --reps 5 --warmup 1 \
     --json "$OUT_DIR/gpu_bench.json" --plot "$OUT_DIR/gpu_bench.png" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
 BENCH_RC=${PIPESTATUS[0]}
