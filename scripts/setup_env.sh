@@ -16,9 +16,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 STAMP_SRC="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
 if [ "$(cat .venv/.zorro-stamp 2>/dev/null || true)" != "$STAMP_SRC" ]; then
-  echo "[setup] installing torch==2.13.0 (CPU) first, then zorro_verl[dev]"
+  echo "[setup] installing torch==2.13.0 (CPU) first, then zorro_verl[dev,verl] (verl 0.9.1)"
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev]" "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev,verl]" "torch==2.13.0"
   echo "$STAMP_SRC" > .venv/.zorro-stamp
 else
   echo "[setup] .venv up to date"
