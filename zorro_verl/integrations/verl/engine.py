@@ -30,11 +30,11 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from zorro_verl.integrations.transformers import (
-    ZORRO_ATTN_NAME,
+    check_layer_calls,
     install_zorro,
-    register_zorro_attention,
+    is_installed,
+    reset_layer_calls,
     uninstall_zorro,
-    zorro_attention_forward,
 )
 from zorro_verl.integrations.verl.engine_config import zorro_settings_of
 from zorro_verl.logprob import logprobs_from_logits, response_logprobs
@@ -45,26 +45,8 @@ __all__ = ["ZorroFSDPEngineWithLMHead", "row_lengths", "group_ids", "METRIC_KEYS
 
 logger = logging.getLogger(__name__)
 
-#: The engine's attention name: zorro's attention plus a per-layer call count. FSDP2 copies the plan (a dataclass)
-#: when it casts the forward inputs, so a count kept on the plan would be lost; the layer module is not copied.
-ENGINE_ATTN_NAME = "zorro_engine"
-
 METRIC_KEYS = ("zorro/dedup_ratio", "zorro/prompt_tokens_saved", "zorro/split_groups", "zorro/fallback_batches")
 _COMPUTE_CHUNK = 1024
-
-
-def _engine_attention(module, query, key, value, attention_mask, **kwargs):
-    """``zorro_attention_forward`` + one tick on the calling attention module (checked after each forward)."""
-    module.__dict__["_zorro_calls"] = module.__dict__.get("_zorro_calls", 0) + 1
-    return zorro_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _register_engine_attention() -> None:
-    from transformers import AttentionInterface
-
-    register_zorro_attention()
-    if AttentionInterface._global_mapping.get(ENGINE_ATTN_NAME) is not _engine_attention:
-        AttentionInterface.register(ENGINE_ATTN_NAME, _engine_attention)
 
 
 def row_lengths(td) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,13 +184,12 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self._install()
 
     def _install(self) -> None:
-        # install_zorro's checks (layer types), then the counting name; the forward checks one call per layer.
-        _register_engine_attention()
+        # install_zorro's checks (layer types, hybrid delta-net wrappers); every forward then checks that each
+        # attention / linear-attention layer ran through zorro once (check_layer_calls).
         install_zorro(self.module, probe=False)
-        self.module.set_attn_implementation(ENGINE_ATTN_NAME)
 
     def _installed(self) -> bool:
-        return getattr(self.module.config, "_attn_implementation", None) == ENGINE_ATTN_NAME
+        return is_installed(self.module)
 
     @contextmanager
     def _stock_attention(self):
@@ -216,7 +197,6 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if not self._installed():
             yield
             return
-        self.module.set_attn_implementation(ZORRO_ATTN_NAME)
         uninstall_zorro(self.module)
         try:
             yield
@@ -333,14 +313,14 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
                         else torch.autocast(device_type=device_name, dtype=autocast_dtype))
         with autocast_ctx:
-            self._reset_attention_calls()
+            reset_layer_calls(plan)
             if self.zorro.logits_optimization == "memory":
                 logp, ent = self._memory_logprobs(plan, temperature, calculate_entropy)
             else:
                 raw = self.module(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
                                   attention_mask=None, zorro_plan=plan, use_cache=False,
                                   logits_to_keep=plan.logit_index)
-                self._check_attention_calls(plan)
+                check_layer_calls(self.module, plan)
                 logits = raw.logits[0]  # [N, V]
                 if not unit:  # same op and dtype as verl's _scale_logits_by_temperature
                     logits = logits / temperature[plan.out_row].clamp(min=1e-8).to(logits.dtype)[:, None]
@@ -387,7 +367,7 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                         zorro_plan=plan, use_cache=False, logits_to_keep=plan.logit_index)
         finally:
             handle.remove()
-        self._check_attention_calls(plan)
+        check_layer_calls(self.module, plan)
         t = float(temperature[0]) if temperature.numel() else 1.0
         return response_logprobs(kept["h"][0], head, plan.target_ids, temperature=t,
                                  calculate_entropy=calculate_entropy, mode="memory", chunk_size=_COMPUTE_CHUNK)
@@ -400,19 +380,3 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         logp = torch.cat([a for a, _ in parts])
         ent = torch.cat([b for _, b in parts]) if calculate_entropy else None
         return logp, ent
-
-    def _reset_attention_calls(self) -> None:
-        for m in self.module.modules():
-            if "_zorro_calls" in m.__dict__:
-                m.__dict__["_zorro_calls"] = 0
-
-    def _check_attention_calls(self, plan) -> None:
-        cfg = self.module.config
-        cfg = getattr(cfg, "text_config", None) or cfg
-        expected = cfg.num_hidden_layers
-        calls = [m.__dict__["_zorro_calls"] for m in self.module.modules() if m.__dict__.get("_zorro_calls")]
-        if len(calls) != expected or any(c != 1 for c in calls):
-            raise ValueError(
-                f"zorro: {expected} decoder layers but the zorro attention ran {sum(calls)} times over {len(calls)} "
-                "modules in this forward; some layers do not dispatch through transformers' attention interface, so "
-                "the deduplicated forward would be wrong. This model is not supported by zorro.")
