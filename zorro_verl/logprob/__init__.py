@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LOGITS_MODES", "response_logprobs", "logprobs_from_logits"]
+__all__ = ["LOGITS_MODES", "response_logprobs", "logprobs_from_logits", "logprobs_from_logits_chunked"]
 
 LOGITS_MODES = ("none", "compute", "memory")
 DEFAULT_CHUNK = 1024
@@ -39,6 +39,18 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     if calculate_entropy:
         ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, ent
+
+
+def logprobs_from_logits_chunked(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                                 calculate_entropy: bool, chunk_size: int = DEFAULT_CHUNK
+                                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`logprobs_from_logits` over row chunks of already materialized ``logits [n, V]`` (the ``compute``
+    mode): the fp32 softmax / entropy intermediates exist for one chunk at a time."""
+    if logits.shape[0] <= chunk_size:
+        return logprobs_from_logits(logits, targets, temperature, calculate_entropy)
+    parts = [logprobs_from_logits(logits[s:s + chunk_size], targets[s:s + chunk_size], temperature,
+                                  calculate_entropy) for s in range(0, logits.shape[0], chunk_size)]
+    return torch.cat([a for a, _ in parts]), (torch.cat([b for _, b in parts]) if calculate_entropy else None)
 
 
 class _ChunkedLogprob(torch.autograd.Function):
@@ -109,13 +121,6 @@ def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: t
     if mode == "none" or hidden.shape[0] == 0:
         return logprobs_from_logits(lm_head(hidden), targets, temperature, calculate_entropy)
     if mode == "compute":
-        logits = lm_head(hidden)  # [N, V], materialized once
-        lps, ents = [], []
-        for s in range(0, hidden.shape[0], chunk_size):
-            lp, en = logprobs_from_logits(logits[s:s + chunk_size], targets[s:s + chunk_size], temperature,
-                                          calculate_entropy)
-            lps.append(lp)
-            ents.append(en)
-        return torch.cat(lps), (torch.cat(ents) if calculate_entropy else None)
+        return logprobs_from_logits_chunked(lm_head(hidden), targets, temperature, calculate_entropy, chunk_size)
     logp, ent = _ChunkedLogprob.apply(hidden, lm_head, targets, temperature, calculate_entropy, chunk_size)
     return logp, (ent if calculate_entropy else None)

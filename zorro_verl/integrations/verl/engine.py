@@ -37,7 +37,7 @@ from zorro_verl.integrations.transformers import (
     uninstall_zorro,
 )
 from zorro_verl.integrations.verl.engine_config import zorro_settings_of
-from zorro_verl.logprob import logprobs_from_logits, response_logprobs
+from zorro_verl.logprob import logprobs_from_logits, logprobs_from_logits_chunked, response_logprobs
 from zorro_verl.packing import build_plan
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
 
@@ -373,10 +373,6 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                                  calculate_entropy=calculate_entropy, mode="memory", chunk_size=_COMPUTE_CHUNK)
 
     def _logprobs(self, logits, targets, calculate_entropy):
-        if self.zorro.logits_optimization == "none" or logits.shape[0] <= _COMPUTE_CHUNK:
+        if self.zorro.logits_optimization == "none":
             return logprobs_from_logits(logits, targets, 1.0, calculate_entropy)
-        parts = [logprobs_from_logits(logits[s:s + _COMPUTE_CHUNK], targets[s:s + _COMPUTE_CHUNK], 1.0,
-                                      calculate_entropy) for s in range(0, logits.shape[0], _COMPUTE_CHUNK)]
-        logp = torch.cat([a for a, _ in parts])
-        ent = torch.cat([b for _, b in parts]) if calculate_entropy else None
-        return logp, ent
+        return logprobs_from_logits_chunked(logits, targets, 1.0, calculate_entropy, _COMPUTE_CHUNK)

@@ -57,9 +57,15 @@ import verl.workers.actor.dp_actor as _dp_actor
 from verl.utils.device import get_device_id
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
-from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro
+from zorro_verl.integrations.transformers import (
+    check_layer_calls,
+    install_zorro,
+    is_installed,
+    reset_layer_calls,
+    uninstall_zorro,
+)
 from zorro_verl.integrations.verl.legacy_config import legacy_settings_of
-from zorro_verl.logprob import logprobs_from_logits
+from zorro_verl.logprob import logprobs_from_logits, logprobs_from_logits_chunked
 from zorro_verl.packing import build_plan
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, restore_permutation
 
@@ -229,11 +235,11 @@ class ZoRRoDataParallelPPOActor(DataParallelPPOActor):
         self._zorro_counts["dedup_tokens"] += plan.T
         # Same autocast as the parent's forward.
         with torch.autocast(device_type=self.device_name, dtype=self.param_dtype):
-            plan._cache["attn_calls"] = 0
+            reset_layer_calls(plan)
             out = self.actor_module(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
                                     attention_mask=None, zorro_plan=plan, use_cache=False,
                                     logits_to_keep=plan.logit_index)
-            self._check_attention_calls(plan)
+            check_layer_calls(self.actor_module, plan)  # every attention / delta-net layer ran through zorro once
             logits = out.logits[0]  # [N, V]
             logp, ent = self._logprobs(logits, plan.target_ids, float(temperature), calculate_entropy)
         outputs = {"log_probs": plan.to_padded(logp)}  # [B, R], 0 on pads like the parent's remove-padding path
@@ -242,24 +248,9 @@ class ZoRRoDataParallelPPOActor(DataParallelPPOActor):
         return outputs
 
     def _logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float, calculate_entropy: bool):
-        if self.zorro.logits_optimization == "none" or logits.shape[0] <= _COMPUTE_CHUNK:
+        if self.zorro.logits_optimization == "none":
             return logprobs_from_logits(logits, targets, temperature, calculate_entropy)
-        parts = [logprobs_from_logits(logits[s:s + _COMPUTE_CHUNK], targets[s:s + _COMPUTE_CHUNK], temperature,
-                                      calculate_entropy) for s in range(0, logits.shape[0], _COMPUTE_CHUNK)]
-        return torch.cat([a for a, _ in parts]), (torch.cat([b for _, b in parts]) if calculate_entropy else None)
-
-    def _check_attention_calls(self, plan) -> None:
-        cfg = self.actor_module.config
-        cfg = getattr(cfg, "text_config", None) or cfg
-        n = cfg.num_hidden_layers
-        types = getattr(cfg, "layer_types", None)
-        expected = sum(t == "full_attention" for t in types[:n]) if types else n
-        got = plan._cache.get("attn_calls")
-        if got != expected:
-            raise ValueError(
-                f"zorro: {expected} attention layers but the zorro attention ran {got} times in this forward; some "
-                "layers do not dispatch through transformers' attention interface, so the deduplicated forward "
-                "would be wrong. This model is not supported by zorro (disable fsdp_config.zorro.enable).")
+        return logprobs_from_logits_chunked(logits, targets, temperature, calculate_entropy, _COMPUTE_CHUNK)
 
     # ------------------------------------------------------------------ micro-batching
     def compute_log_prob(self, data, calculate_entropy: bool = False) -> dict:
