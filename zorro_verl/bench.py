@@ -355,10 +355,22 @@ def _device_name(device: torch.device) -> str:
 
 
 def _batches(sc: Scenario, k: int, device: str) -> list[dict]:
+    """``k`` rotated batches of one scenario: the same lengths (so the same work), different rows order (siblings
+    not adjacent) and different token ids (a bijection on real tokens, so the grouping is unchanged)."""
     from zorro_verl.testing import create_dummy_batch
 
-    return [create_dummy_batch(sc.B, sc.G, sc.P, sc.R, device=device, add_padding=sc.ragged, vocab_size=4000,
-                               seed=1000 + i, shuffle=(i % 2 == 1)) for i in range(k)]
+    vocab = 4000
+    b0 = create_dummy_batch(sc.B, sc.G, sc.P, sc.R, device=device, add_padding=sc.ragged, vocab_size=vocab,
+                            seed=1000)
+    out = [b0]
+    for i in range(1, k):
+        perm = torch.randperm(sc.B, generator=torch.Generator().manual_seed(i)).to(device)
+        b = {key: val[perm] for key, val in b0.items()}
+        ids = torch.where(b["attention_mask"].bool(), (b["input_ids"] - 1 + 37 * i) % (vocab - 1) + 1, 0)
+        b["input_ids"] = ids
+        b["responses"] = ids[:, -sc.R:] * b["response_mask"]
+        out.append(b)
+    return out
 
 
 def _time_interleaved(variants: dict, batches: list[dict], warmup: int, reps: int, clock: _Clock, model,
@@ -434,10 +446,15 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
                                                                          * 12))))
         from zorro_verl.packing import build_plan
 
-        plan0 = build_plan(b0["input_ids"], b0["attention_mask"], sc.R)
-        S = b0["input_ids"].shape[1]
-        fl = flop_model(model.config, plan0.row_prompt_lens.cpu(), plan0.response_lens.cpu(),
-                        plan0.row_group.cpu(), S)
+        # FLOPs of exactly the batches the timed runs used (ragged batches differ in their lengths): summed over
+        # the timed runs, so the ideal is total ordinary work / total zorro work of the same runs.
+        per_batch = []
+        for bt in batches:
+            pl = build_plan(bt["input_ids"], bt["attention_mask"], sc.R)
+            per_batch.append(flop_model(model.config, pl.row_prompt_lens.cpu(), pl.response_lens.cpu(),
+                                        pl.row_group.cpu(), bt["input_ids"].shape[1]))
+        used = [per_batch[i % len(batches)] for i in range(warmup, warmup + reps)]
+        fl = {k: sum(f[k] for f in used) / reps for k in used[0]}  # mean per timed run
         # Sanity: zorro's log-probs equal the baseline's on this batch (recorded, not asserted: dtype-dependent).
         with torch.no_grad():
             runner.use_baseline()
