@@ -209,6 +209,18 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
+def _steady_heap() -> None:
+    """glibc: keep freed memory in the heap (no trimming; mmap only above 32 MiB) so that, after the warm-up, a
+    step reuses pages instead of page-faulting fresh ones — a long-running training process's steady state, and
+    the same for every variant whatever ran before it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (glibc's maximum)
+    except (OSError, AttributeError):
+        pass
+
+
 def _trim_heap() -> None:
     # No gc.collect(): tensors are freed by refcount, and a full collection over transformers' objects costs ~1 s.
     try:
@@ -387,10 +399,13 @@ def _time_interleaved(variants: dict, batches: list[dict], warmup: int, reps: in
     times = {k: [] for k in variants}
     peaks = {k: 0.0 for k in variants}
     method = "cuda_allocator" if device.type == "cuda" else "rss_hwm"
+    names = list(variants)
     for i in range(warmup + reps):
         batch = batches[i % len(batches)]
         timed = i >= warmup
-        for name, (prepare, step) in variants.items():
+        # rotate the order run by run: each variant follows each other one equally often (cache/heap state)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            prepare, step = variants[name]
             prepare()
             model.zero_grad(set_to_none=True)
             measure = device.type == "cuda" or not timed
@@ -425,6 +440,8 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
     if reps < 5:
         raise ValueError(f"--reps: expected >= 5 timed runs per figure (medians of at least 5), got {reps}.")
     dev = torch.device(device)
+    if dev.type == "cpu":
+        _steady_heap()
     model = build_model(model_shape, dtype, device)
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -479,7 +496,10 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
                         "scenario": sc.name, "B": sc.B, "G": sc.G, "P": sc.P, "R": sc.R, "n": sc.n,
                         "ragged": sc.ragged, "mode": mode, "backend": be, "baseline": base,
                         "baseline_ms": med[base], "zorro_ms": med[z], "speedup": speed, "ideal_speedup": ideal,
-                        "efficiency": speed / ideal, "baseline_peak_mb": peak[base], "zorro_peak_mb": peak[z],
+                        "efficiency": speed / ideal,
+                        # median of the per-run ratios of interleaved neighbours (robust to slow load drifts)
+                        "speedup_paired": statistics.median(b / z for b, z in zip(times[base], times[z])),
+                        "baseline_peak_mb": peak[base], "zorro_peak_mb": peak[z],
                         "mem_method": method, "baseline_tok_per_s": fl["baseline_tokens"] / med[base] * 1e3,
                         "zorro_tok_per_s": fl["zorro_tokens"] / med[z] * 1e3,
                         "resp_tok_per_s": fl["N"] / med[z] * 1e3, "baseline_resp_tok_per_s": fl["N"] / med[base] * 1e3,
