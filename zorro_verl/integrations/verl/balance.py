@@ -71,9 +71,10 @@ def _log_balance(metrics: dict, seqlens: list[int], bal: DPBalance, prefix: str)
     metrics["zorro/balance_max_rank_cost"] = max(bal.costs) if bal.costs else 0
 
 
-def install_v0_hook(module) -> None:
-    """Wrap ``verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch`` (``DataProto`` batches), once."""
-    cls = module.RayPPOTrainer
+def _wrap_balance_batch(cls, balance) -> None:
+    """Replace ``cls._balance_batch`` (once) by: the stock method unless zorro and ``group_balance`` are on (or
+    ``keep_minibatch`` is asked, which group balancing does not support), else ``balance(self, batch, metrics,
+    logging_prefix)``."""
     orig = cls._balance_batch
     if getattr(orig, "_zorro_hook", False):
         return
@@ -86,6 +87,16 @@ def install_v0_hook(module) -> None:
         if keep_minibatch:
             _unsupported_keep_minibatch(settings, metrics)
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        return balance(self, batch, metrics, logging_prefix)
+
+    _balance_batch._zorro_hook = True
+    cls._balance_batch = _balance_batch
+
+
+def install_v0_hook(module) -> None:
+    """Wrap ``verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch`` (``DataProto`` batches), once."""
+
+    def balance(self, batch, metrics, logging_prefix):
         dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
         am = batch.batch["attention_mask"]
         bal = group_balance(batch.batch["prompts"], am, dp_size)
@@ -93,8 +104,7 @@ def install_v0_hook(module) -> None:
         batch.reorder(torch.tensor(bal.permutation(), dtype=torch.long))
         _log_balance(metrics, seqlens, bal, logging_prefix)
 
-    _balance_batch._zorro_hook = True
-    cls._balance_batch = _balance_batch
+    _wrap_balance_batch(module.RayPPOTrainer, balance)
 
 
 def v1_group_of_key(key: str) -> str:
@@ -109,19 +119,8 @@ def install_v1_hook(module) -> None:
     Groups come from the key's ``uid``; costs from the ``prompt_len`` / ``response_len`` tags. Padding rows added by
     verl's upsampling are their own groups.
     """
-    cls = module.PPOTrainer
-    orig = cls._balance_batch
-    if getattr(orig, "_zorro_hook", False):
-        return
 
-    @functools.wraps(orig)
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        settings = trainer_zorro_settings(self.config)
-        if not (settings.enable and settings.group_balance):
-            return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-        if keep_minibatch:
-            _unsupported_keep_minibatch(settings, metrics)
-            return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+    def balance(self, batch, metrics, logging_prefix):
         worker_group = self.actor_rollout_wg
         if "actor" not in worker_group._dispatch_info:
             worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
@@ -141,5 +140,4 @@ def install_v1_hook(module) -> None:
         _log_balance(metrics, [int(t["seq_len"]) for t in batch.tags], bal, logging_prefix)
         return batch
 
-    _balance_batch._zorro_hook = True
-    cls._balance_batch = _balance_batch
+    _wrap_balance_batch(module.PPOTrainer, balance)

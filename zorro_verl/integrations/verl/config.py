@@ -24,7 +24,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["ZorroSettings", "SETTING_KEYS", "LOGITS_MODES", "ATTENTION_BACKEND_CHOICES", "ON_UNSUPPORTED",
+__all__ = ["ZorroSettings", "report_unsupported", "SETTING_KEYS", "LOGITS_MODES", "ATTENTION_BACKEND_CHOICES",
+           "ON_UNSUPPORTED",
            "resolve_attention_backend"]
 
 logger = logging.getLogger(__name__)
@@ -135,3 +136,16 @@ def resolve_attention_backend(choice: str, device_type: str) -> str:
         raise ValueError(f"zorro.attention_backend: 'flash' needs a CUDA device and flash-attn; got device "
                          f"{device_type!r}, flash-attn importable={has_flash}. Use 'auto' or 'sdpa'.")
     return choice
+
+
+def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log: logging.Logger) -> None:
+    """A setting zorro cannot run exactly: raise (``on_unsupported=raise``) or warn once per reason (``warn``; the
+    caller then runs the stock forward and counts the batch in ``zorro/fallback_batches``)."""
+    msg = (f"zorro: unsupported setting: {reason}. Fix the setting, disable zorro "
+           "(fsdp_config.zorro.enable=false), or set fsdp_config.zorro.on_unsupported=warn to run the stock "
+           "forward for such batches (counted in zorro/fallback_batches).")
+    if settings.on_unsupported == "raise":
+        raise ValueError(msg)
+    if reason not in warned:
+        warned.add(reason)
+        log.warning(msg)

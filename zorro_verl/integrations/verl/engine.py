@@ -36,6 +36,7 @@ from zorro_verl.integrations.transformers import (
     reset_layer_calls,
     uninstall_zorro,
 )
+from zorro_verl.integrations.verl.config import report_unsupported
 from zorro_verl.integrations.verl.engine_config import zorro_settings_of
 from zorro_verl.logprob import logprobs_from_logits, logprobs_from_logits_chunked, response_logprobs
 from zorro_verl.packing import build_plan
@@ -167,14 +168,7 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return None
 
     def _zorro_unsupported(self, reason: str) -> None:
-        msg = (f"zorro: unsupported setting: {reason}. Fix the setting, disable zorro "
-               "(fsdp_config.zorro.enable=false), or set fsdp_config.zorro.on_unsupported=warn to run the stock "
-               "forward for such batches (counted in zorro/fallback_batches).")
-        if self.zorro.on_unsupported == "raise":
-            raise ValueError(msg)
-        if reason not in self._zorro_warned:
-            self._zorro_warned.add(reason)
-            logger.warning(msg)
+        report_unsupported(self.zorro, reason, self._zorro_warned, logger)
 
     # ------------------------------------------------------------------ model
     def initialize(self):
