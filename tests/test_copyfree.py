@@ -151,3 +151,57 @@ def test_model_logprobs_and_grads_vs_per_row_oracle(variant, monkeypatch):
     assert (lp - lp_ref).abs().max().item() <= 1e-12
     err, name = max_rel_grad_error(g_ref, grads_of(model))
     assert err <= 1e-10, f"{name}: {err:.3e}"
+
+
+def _fa_fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+               window_size, softcap, alibi_slopes, return_softmax, block_table, leftpad_k=None, seqused_k=None):
+    o, lse, _ = PRIMS.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    return o, lse, None, "rng"
+
+
+def _fa_bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+    assert rng_state == "rng" and window_size == (-1, -1)
+    for d, g in zip((dq, dk, dv), PRIMS.bwd(dout, q, k, v, out, softmax_lse, None, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal)):
+        d.copy_(g)
+
+
+def _fa_fwd_27(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+               window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+               block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+    return _fa_fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, (window_size_left, window_size_right), softcap, alibi_slopes, return_softmax, None)
+
+
+def _fa_bwd_27(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+               deterministic, rng_state=None, zero_tensors=False):
+    _fa_bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
+               deterministic, rng_state)
+
+
+@pytest.mark.parametrize("fwd,bwd", [(_fa_fwd_26, _fa_bwd_26), (_fa_fwd_27, _fa_bwd_27)], ids=["fa2.6", "fa2.7"])
+def test_flash_attn_adapter_builds_the_calls_of_each_version(fwd, bwd, monkeypatch):
+    """The flash-attn 2 adapter (keyword names differ across 2.x) with stand-ins of those signatures that compute
+    with the torch primitives: the copy-free attention through it equals the dense oracle."""
+    import sys
+    import types
+
+    from zorro_verl.attention import varlen
+
+    fai = types.ModuleType("flash_attn.flash_attn_interface")
+    fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = fwd, bwd
+    fa = types.ModuleType("flash_attn")
+    fa.flash_attn_interface = fai
+    monkeypatch.setitem(sys.modules, "flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fai)
+    prims = varlen._flash_attn_primitives()
+    plan = build_plan(IDS, MASK, 3)
+    q, k, v = _qkv(plan, 4, 2)
+    w = torch.randn(1, plan.T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = _outputs_and_grads(dense_oracle, plan, q, k, v, w)
+    got = _outputs_and_grads(lambda *a: attend_copyfree(*a, prims=prims), plan, q, k, v, w)
+    for a, b in zip(ref, got):
+        assert (a - b).abs().max().item() <= TOL

@@ -196,11 +196,16 @@ def _flash_attn_primitives() -> VarlenPrimitives:
     from flash_attn import flash_attn_interface as fai
 
     f_fwd, f_bwd = fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward
-    fwd_params = set(inspect.signature(f_fwd).parameters)
-    bwd_params = set(inspect.signature(f_bwd).parameters)
+
+    def params_of(f) -> set:
+        # >= 2.7 wraps them in torch.library custom ops: read the original function's signature
+        return set(inspect.signature(getattr(f, "_init_fn", None) or getattr(f, "__wrapped__", None) or f).parameters)
+
+    fwd_params, bwd_params = params_of(f_fwd), params_of(f_bwd)
 
     def common(params, causal, scale):
-        kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0, "alibi_slopes": None}
+        kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0, "alibi_slopes": None,
+              "block_table": None}
         if "window_size" in params:
             kw["window_size"] = (-1, -1)
         else:
