@@ -145,6 +145,9 @@ def test_plan_properties(batch):
     assert p.G == len(first)
     assert p.T == sum(len(k) for k in first) + int(mask[:, Pw:].sum())
     assert p.ordinary_tokens == int(mask.sum())
+    resp_per_group = [sum(int(mask[b, Pw:].sum()) for b in range(B) if keys[b] == k) for k in first]
+    answered = [len(k) for k, n in zip(first, resp_per_group) if n > 0]
+    assert p.group_counts == (len(answered), max(resp_per_group), max(answered, default=0), sum(answered))
     # every valid token maps to a packed token with the same id and verl's position
     fi = p.full_index()
     pos = (mask.cumsum(1) - 1).clamp(min=0)

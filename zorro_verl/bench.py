@@ -109,12 +109,28 @@ MODEL_SHAPES = {
 }
 
 
+#: Hybrid (gated delta-net + full attention) shapes: Qwen3.5 dense text models, 3 linear-attention layers per full
+#: attention layer as in Qwen3.5 / Qwen3-Next.
+HYBRID_SHAPES = {
+    "hybrid-quick": dict(vocab_size=4096, hidden=256, heads=4, linear_k_heads=2, linear_v_heads=4,
+                         linear_head_dim=64, layer_types=("linear_attention",) * 3 + ("full_attention",)),
+}
+
+
 def build_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0):
-    """A randomly initialised Qwen3ForCausalLM of ``MODEL_SHAPES[shape]`` (from config, no download)."""
+    """A randomly initialised ``*ForCausalLM`` of ``MODEL_SHAPES[shape]`` (Qwen3) or ``HYBRID_SHAPES[shape]``
+    (Qwen3.5 text, gated delta-net layers), from a config (no download)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if shape in HYBRID_SHAPES:
+        from zorro_verl.testing import tiny_hybrid_config
+
+        cfg = tiny_hybrid_config("qwen3_5", **HYBRID_SHAPES[shape])
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
     if shape not in MODEL_SHAPES:
-        raise ValueError(f"--model: expected one of {sorted(MODEL_SHAPES)}, got {shape!r}.")
+        raise ValueError(f"--model: expected one of {sorted(MODEL_SHAPES) + sorted(HYBRID_SHAPES)}, got {shape!r}.")
     cfg = Qwen3Config(max_position_embeddings=40960, rope_theta=1000000.0, attention_dropout=0.0,
                       **MODEL_SHAPES[shape])
     cfg._attn_implementation = "sdpa"
@@ -124,17 +140,39 @@ def build_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------------------------------- FLOP model
+def _linear_attention_flops_per_token(cfg) -> int:
+    """Forward FLOPs per token of one gated delta-net token mixer (Qwen3.5 / Qwen3-Next), from the config:
+    the q/k/v/z/b/a and output projections, the depthwise causal conv, and the recurrent state update + readout
+    (per value head a ``[Dk, Dv]`` state: decay-and-correct, rank-1 update, query readout ~ 6 Dk Dv)."""
+    H = cfg.hidden_size
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_dim, value_dim = nk * dk, nv * dv
+    proj = H * (2 * key_dim + value_dim) + H * value_dim + 2 * H * nv + value_dim * H
+    conv = (2 * key_dim + value_dim) * cfg.linear_conv_kernel_dim
+    return 2 * (proj + conv) + 6 * nv * dk * dv
+
+
+#: Model types whose full-attention q_proj also produces a per-head output gate (twice the query width).
+_GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _mlp_flops_per_token(cfg) -> int:
+    """Forward FLOPs per token of one layer's MLP (dense SwiGLU, or the routed experts + router of an MoE)."""
+    H = cfg.hidden_size
+    if getattr(cfg, "num_experts", None):
+        return 2 * (cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts)
+    return 2 * 3 * H * cfg.intermediate_size
+
+
 def _linear_flops_per_token(cfg) -> int:
-    """Forward matmul FLOPs of one decoder layer per token (2 per multiply-add), from the config."""
+    """Forward matmul FLOPs of one full-attention decoder layer per token (2 per multiply-add), from the config:
+    the q/k/v/o projections and the MLP."""
     H = cfg.hidden_size
     D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    attn = H * Hq * D + 2 * H * Hkv * D + Hq * D * H
-    if getattr(cfg, "num_experts", None):
-        mlp = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts
-    else:
-        mlp = 3 * H * cfg.intermediate_size
-    return 2 * (attn + mlp)
+    q_out = 2 * Hq * D if cfg.model_type in _GATED_ATTENTION else Hq * D  # q_proj = query + output gate
+    return 2 * (H * q_out + 2 * H * Hkv * D + Hq * D * H) + _mlp_flops_per_token(cfg)
 
 
 def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int) -> dict:
@@ -150,7 +188,9 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
         everywhere), ``zorro``; each is linear + attention (+ head). Backward is taken as 2x forward, so the
         ratios hold for ``fwd`` and ``fwd_bwd`` alike.
     """
-    L = cfg.num_hidden_layers
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    L = types.count("full_attention")  # layers with quadratic attention
+    L_lin = types.count("linear_attention")  # gated delta-net layers: per-token cost only
     H, V = cfg.hidden_size, cfg.vocab_size
     D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
     per_pair = 4 * cfg.num_attention_heads * D  # QK^T and PV
@@ -166,6 +206,10 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
     head = 2 * H * V * N
     base = L * (lin * base_tokens + per_pair * base_pairs)
     zorro = L * (lin * z_tokens + per_pair * z_pairs)
+    if L_lin:
+        lin_layer = _linear_attention_flops_per_token(cfg) + _mlp_flops_per_token(cfg)
+        base += L_lin * lin_layer * base_tokens
+        zorro += L_lin * lin_layer * z_tokens
     return {"baseline": base + head, "baseline_full": base + 2 * H * V * base_tokens, "zorro": zorro + head,
             "baseline_tokens": base_tokens, "zorro_tokens": z_tokens, "N": N}
 
@@ -499,6 +543,7 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
                         "efficiency": speed / ideal,
                         # median of the per-run ratios of interleaved neighbours (robust to slow load drifts)
                         "speedup_paired": statistics.median(b / z for b, z in zip(times[base], times[z])),
+                        "efficiency_paired": statistics.median(b / z for b, z in zip(times[base], times[z])) / ideal,
                         "baseline_peak_mb": peak[base], "zorro_peak_mb": peak[z],
                         "mem_method": method, "baseline_tok_per_s": fl["baseline_tokens"] / med[base] * 1e3,
                         "zorro_tok_per_s": fl["zorro_tokens"] / med[z] * 1e3,
@@ -544,7 +589,12 @@ def _plan_check(sc: Scenario, runner: _Runner, backend: str, ck: _Clock, warmup:
 
 # ---------------------------------------------------------------------------------------------------- reporting
 def check_targets(rows: list[dict]) -> list[str]:
-    """The CPU targets of issue 3 on the rows given; returns a line per check ('PASS ...' / 'FAIL ...')."""
+    """The CPU targets of issue 3 on the rows given; returns a line per check ('PASS ...' / 'FAIL ...').
+
+    Speedups are judged on ``speedup_paired``, the median over runs of baseline/zorro time of the two neighbouring
+    (interleaved) runs: on a shared CPU host throughput drifts by tens of percent within seconds (the same matmul
+    loop measured 333-540 ms here), which moves a ratio of two medians taken seconds apart but cancels in each
+    pair. The ratio of medians is printed beside it."""
     out = []
     for r in rows:
         if r["mode"] == "plan":
@@ -555,19 +605,21 @@ def check_targets(rows: list[dict]) -> list[str]:
         if r["mode"] != "fwd_bwd" or r["baseline"] != "a2a":
             continue
         if r["G"] == r["B"]:
-            ok = r["speedup"] >= 1 / 1.05
-            out.append(f"{'PASS' if ok else 'FAIL'} no sharing: zorro/baseline time {1 / r['speedup']:.3f} <= 1.05 "
-                       f"({r['scenario']}, {r['backend']})")
+            ok = r["speedup_paired"] >= 1 / 1.05
+            out.append(f"{'PASS' if ok else 'FAIL'} no sharing: zorro/baseline time {1 / r['speedup_paired']:.3f} "
+                       f"<= 1.05 (paired; ratio of medians {1 / r['speedup']:.3f}) ({r['scenario']}, {r['backend']})")
         elif r["P"] / r["R"] >= 4 and r["n"] >= 4:
-            ok = r["efficiency"] >= 0.85
-            out.append(f"{'PASS' if ok else 'FAIL'} efficiency {r['efficiency']:.3f} >= 0.85 ({r['scenario']}, "
-                       f"P/R={r['P'] / r['R']:.0f}, n={r['n']:.0f}, {r['backend']})")
+            ok = r["efficiency_paired"] >= 0.85
+            out.append(f"{'PASS' if ok else 'FAIL'} efficiency {r['efficiency_paired']:.3f} >= 0.85 (paired; ratio of "
+                       f"medians {r['efficiency']:.3f}) ({r['scenario']}, P/R={r['P'] / r['R']:.0f}, "
+                       f"n={r['n']:.0f}, {r['backend']})")
     return out
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'scenario':>9} {'B':>3} {'G':>3} {'P':>5} {'R':>5} {'mode':>7} {'backend':>14} {'base':>4} "
-             f"{'base ms':>9} {'zorro ms':>9} {'speedup':>7} {'ideal':>6} {'eff':>5} {'base MB':>8} {'zorro MB':>8}"]
+             f"{'base ms':>9} {'zorro ms':>9} {'speedup':>7} {'ideal':>6} {'eff':>5} {'eff_p':>5} {'base MB':>8} "
+             f"{'zorro MB':>8}"]
     for r in rows:
         if r["mode"] == "plan":
             lines.append(f"{r['scenario']:>9} {r['B']:>3} {r['G']:>3} {r['P']:>5} {r['R']:>5} {'plan':>7} "
@@ -577,7 +629,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['scenario']:>9} {r['B']:>3} {r['G']:>3} {r['P']:>5} {r['R']:>5} {r['mode']:>7} "
                      f"{r['backend']:>14} {r['baseline']:>4} {r['baseline_ms']:9.1f} {r['zorro_ms']:9.1f} "
                      f"{r['speedup']:7.2f} {r['ideal_speedup']:6.2f} {r['efficiency']:5.2f} "
-                     f"{r['baseline_peak_mb']:8.0f} {r['zorro_peak_mb']:8.0f}")
+                     f"{r['efficiency_paired']:5.2f} {r['baseline_peak_mb']:8.0f} {r['zorro_peak_mb']:8.0f}")
     return "\n".join(lines)
 
 

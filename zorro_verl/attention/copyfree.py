@@ -36,7 +36,7 @@ def _cu(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def copyfree_index(plan: ZorroPlan) -> dict:
-    """Index set of the copy-free backend (cached in the plan; one host sync, once per micro-batch).
+    """Index set of the copy-free backend (cached in the plan; its sizes come from the plan: no host sync).
 
     * ``prompt_tokens [Np]``, ``cu_p [G+1] int32``, ``max_p``: the prompt call;
     * ``resp_tokens [N]`` (packed order: group-major, rows in order), ``cu_r [Bnz+1] int32``, ``max_r``: part B;
@@ -51,9 +51,8 @@ def copyfree_index(plan: ZorroPlan) -> dict:
         per_group = torch.zeros(plan.G, dtype=torch.long, device=dev).index_add_(0, plan.row_group,
                                                                                    plan.response_lens)  # [G]
         has = per_group > 0
-        ga = has.nonzero().flatten()  # [Ga]
-        p_has = torch.where(has, plan.prompt_lens, 0)
-        n_ga, max_qa, max_ka, np_a = torch.stack([has.sum(), per_group.max(), p_has.max(), p_has.sum()]).tolist()
+        n_ga, max_qa, max_ka, np_a = plan.group_counts
+        ga = torch.argsort((~has).to(torch.int8), stable=True)[:n_ga]  # [Ga] groups with responses, in order
         ka_index = None
         if n_ga < plan.G:
             starts = (torch.cumsum(plan.prompt_lens, 0) - plan.prompt_lens)[ga]  # offsets in prompt-token order

@@ -101,7 +101,9 @@ class ZorroPlan:
 
     Python ints (no host sync needed downstream): ``B, S, R, G, T, N, max_prompt_len, max_response_len,
     max_row_len, num_prompt_tokens, num_nonempty_responses, ordinary_tokens`` (tokens of the ordinary per-row
-    forward, ``sum_b P_b + r_b``), ``kv_total`` (keys of the varlen response call).
+    forward, ``sum_b P_b + r_b``), ``kv_total`` (keys of the varlen response call), ``group_counts`` (groups with
+    at least one response token, the most response tokens of a group, and the longest / total prompt of such
+    groups: the sizes of the copy-free response-to-prompt call).
 
     Tensors (all on the batch's device, int64 unless noted):
 
@@ -128,6 +130,7 @@ class ZorroPlan:
     num_nonempty_responses: int
     ordinary_tokens: int
     kv_total: int
+    group_counts: tuple
     backend: str
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -497,12 +500,15 @@ def build_plan(
     response_start[order] = seg_off[resp_seg_sorted]
 
     # Second (and last) sync: sizes of everything below.
+    group_resp = torch.zeros(G, dtype=torch.long, device=dev).index_add_(0, row_group, r_len)  # [G]
+    answered_prompts = torch.where(group_resp > 0, prompt_lens, 0)  # [G] prompts of groups with responses
     sizes = torch.stack([
         prompt_lens.sum(), r_len.sum(), prompt_lens.max(), r_len.max() if B else r_len.sum(),
         (p_len + r_len).max(), (r_len > 0).sum(), (p_len + r_len).sum(),
         (torch.where(r_len > 0, p_len + r_len, 0)).sum(),
+        (group_resp > 0).sum(), group_resp.max(), answered_prompts.max(), answered_prompts.sum(),
     ]).tolist()
-    Np, N, Pmax, Rmax, Lmax, Bnz, ordinary, kv_total = sizes
+    Np, N, Pmax, Rmax, Lmax, Bnz, ordinary, kv_total, Ga, max_group_resp, max_answered_p, answered_p = sizes
     T = Np + N
 
     # ---- packed tokens and positions
@@ -531,6 +537,7 @@ def build_plan(
     plan = ZorroPlan(
         B=B, S=S, R=R, G=G, T=T, N=N, max_prompt_len=Pmax, max_response_len=Rmax, max_row_len=Lmax,
         num_prompt_tokens=Np, num_nonempty_responses=Bnz, ordinary_tokens=ordinary, kv_total=kv_total,
+        group_counts=(Ga, max_group_resp, max_answered_p, answered_p),
         backend=backend,
         input_ids=packed_ids, position_ids=packed_pos, row_group=row_group, group_rep_row=group_rep_row,
         group_sizes=group_sizes, prompt_lens=prompt_lens, response_lens=r_len, row_prompt_lens=row_prompt_lens,
