@@ -97,15 +97,16 @@ def test_mha_tied_embeddings_and_shapes(model_kwargs):
     assert_equal(run_pair("qwen3", "sdpa", "none", 0.7, batch=batch_of(seed=3), model_kwargs=model_kwargs))
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])  # sdpa with G == B takes the row layout
 @pytest.mark.parametrize("B,G,P,R", [(5, 1, 9, 4), (4, 4, 6, 3), (7, 2, 1, 5), (6, 3, 10, 1), (3, 2, 8, 0)])
-def test_group_structures(B, G, P, R):
+def test_group_structures(B, G, P, R, backend):
     """G=1 (all share), G=B (no sharing), 1-token prompts, 1-token responses, zero-width responses."""
     batch = batch_of(B, G, P, R, seed=B * 10 + G)
     if R == 0:
         plan = build_plan(batch["input_ids"], batch["attention_mask"], 0)
         assert plan.N == 0
         return _zero_width(batch)
-    r = run_pair("qwen3", "eager", "none", 1.0, batch=batch)
+    r = run_pair("qwen3", backend, "none", 1.0, batch=batch)
     assert r["plan"].G == G
     assert_equal(r)
 
