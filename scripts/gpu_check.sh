@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks of zorro_verl on one CUDA GPU (made for an H200), offline, in under 8 minutes:
 #   1. which flash / flex kernels exist here (flash-attn may be absent: PyTorch's built-in flash kernels are used);
-#   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free and flex vs fp64 by the relative rule;
+#   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex and the hybrid (delta-net) models vs fp64
+#      by the relative rule;
 #   3. the GPU benchmark: bf16 Qwen3-0.6B-shaped model from config, scenarios (8,2,4096,512) and (16,1,8192,1024),
 #      fwd and fwd_bwd, zorro flash / flash_copyfree / flex vs the ordinary forward (response-only head and full
 #      logits), gradient checkpointing on.
@@ -45,7 +46,7 @@ print(','.join(b for b in available_backends(torch.device('cuda')) if b != 'sdpa
 echo "backends that will run: $BACKENDS"
 
 echo "== GPU tests"
-timeout 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+timeout 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_hybrid.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 echo "== GPU benchmark (bf16, qwen3-0.6b shape, backends $BACKENDS)"
