@@ -5,6 +5,8 @@ Errors are relative Frobenius norms ``|x - x64| / |x64|``. Skipped without CUDA 
 import pytest
 import torch
 
+from tests.test_attention import dense_oracle
+
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.cuda.is_available()
@@ -26,16 +28,6 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _available(b), reason=f
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
-
-
-def _dense64(plan, q, k, v, scaling):
-    """fp64 oracle on the packed row: softmax(q k^T s + mask) v with the plan's dense mask."""
-    hq, hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hkv, 1)
-    v = v.repeat_interleave(hq // hkv, 1)
-    s = (q @ k.transpose(-1, -2)) * scaling
-    s = s.masked_fill(~plan.dense_mask(), float("-inf"))
-    return (torch.softmax(s, -1) @ v).transpose(1, 2)  # [1, T, Hq, D]
 
 
 def _batch(B=8, G=3, P=160, R=48, seed=0):
@@ -67,7 +59,7 @@ def test_attention_bf16_vs_fp64_relative_rule(backend, hq, hkv, d):
     w = torch.randn(1, plan.T, hq, d, device="cuda", generator=g)
     scaling = d ** -0.5
     qs = [x.clone().requires_grad_(True) for x in (q64, k64, v64)]
-    ref_out = _dense64(plan, *qs, scaling)
+    ref_out = dense_oracle(plan, *qs, scaling)
     ref = (ref_out, *torch.autograd.grad((ref_out * w.double()).sum(), qs))
     bf = [x.to(torch.bfloat16) for x in (q64, k64, v64)]
     base = _run("sdpa", plan, *bf, w, scaling)  # the reference backend, run in bf16
