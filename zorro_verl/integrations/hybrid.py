@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing import ZorroPlan, require_plan
 from zorro_verl.recurrent import packed_causal_conv, packed_gated_delta_rule
 
 __all__ = [
@@ -171,12 +171,7 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
     Returns:
         ``[1, T, hidden]`` equal, token for token, to the module's output on each ordinary row ``[prompt|response]``.
     """
-    if zorro_plan is None:
-        raise ValueError("zorro linear attention: called without a plan (the `zorro_plan` kwarg is missing). Run the "
-                         "model through zorro_verl.integrations.transformers.zorro_forward, or uninstall zorro "
-                         "(uninstall_zorro(model)) for an ordinary forward.")
-    if not isinstance(zorro_plan, ZorroPlan):
-        raise TypeError(f"zorro_plan: expected a ZorroPlan, got {type(zorro_plan).__name__}.")
+    require_plan(zorro_plan, "zorro linear attention")
     if cache_params is not None:
         raise ValueError("zorro linear attention: got a cache; zorro runs training forwards. Call the model with "
                          "use_cache=False.")

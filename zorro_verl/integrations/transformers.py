@@ -22,7 +22,7 @@ import torch
 from zorro_verl.attention import attend
 from zorro_verl.integrations import hybrid
 from zorro_verl.logprob import response_logprobs
-from zorro_verl.packing import ZorroPlan, build_plan
+from zorro_verl.packing import ZorroPlan, build_plan, require_plan
 
 __all__ = [
     "ZORRO_ATTN_NAME",
@@ -76,12 +76,7 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Returns:
         ``([1, T, Hq, D], None)``.
     """
-    if zorro_plan is None:
-        raise ValueError("zorro attention: called without a plan (the `zorro_plan` kwarg is missing). Run the "
-                         "model through zorro_verl.integrations.transformers.zorro_forward, or uninstall zorro "
-                         "(uninstall_zorro(model)) for an ordinary forward.")
-    if not isinstance(zorro_plan, ZorroPlan):
-        raise TypeError(f"zorro_plan: expected a ZorroPlan, got {type(zorro_plan).__name__}.")
+    require_plan(zorro_plan, "zorro attention")
     if attention_mask is not None:
         raise ValueError("zorro attention: got an attention_mask; the model built a mask although zorro registers "
                          "none. Call the model without attention_mask (the plan carries the structure).")

@@ -1,5 +1,5 @@
 """Packing layer: grouping, the per-micro-batch plan, gather/scatter. Imports torch only."""
 
-from zorro_verl.packing.plan import ATTENTION_BACKENDS, ZorroPlan, build_plan
+from zorro_verl.packing.plan import ATTENTION_BACKENDS, ZorroPlan, build_plan, require_plan
 
-__all__ = ["ATTENTION_BACKENDS", "ZorroPlan", "build_plan"]
+__all__ = ["ATTENTION_BACKENDS", "ZorroPlan", "build_plan", "require_plan"]

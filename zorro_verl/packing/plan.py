@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ZorroPlan", "PlanCache", "build_plan", "ATTENTION_BACKENDS"]
+__all__ = ["ZorroPlan", "PlanCache", "build_plan", "require_plan", "ATTENTION_BACKENDS"]
 
 #: Names accepted for ``ZorroPlan.backend``.
 #: ``sdpa``/``eager``: the reference two-call attention with SDPA or explicit math;
@@ -352,6 +352,17 @@ class ZorroPlan:
         same_group = group[:, None] == group[None, :]
         visible = is_prompt[None, :] | (seg[:, None] == seg[None, :])
         return causal & same_group & visible
+
+
+def require_plan(plan, who: str) -> ZorroPlan:
+    """The ``zorro_plan`` kwarg a sequence mixer received: a :class:`ZorroPlan`, or a clear error naming ``who``."""
+    if plan is None:
+        raise ValueError(f"{who}: called without a plan (the `zorro_plan` kwarg is missing). Run the model through "
+                         "zorro_verl.integrations.transformers.zorro_forward, or uninstall zorro "
+                         "(uninstall_zorro(model)) for an ordinary forward.")
+    if not isinstance(plan, ZorroPlan):
+        raise TypeError(f"zorro_plan: expected a ZorroPlan, got {type(plan).__name__}.")
+    return plan
 
 
 def _check_tensor(name: str, t, ndim: int, dtypes: Optional[tuple] = None) -> None:
