@@ -24,9 +24,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["ZorroSettings", "report_unsupported", "SETTING_KEYS", "LOGITS_MODES", "ATTENTION_BACKEND_CHOICES",
-           "ON_UNSUPPORTED",
-           "resolve_attention_backend"]
+__all__ = ["ZorroSettings", "ZorroActorMixin", "report_unsupported", "SETTING_KEYS", "LOGITS_MODES",
+           "ATTENTION_BACKEND_CHOICES", "ON_UNSUPPORTED", "resolve_attention_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,3 +148,28 @@ def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log:
     if reason not in warned:
         warned.add(reason)
         log.warning(msg)
+
+
+class ZorroActorMixin:
+    """The zorro state both verl actors share (0.9 engine, 0.7 legacy actor): the settings, the static support
+    check (``_zorro_static_unsupported``, defined by each actor), warn-once bookkeeping and the chosen backend."""
+
+    def _zorro_setup(self, settings: "ZorroSettings", device_type: str) -> None:
+        self.zorro = settings
+        self._zorro_warned: set = set()
+        self._zorro_static_reason: Optional[str] = None
+        self._zorro_backend: Optional[str] = None
+        if not settings.enable:
+            return
+        self._zorro_static_reason = self._zorro_static_unsupported()
+        if self._zorro_static_reason is not None:
+            self._zorro_unsupported(self._zorro_static_reason)
+        else:
+            self._zorro_backend = settings.resolved_backend(device_type)
+
+    @property
+    def zorro_active(self) -> bool:
+        return self.zorro.enable and self._zorro_static_reason is None
+
+    def _zorro_unsupported(self, reason: str) -> None:
+        report_unsupported(self.zorro, reason, self._zorro_warned, logging.getLogger(type(self).__module__))

@@ -36,7 +36,7 @@ from zorro_verl.integrations.transformers import (
     reset_layer_calls,
     uninstall_zorro,
 )
-from zorro_verl.integrations.verl.config import report_unsupported
+from zorro_verl.integrations.verl.config import ZorroActorMixin
 from zorro_verl.integrations.verl.engine_config import zorro_settings_of
 from zorro_verl.logprob import logprobs_from_logits, logprobs_from_logits_chunked, response_logprobs
 from zorro_verl.packing import build_plan
@@ -106,32 +106,20 @@ def _to_verl_padded(nested: torch.Tensor, p: torch.Tensor, r: torch.Tensor, pw: 
     return out, row, col
 
 
-class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     """verl's FSDP LM engine with zorro's deduplicated forward (see module docstring)."""
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
-        self.zorro = zorro_settings_of(engine_config)
-        self._zorro_warned: set = set()
-        self._zorro_static_reason = None
-        self._zorro_backend = None
+        self._zorro_setup(zorro_settings_of(engine_config), get_device_name())
         if not self.zorro.enable:
             return
-        self._zorro_static_reason = self._zorro_static_unsupported()
-        if self._zorro_static_reason is not None:
-            self._zorro_unsupported(self._zorro_static_reason)
-        else:
-            self._zorro_backend = self.zorro.resolved_backend(get_device_name())
         logger.warning("zorro: FSDP engine active on rank %d (%s; backend=%s, logits=%s, on_unsupported=%s)",
                        self.rank, "deduplicated forward" if self._zorro_static_reason is None
                        else f"stock forward: {self._zorro_static_reason}", self._zorro_backend,
                        self.zorro.logits_optimization, self.zorro.on_unsupported)
 
     # ------------------------------------------------------------------ support checks
-    @property
-    def zorro_active(self) -> bool:
-        return self.zorro.enable and self._zorro_static_reason is None
-
     def _zorro_static_unsupported(self):
         if self.engine_config.ulysses_sequence_parallel_size > 1:
             return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
@@ -166,9 +154,6 @@ class ZorroFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
             return "3-D position ids (mrope)"
         return None
-
-    def _zorro_unsupported(self, reason: str) -> None:
-        report_unsupported(self.zorro, reason, self._zorro_warned, logger)
 
     # ------------------------------------------------------------------ model
     def initialize(self):

@@ -64,7 +64,7 @@ from zorro_verl.integrations.transformers import (
     reset_layer_calls,
     uninstall_zorro,
 )
-from zorro_verl.integrations.verl.config import report_unsupported
+from zorro_verl.integrations.verl.config import ZorroActorMixin
 from zorro_verl.integrations.verl.legacy_config import legacy_settings_of
 from zorro_verl.logprob import logprobs_from_logits, logprobs_from_logits_chunked
 from zorro_verl.packing import build_plan
@@ -117,7 +117,7 @@ def _split_groups(group: list[int], chunks: list[list[int]]) -> int:
     return sum(1 for s in owners.values() if len(s) > 1)
 
 
-class ZoRRoDataParallelPPOActor(DataParallelPPOActor):
+class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
     """verl 0.7 ``DataParallelPPOActor`` with zorro's deduplicated micro-batch forward (see the module docstring).
 
     Args:
@@ -129,20 +129,13 @@ class ZoRRoDataParallelPPOActor(DataParallelPPOActor):
 
     def __init__(self, config, actor_module: torch.nn.Module, actor_optimizer: Optional[torch.optim.Optimizer] = None):
         super().__init__(config, actor_module, actor_optimizer)
-        self.zorro = legacy_settings_of(config)
-        self._zorro_warned: set = set()
-        self._zorro_static_reason: Optional[str] = None
-        self._zorro_backend: Optional[str] = None
+        self._zorro_setup(legacy_settings_of(config), self.device_name)
         self._zorro_reset_counters()
         if not self.zorro.enable:
             return
-        self._zorro_static_reason = self._zorro_static_unsupported()
-        if self._zorro_static_reason is not None:
-            self._zorro_unsupported(self._zorro_static_reason)
-        else:
-            self._zorro_backend = self.zorro.resolved_backend(self.device_name)
-            # Probe-free: every forward checks one zorro attention call per attention layer (a probe would call
-            # submodules outside the FSDP root's forward).
+        if self.zorro_active:
+            # Probe-free: every forward checks one zorro call per attention / linear-attention layer (a probe
+            # would call submodules outside the FSDP root's forward).
             install_zorro(self.actor_module, probe=False)
         logger.warning("zorro: legacy actor (%s) %s; backend=%s, logits=%s, on_unsupported=%s",
                        "ref" if actor_optimizer is None else "actor",
@@ -150,10 +143,6 @@ class ZoRRoDataParallelPPOActor(DataParallelPPOActor):
                        self._zorro_backend, self.zorro.logits_optimization, self.zorro.on_unsupported)
 
     # ------------------------------------------------------------------ support checks
-    @property
-    def zorro_active(self) -> bool:
-        return self.zorro.enable and self._zorro_static_reason is None
-
     def _zorro_static_unsupported(self) -> Optional[str]:
         if self.ulysses_sequence_parallel_size > 1:
             return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
@@ -177,9 +166,6 @@ class ZoRRoDataParallelPPOActor(DataParallelPPOActor):
         if micro_batch["position_ids"].dim() == 3:
             return "3-D position ids (mrope)"
         return None
-
-    def _zorro_unsupported(self, reason: str) -> None:
-        report_unsupported(self.zorro, reason, self._zorro_warned, logger)
 
     # ------------------------------------------------------------------ counters -> metrics
     def _zorro_reset_counters(self) -> None:
