@@ -120,20 +120,24 @@ def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab
     raise ValueError(f"kind: expected 'qwen3' or 'qwen3_moe', got {kind!r}.")
 
 
+def _model_from_config(cfg, dtype: torch.dtype, seed: int, attn_implementation: str):
+    """``*ForCausalLM`` from ``cfg`` with the given attention, deterministic for ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    cfg._attn_implementation = attn_implementation
+    if hasattr(cfg, "num_experts") and dtype == torch.float64:
+        cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
 def tiny_model(kind: str = "qwen3", *, dtype: torch.dtype = torch.float64, seed: int = 0,
                attn_implementation: str = "sdpa", exact_norms: bool = True, **cfg_kwargs):
     """A randomly initialised ``*ForCausalLM`` from :func:`tiny_config`; deterministic for a given ``seed``.
 
     With ``exact_norms`` (default) RMSNorm modules keep fp64 in fp64 (see :func:`exact_fp64_norms`).
     """
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_config(kind, **cfg_kwargs)
-    cfg._attn_implementation = attn_implementation
-    if hasattr(cfg, "num_experts") and dtype == torch.float64:
-        cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = _model_from_config(tiny_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
     if exact_norms:
         exact_fp64_norms(model)
     return model
@@ -288,14 +292,7 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
 
     With ``exact`` (default) and fp64, :func:`exact_fp64_hybrid` makes the oracle keep fp64 end to end.
     """
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_hybrid_config(kind, **cfg_kwargs)
-    cfg._attn_implementation = attn_implementation
-    if hasattr(cfg, "num_experts") and dtype == torch.float64:
-        cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = _model_from_config(tiny_hybrid_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
     with torch.no_grad():  # random, not the zero/one init, so every parameter matters in the tests
         for p in model.parameters():
             if p.dim() == 1:
