@@ -88,6 +88,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _segment_scores(q, k, v, qs_range, ks_range, rep: int, acc: torch.dtype, scale: float, causal: bool):
+    """One (query segment, key segment) pair of the reference: ``qs [Hq, lq, D]``, ``ks/vs [Hq, lk, D]`` (kv heads
+    repeated), masked scores ``s [Hq, lq, lk]``, all in ``acc``."""
+    (a, b), (c, d) = qs_range, ks_range
+    qs = q[a:b].transpose(0, 1).to(acc)
+    ks = k[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
+    vs = v[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
+    s = qs @ ks.transpose(1, 2) * scale
+    m = _allowed(b - a, d - c, causal, q.device)
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf"))
+    return qs, ks, vs, s
+
+
 def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     Tq, Hq, D = q.shape
     rep = Hq // k.shape[1]
@@ -97,13 +111,7 @@ def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
         if b == a or d == c:
             continue
-        qs = q[a:b].transpose(0, 1).to(acc)  # [Hq, lq, D]
-        ks = k[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)  # [Hq, lk, D]
-        vs = v[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
-        s = qs @ ks.transpose(1, 2) * scale  # [Hq, lq, lk]
-        m = _allowed(b - a, d - c, causal, q.device)
-        if m is not None:
-            s = s.masked_fill(~m, float("-inf"))
+        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
         ls = torch.logsumexp(s, -1)  # [Hq, lq]
         p = torch.exp(s - ls[..., None]).nan_to_num(0.0)  # fully masked rows (lse = -inf) give 0
         out[a:b] = (p @ vs).transpose(0, 1).to(q.dtype)
@@ -121,15 +129,9 @@ def _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, 
     for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
         if b == a or d == c:
             continue
-        qs = q[a:b].transpose(0, 1).to(acc)  # [Hq, lq, D]
-        ks = k[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)  # [Hq, lk, D]
-        vs = v[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
+        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
         do = dout[a:b].transpose(0, 1).to(acc)  # [Hq, lq, D]
         o = out[a:b].transpose(0, 1).to(acc)
-        s = qs @ ks.transpose(1, 2) * scale
-        m = _allowed(b - a, d - c, causal, q.device)
-        if m is not None:
-            s = s.masked_fill(~m, float("-inf"))
         p = torch.exp(s - lse[:, a:b].to(acc)[..., None]).nan_to_num(0.0)  # [Hq, lq, lk] under the given lse
         delta = (do * o).sum(-1, keepdim=True)  # [Hq, lq, 1] = rowsum(dO * O) with the given (merged) O
         dp = do @ vs.transpose(1, 2)
