@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from zorro_verl.integrations import hybrid
+from zorro_verl.integrations.transformers import hybrid
 from zorro_verl.integrations.transformers import (
     _num_attention_layers,
     install_zorro,

@@ -134,7 +134,7 @@ def _report_fallback(plan: ZorroPlan, library: str, consequence: str, pip_name: 
                       "speed.", RuntimeWarning, stacklevel=3)
 
 
-def _projections(mod, h: torch.Tensor):
+def gated_deltanet_projections(mod, h: torch.Tensor):
     """Token-wise projections of the layer exactly as the model computes them.
 
     Args: h ``[1, T, hidden]``. Returns ``mixed_qkv [T, C]`` (conv input), ``z [T, H, Dv]``, ``b``, ``a [T, H]``.
@@ -150,7 +150,7 @@ def _projections(mod, h: torch.Tensor):
     return mixed[0], z.reshape(T, -1, mod.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
 
 
-def _log_decay(mod, a: torch.Tensor) -> torch.Tensor:
+def log_decay(mod, a: torch.Tensor) -> torch.Tensor:
     """``g = -exp(A_log) * softplus(a + dt_bias)`` ``[T, Hv]``, computed as the model does in fp32 for fp32 / bf16 /
     fp16 (``.float()`` keeps ``exp(A_log)`` finite in fp16). In fp64 it stays fp64, where the model would round
     ``a`` and ``A_log`` (and, in backward, their gradients) to fp32: that fp32 rounding of gradients summed in a
@@ -184,7 +184,7 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
                          f"got {tuple(hidden_states.shape)}.")
     plan._cache["recurrent_calls"] = plan._cache.get("recurrent_calls", 0) + 1
     T = plan.T
-    mixed, z, b, a = _projections(self, hidden_states)  # [T, C], [T, Hv, Dv], [T, Hv], [T, Hv]
+    mixed, z, b, a = gated_deltanet_projections(self, hidden_states)  # [T, C], [T, Hv, Dv], [T, Hv], [T, Hv]
     conv_fn = getattr(self, "causal_conv1d_fn", None)
     if hidden_states.is_cuda:
         if conv_fn is None:
@@ -200,7 +200,7 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
     k = k.reshape(T, -1, self.head_k_dim)
     v = v.reshape(T, -1, self.head_v_dim)  # [T, Hv, Dv]
     beta = b.sigmoid()
-    g = _log_decay(self, a)  # [T, Hv]
+    g = log_decay(self, a)  # [T, Hv]
     rep = self.num_v_heads // self.num_k_heads
     if rep > 1:
         q = q.repeat_interleave(rep, dim=1)

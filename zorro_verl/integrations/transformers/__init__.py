@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.attention import attend
-from zorro_verl.integrations import hybrid
+from zorro_verl.integrations.transformers import hybrid
 from zorro_verl.logprob import response_logprobs
 from zorro_verl.packing import ZorroPlan, build_plan, require_plan
 
