@@ -9,7 +9,7 @@ N="${ROLLOUT_N:-8}"
 
 # Loads the plugin at `import verl` in every process (the preset's actor_rollout_ref.model.external_lib does the
 # same inside the FSDP workers; either one is enough).
-export VERL_USE_EXTERNAL_MODULES=zorro_verl.integrations.verl.legacy_plugin
+export VERL_USE_EXTERNAL_MODULES=zorro_verl.integrations.verl.v07.plugin
 
 # Micro-batches hold whole groups when ppo_micro_batch_size_per_gpu is a multiple of rollout.n (fixed size) or with
 # use_dynamic_bsz (the token budget then counts each prompt once). With more than one GPU, trainer.balance_batch=true

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # verl 0.7.1 legacy-actor tests. verl 0.7.1 pins numpy<2, so it gets its own environment (.venv-verl07, built on
-# first use, reused after; VENV_VERL07 overrides the path). Runs tests/verl07 on CPU (gloo, one process).
+# first use, reused after; VENV_VERL07 overrides the path). Runs tests/integrations/verl/v07 on CPU (gloo, one process).
 # Usage: bash scripts/test_verl07.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,4 +47,4 @@ PY
   echo "built $VENV in $(( $(date +%s) - start )) s"
 fi
 
-exec "$PY" -m pytest tests/verl07 -q -p no:cacheprovider "$@"
+exec "$PY" -m pytest tests/integrations/verl/v07 -q -p no:cacheprovider "$@"

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     import sys
 
-    mod = sys.modules.get("tests.test_equivalence")
+    mod = sys.modules.get("tests.integrations.transformers.test_step")
     if mod is not None and any(mod.WORST.values()):
         worst = ", ".join(f"{k} {v:.2e}" for k, v in mod.WORST.items())
         terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny Qwen3/Qwen3-MoE), worst: {worst}")

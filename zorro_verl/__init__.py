@@ -1,12 +1,19 @@
 """zorro_verl: exact prompt-deduplicated forward/backward for GRPO/PPO training (split attention).
 
-The reference API (``api-reference.txt``): ``ZoRRoTrain``, ``ReconstructionInfo``, ``packed_ppo_policy_loss``,
-``DeduplicatedActor``, ``Qwen3ModelOncePatcher``, ``ModelOutput``; ``create_dummy_batch`` lives in
-``zorro_verl.testing``. The actor names import transformers on first access (lazy), keeping ``import zorro_verl``
-torch-only.
+The reference API's names: ``ZoRRoTrain``, ``ReconstructionInfo``, ``packed_ppo_policy_loss``,
+``DeduplicatedActor``, ``Qwen3ModelOncePatcher``, ``ModelOutput`` (``create_dummy_batch`` lives in
+``zorro_verl.testing``). ``import zorro_verl`` imports torch only; transformers is imported when a model is loaded
+or zorro is installed on one. Layout and design: docs/DESIGN.md.
 """
 
-from zorro_verl.api import ReconstructionInfo, ZoRRoTrain, packed_ppo_policy_loss
+from zorro_verl.api import (
+    DeduplicatedActor,
+    ModelOutput,
+    Qwen3ModelOncePatcher,
+    ReconstructionInfo,
+    ZoRRoTrain,
+    packed_ppo_policy_loss,
+)
 from zorro_verl.packing import ZorroPlan, build_plan
 
 __version__ = "0.1.0"
@@ -21,13 +28,3 @@ __all__ = [
     "ZorroPlan",
     "build_plan",
 ]
-
-_LAZY = {"DeduplicatedActor", "Qwen3ModelOncePatcher", "ModelOutput"}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        from zorro_verl.integrations import actor
-
-        return getattr(actor, name)
-    raise AttributeError(f"module 'zorro_verl' has no attribute {name!r}")

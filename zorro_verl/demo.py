@@ -18,7 +18,17 @@ import time
 import torch
 
 from zorro_verl.api import packed_ppo_policy_loss
+from zorro_verl.integrations.transformers import install_zorro, load_causal_lm, zorro_step
+from zorro_verl.logprob import LOGITS_MODES
 from zorro_verl.packing import build_plan
+from zorro_verl.testing import (
+    create_dummy_batch,
+    exact_fp64_norms,
+    grads_of,
+    max_rel_grad_error,
+    ordinary_logprobs_padded,
+    tiny_model,
+)
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4}
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -33,7 +43,7 @@ def _parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser
     p.add_argument("--response-len", "-R", type=int, default=32)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float64")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="kernel inside zorro's split attention")
-    p.add_argument("--logits", default="none", choices=["none", "compute", "memory"])
+    p.add_argument("--logits", default="none", choices=list(LOGITS_MODES), help="logits_optimization")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per path (median reported)")
     p.add_argument("--layers", type=int, default=4)
@@ -44,9 +54,6 @@ def _parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser
 
 
 def _model(args, dtype):
-    from zorro_verl.integrations.actor import load_causal_lm
-    from zorro_verl.testing import exact_fp64_norms, tiny_model
-
     if args.model:
         model = load_causal_lm(args.model, dtype=dtype)
         if dtype == torch.float64:
@@ -62,16 +69,11 @@ def _loss(lp, batch, valid, sel):
 
 
 def run(args) -> dict:
-    from zorro_verl.integrations.transformers import install_zorro, zorro_forward
-    from zorro_verl.testing import create_dummy_batch, grads_of, max_rel_grad_error, ordinary_logprobs_padded
-
     torch.manual_seed(args.seed)
     dtype = _DTYPES[args.dtype]
     ref = _model(args, dtype)
     zor = copy.deepcopy(ref)
     if dtype == torch.float64:  # deepcopy keeps the bound oracle methods pointing at `ref`: re-bind on the copy
-        from zorro_verl.testing import exact_fp64_norms
-
         exact_fp64_norms(zor)
     install_zorro(zor)
     ref.train()
@@ -96,10 +98,9 @@ def run(args) -> dict:
 
     def zorro():
         zor.zero_grad(set_to_none=True)
-        plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"],
-                          backend=args.attn)
-        lp, ent = zorro_forward(zor, plan, temperature=args.temperature, calculate_entropy=True,
-                                logits_mode=args.logits)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"])
+        lp, ent = zorro_step(zor, plan, backend=args.attn, temperature=args.temperature, calculate_entropy=True,
+                             logits_optimization=args.logits)
         _loss(lp, batch, valid, sel).backward()
         return lp.detach(), ent.detach(), plan
 

@@ -1,4 +1,5 @@
-"""Copy-free varlen split attention (DESIGN §2): no per-response copy of the prompt's K/V.
+"""Backend ``flash_copyfree``: varlen split attention without a per-response copy of the prompt's K/V
+(docs/DESIGN.md §2).
 
 Three varlen calls over the packed row's tokens, permuted (O(T) copies) but never duplicated::
 
@@ -12,8 +13,8 @@ Backward is exact without differentiating through ``lse``: each part's kernel ba
 **merged** ``o`` and ``lse`` (it recomputes ``P = exp(S - lse)``, the merged probabilities restricted to its keys,
 and ``rowsum(dO * o)``), and the parts' ``dq`` are summed — the ring-attention trick.
 
-The kernels are pluggable :class:`~zorro_verl.attention.varlen.VarlenPrimitives`: flash kernels on GPU, the plain
-torch reference (:func:`~zorro_verl.attention.varlen.torch_primitives`) in the CPU fp64 tests.
+The kernels are pluggable :class:`~zorro_verl.attention.primitives.VarlenPrimitives`: flash kernels on GPU, the plain
+torch reference (:func:`~zorro_verl.attention.primitives.torch_primitives`) in the CPU fp64 tests.
 """
 
 from __future__ import annotations
@@ -22,21 +23,24 @@ from typing import Optional
 
 import torch
 
-from zorro_verl.attention.varlen import VarlenPrimitives, _check_gpu, flash_primitives
+from zorro_verl.attention.base import Backend
+from zorro_verl.attention.primitives import (
+    VarlenPrimitives,
+    check_flash_inputs,
+    flash_available,
+    flash_primitives,
+)
+from zorro_verl.attention.varlen import varlen_index
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.segments import cu_seqlens, excl_cumsum, segments_to_tokens
 
-__all__ = ["attend_copyfree", "copyfree_index", "merge_attention"]
+__all__ = ["BACKEND", "attend_copyfree", "copyfree_index", "merge_attention"]
 
-
-def _cu(lengths: torch.Tensor) -> torch.Tensor:
-    """``[n] int64 -> [n+1] int32`` with a leading zero (flash-attn ``cu_seqlens``)."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    out[1:] = torch.cumsum(lengths, 0).to(torch.int32)
-    return out
 
 
 def copyfree_index(plan: ZorroPlan) -> dict:
-    """Index set of the copy-free backend (cached in the plan; its sizes come from the plan: no host sync).
+    """Index set of the copy-free backend (memoised in the plan under ``"flash_copyfree"``; its sizes come from
+    the plan: no host sync).
 
     * ``prompt_tokens [Np]``, ``cu_p [G+1] int32``, ``max_p``: the prompt call;
     * ``resp_tokens [N]`` (packed order: group-major, rows in order), ``cu_r [Bnz+1] int32``, ``max_r``: part B;
@@ -46,7 +50,7 @@ def copyfree_index(plan: ZorroPlan) -> dict:
     """
 
     def build():
-        v = plan.varlen_index()
+        v = varlen_index(plan)  # the prompt call and part B are the gather design's calls
         dev = plan.device
         per_group = torch.zeros(plan.G, dtype=torch.long, device=dev).index_add_(0, plan.row_group,
                                                                                    plan.response_lens)  # [G]
@@ -55,18 +59,17 @@ def copyfree_index(plan: ZorroPlan) -> dict:
         ga = torch.argsort((~has).to(torch.int8), stable=True)[:n_ga]  # [Ga] groups with responses, in order
         ka_index = None
         if n_ga < plan.G:
-            starts = (torch.cumsum(plan.prompt_lens, 0) - plan.prompt_lens)[ga]  # offsets in prompt-token order
-            lens = plan.prompt_lens[ga]
-            seg = torch.repeat_interleave(torch.arange(n_ga, device=dev), lens, output_size=np_a)
-            ka_index = starts[seg] + torch.arange(np_a, device=dev) - (torch.cumsum(lens, 0) - lens)[seg]
+            starts = excl_cumsum(plan.prompt_lens)[ga]  # offsets in prompt-token order
+            ka_index = segments_to_tokens(starts, plan.prompt_lens[ga], np_a)
         return {
             "prompt_tokens": v["prompt_token_index"], "cu_p": v["cu_seqlens_prompt"], "max_p": v["max_seqlen_prompt"],
             "resp_tokens": v["resp_q_index"], "cu_r": v["cu_seqlens_q"], "max_r": v["max_seqlen_q"],
-            "cu_qa": _cu(per_group[ga]), "cu_ka": _cu(plan.prompt_lens[ga]), "max_qa": max_qa, "max_ka": max_ka,
+            "cu_qa": cu_seqlens(per_group[ga]), "cu_ka": cu_seqlens(plan.prompt_lens[ga]),
+            "max_qa": max_qa, "max_ka": max_ka,
             "ka_index": ka_index,
         }
 
-    return plan._cached("copyfree", build)
+    return plan.memo.get("flash_copyfree", build)
 
 
 def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
@@ -148,12 +151,16 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
 
     ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only); tests pass
-    :func:`~zorro_verl.attention.varlen.torch_primitives` to run the same logic on CPU in fp64.
+    :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same logic on CPU in fp64.
     """
     if prims is None:
-        _check_gpu("flash_copyfree", query)
+        check_flash_inputs("flash_copyfree", query)
         prims = flash_primitives()
     ix = copyfree_index(plan)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = _CopyFreeAttention.apply(q, k, v, ix, plan.N, scaling, prims)  # [T, Hq, D]
     return out.unsqueeze(0)
+
+
+BACKEND = Backend("flash_copyfree", attend_copyfree, copyfree_index, flash_available,
+                  "flash varlen, prompt and own parts merged by log-sum-exp; no K/V copies (CUDA, fp16/bf16)")

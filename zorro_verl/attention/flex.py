@@ -1,24 +1,27 @@
-"""FlexAttention split attention: one call on the packed row with a block mask built from the plan.
+"""Backend ``flex``: FlexAttention split attention, one call on the packed row with a block mask built from the
+plan (docs/DESIGN.md §2).
 
 ``mask(q, kv) = kv <= q  &  group[q] == group[kv]  &  (is_prompt[kv] | segment[q] == segment[kv])``
 
 (for a response query every prompt key of its group precedes it, so ``kv <= q`` keeps "all of the prompt").
-On CUDA the kernel is compiled once per process; on CPU flex runs its unfused forward (no backward there).
+On CUDA the kernel is compiled once per process; on CPU flex runs its unfused forward only (no backward there,
+so ``available`` is False on CPU; the forward still runs for tests).
 """
 
 from __future__ import annotations
 
 import torch
 
+from zorro_verl.attention.base import Backend
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["attend_flex", "block_mask_for"]
+__all__ = ["BACKEND", "attend_flex", "block_mask_for"]
 
 _COMPILED = None
 
 
 def block_mask_for(plan: ZorroPlan):
-    """The plan's ``BlockMask`` over ``[T, T]``, built once per plan and cached in it."""
+    """The plan's ``BlockMask`` over ``[T, T]`` (memoised in the plan under ``"flex"``)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
@@ -31,7 +34,7 @@ def block_mask_for(plan: ZorroPlan):
 
         return create_block_mask(mask_mod, None, None, plan.T, plan.T, device=plan.device)
 
-    return plan._cached("flex_block_mask", build)
+    return plan.memo.get("flex", build)
 
 
 def _flex(device: torch.device):
@@ -50,9 +53,21 @@ def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: 
                 scaling: float) -> torch.Tensor:
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
     if query.device.type == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad):
-        raise ValueError("attention backend 'flex': FlexAttention has no backward on CPU. Use "
-                         "attn_implementation='sdpa' for training on CPU, or run flex on CUDA.")
+        raise ValueError("attention backend 'flex': FlexAttention has no backward on CPU. Use attention backend "
+                         "'sdpa' (attn_implementation='sdpa') for training on CPU, or run flex on CUDA.")
     out = _flex(query.device)(query, key, value, block_mask=block_mask_for(plan), scale=scaling,
              enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2)
 
+
+
+def _available(device: torch.device) -> bool:
+    if torch.device(device).type != "cuda":
+        return False  # forward only on CPU
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+BACKEND = Backend("flex", attend_flex, block_mask_for, _available,
+                  "FlexAttention with a block mask from the plan (compiled once on CUDA; CPU: forward only)")

@@ -1,4 +1,5 @@
-"""Reference split attention: two dense calls on padded per-group / per-response blocks (CPU and GPU, any dtype).
+"""Backends ``sdpa`` and ``eager``: the reference split attention, two dense calls on padded per-group /
+per-response blocks (CPU and GPU, any dtype; docs/DESIGN.md §2).
 
 ::
 
@@ -9,8 +10,10 @@
 Memory is ``O(G Pmax^2 + B Rmax (Pmax + Rmax))`` scores — never ``T^2`` over the micro-batch. The gather
 ``k_prompt[row_group]`` sums the n responses' gradients into the single prompt copy.
 
-``math="sdpa"`` uses ``torch.nn.functional.scaled_dot_product_attention``; ``math="eager"`` is explicit
-matmul/softmax that keeps fp64 in fp64 (transformers' own eager path upcasts to fp32 only, losing fp64).
+``sdpa`` uses ``torch.nn.functional.scaled_dot_product_attention``; ``eager`` is explicit matmul/softmax that keeps
+fp64 in fp64 (transformers' own eager path upcasts to fp32 only, losing fp64). With no shared prompt (``G == B``)
+``sdpa`` takes the row layout of the ``standard`` backend: the same attention with one unmasked causal call and
+fewer copies (measured ~10% faster on CPU there).
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zorro_verl.attention.base import Backend, always
+from zorro_verl.attention.standard import attend_standard
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.segments import scatter_valid
 
-__all__ = ["attend_reference", "attend_standard", "dense_attention"]
+__all__ = ["SDPA", "EAGER", "attend_reference", "dense_attention", "reference_index"]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
@@ -98,19 +104,31 @@ class _FromBlocks(torch.autograd.Function):
         return dp, dr, None, None, None, None, None
 
 
-def _layout(plan: ZorroPlan) -> dict:
-    """Flat index sets of the reference backend (cached in the plan). Slots of the prompt blocks ``[G*Pmax]``, of
-    the response query blocks ``[B*Rmax]`` and of the response key blocks ``[B*(Pmax+Rmax)]`` (= per response
-    ``[its prompt ; itself]``): ``*_src`` the packed row each slot reads (pads: 0), ``*_dst`` the same with pads ->
-    ``T``, ``pad_*`` the pad flags of the slots (no host sync: masks, not positions)."""
+def reference_index(plan: ZorroPlan) -> dict:
+    """Index set of the reference backends (memoised in the plan under ``"reference"``; no host sync: masks, not
+    positions). Slots of the prompt blocks ``[G*Pmax]``, of the response query blocks ``[B*Rmax]`` and of the
+    response key blocks ``[B*(Pmax+Rmax)]`` (= per response ``[its prompt ; itself]``):
+
+    * ``p_src``, ``r_src``, ``kv_src``: the packed row each slot reads (pads: 0); ``p_dst``, ``r_dst``, ``kv_dst``:
+      the same with pads -> ``T`` (their gradients are dropped); ``p_pad``, ``r_pad``: the pad flags;
+    * ``response_mask [B, 1, Rmax, Pmax + Rmax] bool``: key ``j < P_g`` of the prompt slot, or own key ``k <= q``;
+    * ``out_index [T]``: position of each packed token in ``cat(prompt slots, response query slots)``.
+    """
 
     def build():
-        idx = plan.padded_index()
-        pi, ri = idx["prompt_index"], idx["response_index"]  # [G, Pmax], [B, Rmax]
-        Pm, Rm, T = plan.max_prompt_len, plan.max_response_len, plan.T
         dev = plan.device
-        p_valid = torch.arange(Pm, device=dev)[None, :] < plan.prompt_lens[:, None]  # [G, Pmax]
-        r_valid = torch.arange(Rm, device=dev)[None, :] < plan.response_lens[:, None]  # [B, Rmax]
+        G, B, T, Pm, Rm = plan.G, plan.B, plan.T, plan.max_prompt_len, plan.max_response_len
+        ar_p = torch.arange(Pm, device=dev)
+        ar_r = torch.arange(Rm, device=dev)
+        p_valid = ar_p[None, :] < plan.prompt_lens[:, None]  # [G, Pmax]
+        r_valid = ar_r[None, :] < plan.response_lens[:, None]  # [B, Rmax]
+        pi = torch.where(p_valid, plan.prompt_start[:, None] + ar_p[None, :], 0)  # [G, Pmax]
+        ri = torch.where(r_valid, plan.response_start[:, None] + ar_r[None, :], 0)  # [B, Rmax]
+        key_prompt = (ar_p[None, None, :] < plan.row_prompt_lens[:, None, None]).expand(B, Rm, Pm)
+        key_own = (ar_r[None, :] <= ar_r[:, None])[None].expand(B, Rm, Rm)  # [B, Rmax(q), Rmax(k)]
+        slots = torch.arange(G * Pm + B * Rm, device=dev)
+        out_index = scatter_valid(T, torch.cat([pi.flatten(), ri.flatten()]),
+                                  torch.cat([p_valid.flatten(), r_valid.flatten()]), slots)
         kv_src = torch.cat([pi[plan.row_group], ri], 1).flatten()  # [B*(Pmax+Rmax)]
         kv_valid = torch.cat([p_valid[plan.row_group], r_valid], 1).flatten()
         p_src, r_src = pi.flatten(), ri.flatten()
@@ -118,17 +136,18 @@ def _layout(plan: ZorroPlan) -> dict:
         return {
             "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": ~p_valid,
             "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": ~r_valid,
-            "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T), "response_mask": idx["response_mask"],
-            "out_index": idx["out_index"],
+            "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T),
+            "response_mask": torch.cat([key_prompt, key_own], dim=2)[:, None],  # [B, 1, Rmax, Pmax+Rmax]
+            "out_index": out_index,
         }
 
-    return plan._cached("reference_layout", build)
+    return plan.memo.get("reference", build)
 
 
 def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float, math: str = "sdpa") -> torch.Tensor:
     """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
-    lay = _layout(plan)
+    lay = reference_index(plan)
     G, B, T, Pm, Rm = plan.G, plan.B, plan.T, plan.max_prompt_len, plan.max_response_len
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[3]
     rows = lambda x: _tokens_first(x).reshape(T, -1)  # noqa: E731  [1, H, T, D] -> [T, H*D] (a view if possible)
@@ -151,14 +170,19 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
     return out.view(1, T, Hq, D)
 
 
-def attend_standard(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """"Standard QKV" mode: Q/K/V projected on dedup tokens, expanded to full rows ``[B, Lmax]``, one ordinary
-    causal call (SDPA). ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
-    idx = plan.row_index()
-    q, k, v = _tokens_first(query), _tokens_first(key), _tokens_first(value)
-    ri = idx["row_index"]  # [B, Lmax]
-    out = dense_attention(q[ri].transpose(1, 2), k[ri].transpose(1, 2), v[ri].transpose(1, 2), scaling,
-                          causal=True, math="sdpa")  # [B, Hq, Lmax, D]
-    out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[idx["out_index"]]  # [T, Hq, D]
-    return out.unsqueeze(0)
+def _attend_sdpa(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    if plan.G == plan.B:  # no shared prompt: the row layout is the same attention with one causal call
+        return attend_standard(plan, query, key, value, scaling)
+    return attend_reference(plan, query, key, value, scaling, math="sdpa")
+
+
+def _attend_eager(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    return attend_reference(plan, query, key, value, scaling, math="eager")
+
+
+SDPA = Backend("sdpa", _attend_sdpa, reference_index, always,
+               "reference: two padded SDPA calls (prompt blocks, responses vs [prompt ; itself]); any device/dtype")
+EAGER = Backend("eager", _attend_eager, reference_index, always,
+                "reference with explicit matmul/softmax (fp64 kept in fp64); any device/dtype")

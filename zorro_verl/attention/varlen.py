@@ -1,4 +1,4 @@
-"""Varlen split attention (GPU flash kernels), the two-call gather design of DESIGN §2, over pluggable primitives.
+"""Backend ``flash``: varlen split attention with flash kernels, the two-call gather design (docs/DESIGN.md §2).
 
 ::
 
@@ -7,315 +7,82 @@
                          causal=True — flash kernels align the causal mask bottom-right when
                          seqlen_k > seqlen_q, which is exactly "all of the prompt + own prefix".
 
-The gather of prompt K/V per response is differentiable (index backward sums into the one prompt copy).
-
-**Primitives.** Both this backend and the copy-free one (:mod:`.copyfree`) are written over two functions
-(:class:`VarlenPrimitives`), flash-attn vocabulary (``cu_seqlens`` int32 ``[n+1]``, ``max_seqlen`` Python ints):
-
-* ``fwd(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, scale, causal) -> (out [Tq, Hq, D],
-  lse [Hq, Tq] fp32, state)``;
-* ``bwd(dout, q, k, v, out, lse [Hq, Tq], state, cu_q, cu_k, max_q, max_k, scale, causal) -> (dq, dk, dv)``
-  — the gradient of the attention whose softmax statistics are ``out``/``lse`` (which may be merged ones).
-
-Providers: ``flash_attn`` (flash-attn 2's internal varlen fwd/bwd, imported lazily), ``torch`` (PyTorch's built-in
-flash kernels, ``aten::_flash_attention_forward/backward``, CUDA sm80+; used when flash-attn is not installed, with
-a one-time warning) and :func:`torch_primitives` (plain torch math per segment, any device and dtype incl. fp64:
-the reference the tests plug in on CPU). ``ZORRO_FLASH_PROVIDER=flash_attn|torch`` forces one.
+The gather of prompt K/V per response is differentiable (index backward sums into the one prompt copy). The
+kernels are pluggable :class:`~zorro_verl.attention.primitives.VarlenPrimitives` (flash kernels on GPU, the
+plain-torch reference in the CPU fp64 tests).
 """
 
 from __future__ import annotations
 
-import inspect
-import os
-import warnings
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from zorro_verl.attention.base import Backend
+from zorro_verl.attention.primitives import (
+    VarlenPrimitives,
+    check_flash_inputs,
+    flash_available,
+    flash_primitives,
+    varlen_attention,
+)
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.segments import cu_seqlens, segments_to_tokens
 
-__all__ = ["attend_varlen", "load_flash_varlen", "VarlenPrimitives", "flash_primitives", "flash_provider",
-           "torch_primitives", "varlen_attention"]
-
-_FLASH_FN = None
-_PRIMS: dict = {}
-_WARNED: set = set()
+__all__ = ["BACKEND", "attend_varlen", "varlen_index"]
 
 
-def load_flash_varlen():
-    """Return ``flash_attn_varlen_func`` from flash-attn 3 (``flash_attn_interface``) or 2 (``flash_attn``)."""
-    global _FLASH_FN
-    if _FLASH_FN is None:
-        try:
-            from flash_attn_interface import flash_attn_varlen_func  # flash-attn 3 (Hopper)
-        except ImportError:
-            try:
-                from flash_attn import flash_attn_varlen_func
-            except ImportError as e:
-                raise ImportError(
-                    "attention backend 'flash' needs flash-attn: install the extra `pip install zorro-verl[flash]` "
-                    "(CUDA only), or choose attn_implementation='sdpa' / 'flex_attention'.") from e
-        _FLASH_FN = flash_attn_varlen_func
-    return _FLASH_FN
+def varlen_index(plan: ZorroPlan) -> dict:
+    """Index set of the gather design (memoised in the plan under ``"flash"``).
 
+    * call 1 (prompts, causal): ``prompt_token_index [Np]``, ``cu_seqlens_prompt [G+1] int32``,
+      ``max_seqlen_prompt`` (int);
+    * call 2 (each non-empty response vs ``[its prompt ; itself]``, causal bottom-right):
+      ``resp_q_index [N]`` (packed order), ``resp_kv_index [K]``, ``cu_seqlens_q [Bnz+1] int32``,
+      ``cu_seqlens_k [Bnz+1] int32``, ``max_seqlen_q``, ``max_seqlen_k`` (ints);
+    * ``out_index [T]``: each packed token's place in ``cat(out_call1 [Np], out_call2 [N])``.
+    """
 
-@dataclass(frozen=True)
-class VarlenPrimitives:
-    """A varlen attention forward returning the softmax log-sum-exp, and its backward (see the module doc)."""
+    def build():
+        dev = plan.device
+        prompt_tok = segments_to_tokens(plan.prompt_start, plan.prompt_lens, plan.num_prompt_tokens)
+        rows = plan.nonempty_rows()  # [Bnz] packed order
+        r = plan.response_lens[rows]
+        p = plan.row_prompt_lens[rows]
+        resp_tok = segments_to_tokens(plan.response_start[rows], r, plan.N)
+        # K/V segments per response: [prompt of its group (p) ; its own tokens (r)].
+        starts = torch.stack([plan.prompt_start[plan.row_group[rows]], plan.response_start[rows]], 1).flatten()
+        kv_tok = segments_to_tokens(starts, torch.stack([p, r], 1).flatten(), plan.kv_total)
+        out_index = torch.empty(plan.T, dtype=torch.long, device=dev)
+        out_index[prompt_tok] = torch.arange(plan.num_prompt_tokens, device=dev)
+        out_index[resp_tok] = plan.num_prompt_tokens + torch.arange(plan.N, device=dev)
+        return {
+            "prompt_token_index": prompt_tok,
+            "cu_seqlens_prompt": cu_seqlens(plan.prompt_lens),
+            "max_seqlen_prompt": plan.max_prompt_len,
+            "resp_q_index": resp_tok,
+            "resp_kv_index": kv_tok,
+            "cu_seqlens_q": cu_seqlens(r),
+            "cu_seqlens_k": cu_seqlens(p + r),
+            "max_seqlen_q": plan.max_response_len,
+            "max_seqlen_k": plan.max_row_len,
+            "out_index": out_index,
+        }
 
-    name: str
-    fwd: Callable
-    bwd: Callable
-
-
-# ------------------------------------------------------------------------------------------ torch reference math
-def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
-    c = cu.tolist()  # host sync: reference implementation only
-    return list(zip(c[:-1], c[1:]))
-
-
-def _allowed(lq: int, lk: int, causal: bool, device) -> Optional[torch.Tensor]:
-    """``[lq, lk]`` bool, bottom-right aligned causal (query i sees key j iff j <= i + lk - lq), or None."""
-    if not causal:
-        return None
-    i = torch.arange(lq, device=device)[:, None]
-    j = torch.arange(lk, device=device)[None, :]
-    return j <= i + (lk - lq)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _segment_scores(q, k, v, qs_range, ks_range, rep: int, acc: torch.dtype, scale: float, causal: bool):
-    """One (query segment, key segment) pair of the reference: ``qs [Hq, lq, D]``, ``ks/vs [Hq, lk, D]`` (kv heads
-    repeated), masked scores ``s [Hq, lq, lk]``, all in ``acc``."""
-    (a, b), (c, d) = qs_range, ks_range
-    qs = q[a:b].transpose(0, 1).to(acc)
-    ks = k[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
-    vs = v[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
-    s = qs @ ks.transpose(1, 2) * scale
-    m = _allowed(b - a, d - c, causal, q.device)
-    if m is not None:
-        s = s.masked_fill(~m, float("-inf"))
-    return qs, ks, vs, s
-
-
-def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-    Tq, Hq, D = q.shape
-    rep = Hq // k.shape[1]
-    acc = _acc_dtype(q.dtype)
-    out = q.new_zeros(Tq, Hq, v.shape[2])
-    lse = torch.full((Hq, Tq), float("-inf"), dtype=acc, device=q.device)
-    for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
-        if b == a or d == c:
-            continue
-        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
-        ls = torch.logsumexp(s, -1)  # [Hq, lq]
-        p = torch.exp(s - ls[..., None]).nan_to_num(0.0)  # fully masked rows (lse = -inf) give 0
-        out[a:b] = (p @ vs).transpose(0, 1).to(q.dtype)
-        lse[:, a:b] = ls
-    return out, lse, None
-
-
-def _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
-    Hq, Hkv = q.shape[1], k.shape[1]
-    rep = Hq // Hkv
-    acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
-        if b == a or d == c:
-            continue
-        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
-        do = dout[a:b].transpose(0, 1).to(acc)  # [Hq, lq, D]
-        o = out[a:b].transpose(0, 1).to(acc)
-        p = torch.exp(s - lse[:, a:b].to(acc)[..., None]).nan_to_num(0.0)  # [Hq, lq, lk] under the given lse
-        delta = (do * o).sum(-1, keepdim=True)  # [Hq, lq, 1] = rowsum(dO * O) with the given (merged) O
-        dp = do @ vs.transpose(1, 2)
-        ds = p * (dp - delta)
-        dq[a:b] += (ds @ ks).transpose(0, 1) * scale
-        dk_h = (ds.transpose(1, 2) @ qs) * scale  # [Hq, lk, D] -> sum over the q heads of each kv head
-        dv_h = p.transpose(1, 2) @ do
-        dk[c:d] += dk_h.view(Hkv, rep, d - c, -1).sum(1).transpose(0, 1)
-        dv[c:d] += dv_h.view(Hkv, rep, d - c, -1).sum(1).transpose(0, 1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def torch_primitives() -> VarlenPrimitives:
-    """Plain-torch varlen primitives (a loop over segments, fp32 softmax for half dtypes, fp64 kept): the
-    reference the copy-free and gather logic are tested with on CPU."""
-    return VarlenPrimitives("torch_reference", _torch_fwd, _torch_bwd)
-
-
-# ------------------------------------------------------------------------------------------ GPU providers
-def _lse_to_flat(lse: torch.Tensor, cu: torch.Tensor, Tq: int) -> torch.Tensor:
-    """A kernel's lse -> ``[Hq, Tq]`` fp32: unpadded kernels return that already; older ones ``[n, Hq, max_q]``."""
-    if lse.dim() == 2 and lse.shape[1] == Tq:
-        return lse
-    n = cu.numel() - 1
-    seg = torch.repeat_interleave(torch.arange(n, device=cu.device), (cu[1:] - cu[:-1]).long(), output_size=Tq)
-    local = torch.arange(Tq, device=cu.device) - cu.long()[seg]
-    return lse[seg, :, local].transpose(0, 1)
-
-
-def _lse_from_flat(flat: torch.Tensor, like: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_lse_to_flat` into the kernel's own layout ``like``."""
-    Tq = flat.shape[1]
-    if like.dim() == 2 and like.shape[1] == Tq:
-        return flat.contiguous()
-    n = cu.numel() - 1
-    seg = torch.repeat_interleave(torch.arange(n, device=cu.device), (cu[1:] - cu[:-1]).long(), output_size=Tq)
-    local = torch.arange(Tq, device=cu.device) - cu.long()[seg]
-    out = torch.zeros_like(like)
-    out[seg, :, local] = flat.transpose(0, 1)
-    return out
-
-
-def _aten_primitives() -> VarlenPrimitives:
-    """PyTorch's built-in flash kernels (FlashAttention-2 inside ATen), CUDA only."""
-    ops = torch.ops.aten
-
-    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        out, lse, rng, unused, _ = ops._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
-        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng, unused)
-
-    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
-        like, rng, unused = state
-        dq, dk, dv = ops._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), cu_q, cu_k, max_q, max_k, 0.0, causal,
-            rng, unused, scale=scale)
-        return dq, dk, dv
-
-    return VarlenPrimitives("torch", fwd, bwd)
-
-
-def _flash_attn_primitives() -> VarlenPrimitives:
-    """flash-attn 2's internal varlen forward/backward (their keyword names differ across 2.x: inspected)."""
-    from flash_attn import flash_attn_interface as fai
-
-    f_fwd, f_bwd = fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward
-
-    def params_of(f) -> set:
-        # >= 2.7 wraps them in torch.library custom ops: read the original function's signature
-        return set(inspect.signature(getattr(f, "_init_fn", None) or getattr(f, "__wrapped__", None) or f).parameters)
-
-    fwd_params, bwd_params = params_of(f_fwd), params_of(f_bwd)
-
-    def common(params, causal, scale):
-        kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0, "alibi_slopes": None,
-              "block_table": None}
-        if "window_size" in params:
-            kw["window_size"] = (-1, -1)
-        else:
-            kw.update(window_size_left=-1, window_size_right=-1)
-        return {k: val for k, val in kw.items() if k in params}
-
-    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        kw = common(fwd_params, causal, scale)
-        if "return_softmax" in fwd_params:
-            kw["return_softmax"] = False
-        ret = f_fwd(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
-        if len(ret) == 4:  # 2.6+: out, lse, S_dmask, rng_state
-            out, lse, rng = ret[0], ret[1], ret[3]
-        else:  # <= 2.5: out, q, k, v, out_padded, lse, S_dmask, rng_state
-            out, lse, rng = ret[0], ret[5], ret[7]
-        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng)
-
-    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
-        like, rng = state
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kw = common(bwd_params, causal, scale)
-        kw["deterministic"] = False
-        kw["rng_state"] = rng
-        kw = {k2: val for k2, val in kw.items() if k2 in bwd_params}
-        f_bwd(dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), dq, dk, dv, cu_q, cu_k, max_q,
-              max_k, **kw)
-        return dq, dk, dv
-
-    return VarlenPrimitives("flash_attn", fwd, bwd)
-
-
-def flash_provider() -> Optional[str]:
-    """Which flash kernels :func:`flash_primitives` uses here: ``flash_attn``, ``torch`` or None (no CUDA kernels)."""
-    forced = os.environ.get("ZORRO_FLASH_PROVIDER")
-    if forced:
-        if forced not in ("flash_attn", "torch"):
-            raise ValueError(f"ZORRO_FLASH_PROVIDER: expected 'flash_attn' or 'torch', got {forced!r}.")
-        return forced
-    try:
-        from flash_attn import flash_attn_interface as fai
-
-        if hasattr(fai, "_flash_attn_varlen_forward") and hasattr(fai, "_flash_attn_varlen_backward"):
-            return "flash_attn"
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and getattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)():
-        return "torch"
-    return None
-
-
-def flash_primitives() -> VarlenPrimitives:
-    """The GPU varlen primitives (see :func:`flash_provider`). Raises ImportError naming the extra if none."""
-    name = flash_provider()
-    if name is None:
-        raise ImportError("attention backend 'flash': no flash kernels here — neither flash-attn (install the extra "
-                          "`pip install zorro-verl[flash]`, CUDA only) nor PyTorch's built-in CUDA flash attention. "
-                          "Choose attn_implementation='sdpa' / 'flex_attention'.")
-    if name not in _PRIMS:
-        if name == "torch" and "torch" not in _WARNED:
-            _WARNED.add("torch")
-            warnings.warn("zorro flash backends: flash-attn is not installed; using PyTorch's built-in flash "
-                          "kernels (aten::_flash_attention_forward/backward, FlashAttention-2).", stacklevel=2)
-        _PRIMS[name] = _flash_attn_primitives() if name == "flash_attn" else _aten_primitives()
-    return _PRIMS[name]
-
-
-# ------------------------------------------------------------------------------------------ one varlen call
-class _VarlenAttention(torch.autograd.Function):
-    """One varlen attention call over primitives, differentiable: ``q [Tq, Hq, D], k/v [Tk, Hkv, D] -> out``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims):
-        out, lse, state = prims.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (state, max_q, max_k, scale, causal, prims)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        state, max_q, max_k, scale, causal, prims = ctx.args
-        dq, dk, dv = prims.bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal)
-        return dq, dk, dv, None, None, None, None, None, None, None
-
-
-def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims: VarlenPrimitives):
-    """Differentiable varlen attention over ``prims``. ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]`` -> ``[Tq, Hq, D]``."""
-    return _VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, scale,
-                                  causal, prims)
-
-
-def _check_gpu(name: str, query: torch.Tensor) -> None:
-    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"attention backend '{name}': expected fp16/bf16 CUDA tensors, got {query.dtype} on "
-                         f"{query.device}. Use attn_implementation='sdpa' (or 'eager') on CPU or in fp32/fp64.")
+    return plan.memo.get("flash", build)
 
 
 def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scaling: float, prims: Optional[VarlenPrimitives] = None) -> torch.Tensor:
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
 
-    ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only). Tests pass :func:`torch_primitives` to run the
-    same index logic on CPU in fp64.
+    ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only). Tests pass
+    :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same index logic on CPU in fp64.
     """
     if prims is None:
-        _check_gpu("flash", query)
+        check_flash_inputs("flash", query)
         prims = flash_primitives()
-    idx = plan.varlen_index()
+    idx = varlen_index(plan)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     pi = idx["prompt_token_index"]
     cu_p = idx["cu_seqlens_prompt"]
@@ -326,3 +93,7 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
         parts.append(varlen_attention(q[qi], k[kvi], v[kvi], idx["cu_seqlens_q"], idx["cu_seqlens_k"],
                                       idx["max_seqlen_q"], idx["max_seqlen_k"], scaling, True, prims))
     return torch.cat(parts, 0)[idx["out_index"]].unsqueeze(0)  # [1, T, Hq, D]
+
+
+BACKEND = Backend("flash", attend_varlen, varlen_index, flash_available,
+                  "flash varlen, two calls; per-response gather of the prompt's K/V (CUDA, fp16/bf16)")

@@ -1,6 +1,7 @@
-"""Response-only log-probs and entropy from hidden states at response-predicting rows (DESIGN §3). Torch only.
+"""Response-only log-probs and entropy from hidden states at response-predicting rows (docs/DESIGN.md §3).
+Imports torch only.
 
-Modes (the API's ``logits_optimization``):
+``logits_optimization`` (the one name of this knob in the API, the verl config and here):
 
 * ``none``    — materialize ``[N, V]`` logits once, then log-softmax / entropy (the reference);
 * ``compute`` — materialize logits once, run the softmax / entropy follow-up in row chunks;
@@ -17,10 +18,20 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LOGITS_MODES", "response_logprobs", "logprobs_from_logits", "logprobs_from_logits_chunked"]
+__all__ = ["LOGITS_MODES", "DEFAULT_CHUNK", "check_logits_optimization", "response_logprobs", "logits_logprobs",
+           "logprobs_from_logits", "logprobs_from_logits_chunked"]
 
+#: Values of ``logits_optimization``.
 LOGITS_MODES = ("none", "compute", "memory")
+#: Rows per chunk of the ``compute`` and ``memory`` modes: ``[1024, V]`` fp32 is 0.6 GB at Qwen3's V = 151,936.
 DEFAULT_CHUNK = 1024
+
+
+def check_logits_optimization(value) -> str:
+    """``value`` if it is one of :data:`LOGITS_MODES`, else a ``ValueError`` naming the choices."""
+    if value not in LOGITS_MODES:
+        raise ValueError(f"logits_optimization: expected one of {LOGITS_MODES}, got {value!r}.")
+    return value
 
 
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -94,8 +105,32 @@ class _ChunkedLogprob(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None
 
 
+def _check_call(temperature, chunk_size) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature: expected a float > 0, got {temperature!r}.")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}.")
+    return float(temperature)
+
+
+def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                    calculate_entropy: bool = False, logits_optimization: str = "none",
+                    chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropy) from already materialised ``logits [N, V]`` (modes ``none`` and ``compute``; the
+    ``memory`` mode never materialises them: use :func:`response_logprobs`). ``targets [N] int64``.
+    Returns ``(log_probs [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits)."""
+    mode = check_logits_optimization(logits_optimization)
+    temperature = _check_call(temperature, chunk_size)
+    if mode == "memory":
+        raise ValueError("logits_optimization: 'memory' never materialises the logits; call response_logprobs with "
+                         "the hidden states and the lm_head module.")
+    if mode == "compute":
+        return logprobs_from_logits_chunked(logits, targets, temperature, calculate_entropy, chunk_size)
+    return logprobs_from_logits(logits, targets, temperature, calculate_entropy)
+
+
 def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, *,
-                      temperature: float = 1.0, calculate_entropy: bool = False, mode: str = "none",
+                      temperature: float = 1.0, calculate_entropy: bool = False, logits_optimization: str = "none",
                       chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``lm_head(hidden) / temperature``.
 
@@ -105,22 +140,17 @@ def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: t
         targets: ``[N] int64`` predicted token ids.
         temperature: divides the logits; > 0.
         calculate_entropy: also return the entropy ``[N]``.
-        mode: ``none | compute | memory`` (see module doc).
+        logits_optimization: ``none | compute | memory`` (see module doc).
         chunk_size: rows per chunk for ``compute`` / ``memory``.
 
     Returns:
         ``(log_probs [N], entropy [N] or None)`` in fp32 (fp64 if ``hidden`` is fp64).
     """
-    if mode not in LOGITS_MODES:
-        raise ValueError(f"logits_optimization: expected one of {LOGITS_MODES}, got {mode!r}.")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature: expected a float > 0, got {temperature!r}.")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}.")
-    temperature = float(temperature)
-    if mode == "none" or hidden.shape[0] == 0:
-        return logprobs_from_logits(lm_head(hidden), targets, temperature, calculate_entropy)
-    if mode == "compute":
-        return logprobs_from_logits_chunked(lm_head(hidden), targets, temperature, calculate_entropy, chunk_size)
+    mode = check_logits_optimization(logits_optimization)
+    temperature = _check_call(temperature, chunk_size)
+    if mode != "memory" or hidden.shape[0] == 0:
+        return logits_logprobs(lm_head(hidden), targets, temperature=temperature,
+                               calculate_entropy=calculate_entropy,
+                               logits_optimization="none" if mode == "memory" else mode, chunk_size=chunk_size)
     logp, ent = _ChunkedLogprob.apply(hidden, lm_head, targets, temperature, calculate_entropy, chunk_size)
     return logp, (ent if calculate_entropy else None)

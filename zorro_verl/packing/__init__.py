@@ -1,5 +1,6 @@
-"""Packing layer: grouping, the per-micro-batch plan, gather/scatter. Imports torch only."""
+"""Packing layer: grouping, the per-micro-batch plan, index helpers, micro-batching. Imports torch only."""
 
-from zorro_verl.packing.plan import ATTENTION_BACKENDS, ZorroPlan, build_plan, require_plan
+from zorro_verl.packing.grouping import group_ids
+from zorro_verl.packing.plan import PlanMemo, ZorroPlan, build_plan
 
-__all__ = ["ATTENTION_BACKENDS", "ZorroPlan", "build_plan", "require_plan"]
+__all__ = ["PlanMemo", "ZorroPlan", "build_plan", "group_ids"]

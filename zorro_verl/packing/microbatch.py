@@ -28,7 +28,6 @@ import torch
 __all__ = [
     "GroupUnit",
     "MicroBatches",
-    "group_ids_from_prompts",
     "fixed_size_microbatches",
     "dynamic_microbatches",
     "split_to_count",
@@ -133,22 +132,6 @@ def _finish(batches: list[list[int]], g, p, r) -> MicroBatches:
     return MicroBatches(batches, split, costs, sum(p) + sum(r), sum(costs))
 
 
-def group_ids_from_prompts(prompts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Group id per row from its valid prompt tokens (exact equality), ids in order of first appearance.
-
-    Args:
-        prompts: ``B`` 1-D int tensors (each row's valid prompt tokens, no padding).
-
-    Returns:
-        ``[B] int64`` group ids ``0..G-1``.
-    """
-    ids: dict[tuple, int] = {}
-    out = []
-    for t in prompts:
-        key = tuple(t.tolist())
-        out.append(ids.setdefault(key, len(ids)))
-    return torch.tensor(out, dtype=torch.long)
-
 
 def fixed_size_microbatches(row_group: IntSeq, prompt_lens: IntSeq, response_lens: IntSeq,
                             micro_batch_size: int) -> MicroBatches:
@@ -197,20 +180,22 @@ def _split_unit_by_tokens(u: GroupUnit, r: list[int], max_tokens: int) -> list[G
 
 
 def dynamic_microbatches(row_group: IntSeq, prompt_lens: IntSeq, response_lens: IntSeq, max_token_len: int,
-                         min_num_micro_batches: int = 1) -> MicroBatches:
+                         min_num_micro_batches: int = 1, *, split_oversized_groups: bool = True) -> MicroBatches:
     """Micro-batches whose deduplicated token cost is at most ``max_token_len``, groups kept whole where they fit.
 
     Units (whole groups; a group costing more than the budget is cut into pieces that fit, counted as split) are
     packed first-fit-decreasing by cost. If fewer than ``min_num_micro_batches`` result (e.g. another DP rank needs
     more), :func:`split_to_count` splits the largest micro-batches until the count is reached. The budget is never
-    exceeded.
+    exceeded — unless ``split_oversized_groups=False`` (the standalone API's soft budget): then a group costing
+    more than the budget gets a micro-batch of its own, whole, since cutting it would recompute its prompt.
     """
     if isinstance(max_token_len, bool) or not isinstance(max_token_len, int) or max_token_len < 1:
         raise ValueError(f"max_token_len: expected a positive int, got {max_token_len!r}.")
     g, p, r = _inputs(row_group, prompt_lens, response_lens)
     units: list[GroupUnit] = []
     for u in _units(g, p, r):
-        units.extend(_split_unit_by_tokens(u, r, max_token_len) if u.cost > max_token_len else [u])
+        oversized = u.cost > max_token_len and split_oversized_groups
+        units.extend(_split_unit_by_tokens(u, r, max_token_len) if oversized else [u])
     order = sorted(range(len(units)), key=lambda i: (-units[i].cost, units[i].rows[0]))  # stable FFD
     bins: list[list[int]] = []
     loads: list[int] = []

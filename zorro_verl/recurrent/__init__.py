@@ -28,7 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from zorro_verl.packing.plan import ZorroPlan, _cu_seqlens, _segments_to_tokens
+from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.segments import cu_seqlens, segments_to_tokens
 
 __all__ = [
     "conv_expanded_index",
@@ -39,13 +40,6 @@ __all__ = [
     "recurrent_gated_delta_rule_ref",
 ]
 
-
-def _cached(plan: ZorroPlan, key, build):
-    val = plan._cache.get(key)
-    if val is None:
-        val = build()
-        plan._cache[key] = val
-    return val
 
 
 # ---------------------------------------------------------------------------------------------------- causal conv
@@ -64,7 +58,7 @@ def conv_expanded_index(plan: ZorroPlan, kernel_size: int) -> dict:
 
     Returns ``{"src": [Lx] int64`` (packed index feeding each expanded slot, ``T`` = a zero row), ``"pos": [T] int64``
     (expanded position of each packed token)``}``, ``Lx = T + (Kc-1) * (G + non-empty responses)``.
-    Cached in ``plan._cache[("zorro_recurrent_conv", Kc)]``.
+    Memoised in the plan under ``("recurrent_conv", Kc)``.
     """
 
     def build():
@@ -88,7 +82,7 @@ def conv_expanded_index(plan: ZorroPlan, kernel_size: int) -> dict:
             src[slot] = torch.where(v >= 0, plan.prompt_start[g][:, None] + v, plan.T)
         return {"src": src, "pos": pos}
 
-    return _cached(plan, ("zorro_recurrent_conv", kernel_size), build)
+    return plan.memo.get(("recurrent_conv", kernel_size), build)
 
 
 def packed_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: ZorroPlan, *,
@@ -132,7 +126,7 @@ def recurrent_segment_index(plan: ZorroPlan) -> dict:
       responses in packed order, ``response_tokens [N]``, ``cu_response [Bnz+1] int64``; ``varlen_out [T]``: each
       packed token's place in ``cat(prompt_out [Np], response_out [N])``.
 
-    Cached in ``plan._cache["zorro_recurrent_segments"]``.
+    Memoised in the plan under ``"recurrent_segments"``.
     """
 
     def build():
@@ -145,31 +139,30 @@ def recurrent_segment_index(plan: ZorroPlan) -> dict:
         p_idx = torch.where(p_valid, plan.prompt_start[:, None] + ar_p[None, :], 0)
         r_idx = torch.where(r_valid, plan.response_start[:, None] + ar_r[None, :], 0)
         # No boolean indexing (a hidden host sync): every size below is a Python int of the plan.
-        prompt_tokens = _segments_to_tokens(plan.prompt_start, plan.prompt_lens, plan.num_prompt_tokens)
+        prompt_tokens = segments_to_tokens(plan.prompt_start, plan.prompt_lens, plan.num_prompt_tokens)
         ar_b = torch.arange(plan.B, device=dev)
         tok_g = torch.repeat_interleave(torch.arange(plan.G, device=dev), plan.prompt_lens,
                                         output_size=plan.num_prompt_tokens)
-        all_resp = _segments_to_tokens(plan.response_start, plan.response_lens, plan.N)  # rows in 0..B-1 order
+        all_resp = segments_to_tokens(plan.response_start, plan.response_lens, plan.N)  # rows in 0..B-1 order
         tok_b = torch.repeat_interleave(ar_b, plan.response_lens, output_size=plan.N)
         padded_out = torch.empty(plan.T, dtype=torch.long, device=dev)
         padded_out[prompt_tokens] = tok_g * Pm + prompt_tokens - plan.prompt_start[tok_g]
         padded_out[all_resp] = plan.G * Pm + tok_b * Rm + all_resp - plan.response_start[tok_b]
 
-        key = torch.where(plan.response_lens > 0, plan.response_start, plan.T + ar_b)  # empty rows last
-        rows = torch.argsort(key)[: plan.num_nonempty_responses]
+        rows = plan.nonempty_rows()  # packed order, empty rows dropped
         r = plan.response_lens[rows]
-        response_tokens = _segments_to_tokens(plan.response_start[rows], r, plan.N)
+        response_tokens = segments_to_tokens(plan.response_start[rows], r, plan.N)
         varlen_out = torch.empty(plan.T, dtype=torch.long, device=dev)
         varlen_out[prompt_tokens] = torch.arange(plan.num_prompt_tokens, device=dev)
         varlen_out[response_tokens] = plan.num_prompt_tokens + torch.arange(plan.N, device=dev)
         return {
             "prompt_index": p_idx, "prompt_valid": p_valid, "response_index": r_idx, "response_valid": r_valid,
             "padded_out": padded_out,
-            "prompt_tokens": prompt_tokens, "cu_prompt": _cu_seqlens(plan.prompt_lens).long(), "rows": rows,
-            "response_tokens": response_tokens, "cu_response": _cu_seqlens(r).long(), "varlen_out": varlen_out,
+            "prompt_tokens": prompt_tokens, "cu_prompt": cu_seqlens(plan.prompt_lens).long(), "rows": rows,
+            "response_tokens": response_tokens, "cu_response": cu_seqlens(r).long(), "varlen_out": varlen_out,
         }
 
-    return _cached(plan, "zorro_recurrent_segments", build)
+    return plan.memo.get("recurrent_segments", build)
 
 
 def _gather_padded(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ Kernels are the module's own: ``chunk_gated_delta_rule`` — transformers' torch
 on GPU (then called varlen with ``cu_seqlens`` and one initial state per response, no padding; the fallback runs
 padded) — and ``causal_conv1d_fn`` (causal-conv1d on GPU, else torch's conv1d) over a context-expanded row
 (:func:`~zorro_verl.recurrent.packed_causal_conv`). On CUDA a missing fast kernel is warned about once per process and
-counted per layer call in ``plan._cache["zorro_recurrent_fallback/<library>"]``.
+counted per layer call in the step's ``LayerCalls.fallbacks[<library>]``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from zorro_verl.packing import ZorroPlan, require_plan
+from zorro_verl.integrations.transformers.context import LayerCalls, StepContext, require_context
 from zorro_verl.recurrent import packed_causal_conv, packed_gated_delta_rule
 
 __all__ = [
@@ -124,10 +124,9 @@ def _uses_fla(fn) -> bool:
     return (getattr(fn, "__module__", "") or "").split(".")[0] == "fla"
 
 
-def _report_fallback(plan: ZorroPlan, library: str, consequence: str, pip_name: str) -> None:
-    """A fast GPU kernel is missing: warn once per process, count every layer call in the plan's metrics."""
-    key = f"zorro_recurrent_fallback/{library}"
-    plan._cache[key] = plan._cache.get(key, 0) + 1
+def _report_fallback(calls: LayerCalls, library: str, consequence: str, pip_name: str) -> None:
+    """A fast GPU kernel is missing: warn once per process, count every layer call in the step's counter."""
+    calls.fallbacks[library] = calls.fallbacks.get(library, 0) + 1
     if library not in _warned_fallback:
         _warned_fallback.add(library)
         warnings.warn(f"zorro: {library} is not installed; on GPU {consequence}. `pip install {pip_name}` for "
@@ -161,37 +160,37 @@ def log_decay(mod, a: torch.Tensor) -> torch.Tensor:
 
 
 def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
-                                 zorro_plan: ZorroPlan | None = None, **kwargs) -> torch.Tensor:
+                                 zorro_ctx: StepContext | None = None, **kwargs) -> torch.Tensor:
     """The wrapped forward of a gated delta-net module instance on the packed row.
 
     Args:
         hidden_states: ``[1, T, hidden]`` (the packed dedup row).
-        zorro_plan: the micro-batch's plan (the ``zorro_plan`` kwarg of the model call).
+        zorro_ctx: the step context (plan, backend, layer-call counter) — the ``zorro_ctx`` kwarg of the model call.
 
     Returns:
         ``[1, T, hidden]`` equal, token for token, to the module's output on each ordinary row ``[prompt|response]``.
     """
-    require_plan(zorro_plan, "zorro linear attention")
+    ctx = require_context(zorro_ctx, "zorro linear attention")
     if cache_params is not None:
         raise ValueError("zorro linear attention: got a cache; zorro runs training forwards. Call the model with "
                          "use_cache=False.")
     if attention_mask is not None:
         raise ValueError("zorro linear attention: got an attention_mask; call the model without one (the plan "
                          "carries the structure).")
-    plan = zorro_plan
+    plan = ctx.plan
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != plan.T:
         raise ValueError(f"zorro linear attention: expected hidden_states [1, T={plan.T}, hidden] (one packed row), "
                          f"got {tuple(hidden_states.shape)}.")
-    plan._cache["recurrent_calls"] = plan._cache.get("recurrent_calls", 0) + 1
+    ctx.calls.recurrent += 1
     T = plan.T
     mixed, z, b, a = gated_deltanet_projections(self, hidden_states)  # [T, C], [T, Hv, Dv], [T, Hv], [T, Hv]
     conv_fn = getattr(self, "causal_conv1d_fn", None)
     if hidden_states.is_cuda:
         if conv_fn is None:
-            _report_fallback(plan, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
+            _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
                              "causal-conv1d")
         if not _uses_fla(self.chunk_gated_delta_rule):
-            _report_fallback(plan, "flash-linear-attention", "the gated delta rule runs the torch fallback kernel "
+            _report_fallback(ctx.calls, "flash-linear-attention", "the gated delta rule runs the torch fallback kernel "
                              "(exact but slow)", "flash-linear-attention")
     mixed = packed_causal_conv(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan, activation="silu",
                                causal_conv1d_fn=conv_fn)

@@ -1,10 +1,7 @@
-"""verl integration. Nothing here imports verl at package import (two verl generations share this package):
+"""verl integration (docs/DESIGN.md §8). Nothing here imports verl at package import:
 
-* :mod:`.config` — :class:`ZorroSettings`, the validated settings shared by both generations (no verl import).
-* ``engine`` / ``plugin`` — the verl >= 0.9 FSDP engine plugin (imports verl 0.9 modules when imported).
-* ``legacy`` — the verl 0.7 ``DataParallelPPOActor`` integration.
+* :mod:`.settings` — :class:`~.settings.ZorroSettings`, the validated ``zorro`` keys (no verl);
+* :mod:`.common` — what both generations' actors share (no verl);
+* :mod:`.v09` — the verl >= 0.9 FSDP engine plugin;
+* :mod:`.v07` — the verl 0.7 ``DataParallelPPOActor`` integration.
 """
-
-from zorro_verl.integrations.verl.config import ZorroSettings
-
-__all__ = ["ZorroSettings"]

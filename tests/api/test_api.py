@@ -1,0 +1,317 @@
+"""The reference API (api-reference.txt): its examples, round trips, the loss, the actor and the patcher."""
+
+import pytest
+import torch
+
+from zorro_verl import DeduplicatedActor, ReconstructionInfo, ZoRRoTrain, packed_ppo_policy_loss
+from zorro_verl.integrations.transformers import zorro_step
+from zorro_verl.testing import (
+    create_dummy_batch,
+    exact_fp64_norms,
+    grads_of,
+    max_rel_grad_error,
+    ordinary_logprobs,
+    tiny_model,
+)
+
+
+def test_find_prompt_groups_example():
+    input_ids = torch.tensor([
+        [1, 2, 3, 4, 5, 6],
+        [1, 2, 3, 7, 8, 9],
+        [10, 11, 12, 13, 14, 15],
+    ])
+    groups, unique = ZoRRoTrain.find_prompt_groups(input_ids, response_length=3)
+    assert groups == [[0, 1], [2]]
+    assert unique.tolist() == [[1, 2, 3], [10, 11, 12]]
+
+
+def test_find_prompt_groups_mask_aware_non_adjacent():
+    ids = torch.tensor([[0, 7, 8, 1], [9, 7, 8, 2], [0, 7, 8, 3], [0, 0, 8, 4]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]])
+    groups, _ = ZoRRoTrain.find_prompt_groups(ids, 1, attention_mask=mask)
+    assert groups == [[0, 2], [1], [3]]
+
+
+def _block_causal(lengths):
+    """The reference API's example input: a [q, k] self-attention mask of causal blocks along the diagonal."""
+    n = sum(lengths)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    s = 0
+    for L in lengths:
+        mask[s:s + L, s:s + L] = torch.ones(L, L, dtype=torch.bool).tril()
+        s += L
+    return mask
+
+
+@pytest.mark.parametrize("shape", [(12, 12), (1, 12, 12), (1, 1, 12, 12)])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float32])
+def test_attention_mask_to_flash_attn_params_example(shape, dtype):
+    """Three sequences of 5, 3 and 4 tokens as a 12 x 12 block-causal mask (the reference API's example)."""
+    mask = _block_causal([5, 3, 4]).to(dtype).view(shape)
+    p = ZoRRoTrain.attention_mask_to_flash_attn_params(mask)
+    assert p["cu_seqlens_q"].tolist() == [0, 5, 8, 12] and p["cu_seqlens_q"].dtype == torch.int32
+    assert p["cu_seqlens_k"].tolist() == [0, 5, 8, 12]
+    assert p["max_seqlen_q"] == 5 and p["max_seqlen_k"] == 5 and p["num_sequences"] == 3
+
+
+def test_attention_mask_to_flash_attn_params_padding_mask_is_explicit():
+    pad = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    p = ZoRRoTrain.attention_mask_to_flash_attn_params(padding_mask=pad)
+    assert p["cu_seqlens_q"].tolist() == [0, 5, 8, 12] and p["num_sequences"] == 3
+    # the same [n, L] tensor given as a self-attention mask is not block-causal: refused, never misread
+    with pytest.raises(ValueError):
+        ZoRRoTrain.attention_mask_to_flash_attn_params(pad)
+    with pytest.raises(ValueError, match="exactly one"):
+        ZoRRoTrain.attention_mask_to_flash_attn_params(_block_causal([2]), padding_mask=pad)
+    with pytest.raises(ValueError, match="exactly one"):
+        ZoRRoTrain.attention_mask_to_flash_attn_params()
+
+
+def test_reconstruction_info_identity():
+    info = ReconstructionInfo(a=1, b=2)
+    old = id(info)
+    info.update(a=2, b=3)
+    assert id(info) == old and info == {"a": 2, "b": 3}
+    with pytest.raises(KeyError, match="update"):
+        info["a"] = 5
+    info["c"] = 1  # new keys are fine
+
+
+@pytest.mark.parametrize("use_unpad", [True, False])
+def test_dedup_batch_round_trips(use_unpad):
+    b = create_dummy_batch(7, 3, 9, 5, device="cpu", add_padding=True, shuffle=True, vocab_size=50, seed=2)
+    ids, mask, pos = b["input_ids"], b["attention_mask"], b["position_ids"]
+    groups, unique = ZoRRoTrain.find_prompt_groups(ids, 5, attention_mask=mask)
+    d_ids, d_pos, info = ZoRRoTrain.create_deduplicated_batch(ids, pos, 5, groups, unique, attention_mask=mask,
+                                                              use_unpad=use_unpad)
+    plan = info["plan"]
+    if use_unpad:
+        assert d_ids.shape == (1, plan.T)
+    else:
+        assert d_ids.shape[0] == 3 and int((info["group_valid"]).sum()) == plan.T
+    # ids and positions: reconstruct gives the original batch on valid tokens and zeros on pads
+    full = ZoRRoTrain.reconstruct_sequences(d_ids, info)
+    assert (full == ids * mask).all()
+    full_pos = ZoRRoTrain.reconstruct_sequences(d_pos, info)
+    assert (full_pos[mask.bool()] == pos[mask.bool()]).all()
+    # hidden-state-like values with a trailing dim: dedup(reconstruct(x)) == x
+    x = torch.randn(*d_ids.shape, 4, dtype=torch.float64) * (d_ids != 0).unsqueeze(-1)
+    back = ZoRRoTrain.deduplicate_sequences(ZoRRoTrain.reconstruct_sequences(x, info), info)
+    if use_unpad:
+        assert torch.equal(back, x)
+    else:
+        assert torch.equal(back[info["group_valid"]], x[info["group_valid"]])
+    # responses: packed order -> original order gives the valid response tokens row by row
+    packed = ZoRRoTrain.extract_unpadded_responses_from_deduped_packed_ids(d_ids, info)
+    orig = ZoRRoTrain.responses_in_orig_sample_order(packed, info)
+    assert orig.tolist() == b["responses"][mask[:, -5:].bool()].tolist()
+    # offset=-1: the predicting rows; row b's first response token is predicted by its prompt's last token
+    pred = ZoRRoTrain.responses_in_orig_sample_order(
+        ZoRRoTrain.extract_unpadded_responses_from_deduped_packed_ids(d_ids, info, offset=-1), info)
+    prev = torch.cat([ids[:, -6:-5], ids[:, -5:-1]], 1)[mask[:, -5:].bool()]
+    assert pred.tolist() == prev.tolist()
+
+
+def test_create_deduplicated_batch_rejects_wrong_groups():
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6], [7, 2, 8, 9]])
+    groups, unique = ZoRRoTrain.find_prompt_groups(ids, 2)
+    with pytest.raises(ValueError, match="prompt_groups"):
+        ZoRRoTrain.create_deduplicated_batch(ids, None, 2, [[0], [1], [2]], unique)
+    with pytest.raises(ValueError, match="offset"):
+        _, _, info = ZoRRoTrain.create_deduplicated_batch(ids, None, 2, groups, unique, use_unpad=True)
+        ZoRRoTrain.extract_unpadded_responses_from_deduped_packed_ids(torch.zeros(1, info["plan"].T), info, 1)
+
+
+def _loss_per_token(lp, old, adv, ref, clip, coef):
+    """Independent scalar loop of the same PPO + k3 definition."""
+    n = len(lp)
+    pg, kl = 0.0, 0.0
+    for i in range(n):
+        r = torch.exp(lp[i] - old[i])
+        pg = pg + torch.maximum(-adv[i] * r, -adv[i] * torch.clamp(r, 1 - clip, 1 + clip))
+        d = ref[i] - lp[i]
+        kl = kl + torch.exp(d) - d - 1
+    return pg / n + coef * kl / n
+
+
+def test_packed_ppo_policy_loss_matches_scalar_definition():
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(23, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    old = lp.detach() + 0.3 * torch.randn(23, generator=g, dtype=torch.float64)
+    adv = torch.randn(23, generator=g, dtype=torch.float64)
+    ref = lp.detach() + 0.2 * torch.randn(23, generator=g, dtype=torch.float64)
+    loss, metrics = packed_ppo_policy_loss(lp, old, adv, ref, clip_ratio=0.2, kl_loss_coef=0.1)
+    expect = _loss_per_token(lp, old, adv, ref, 0.2, 0.1)
+    assert abs(loss.item() - expect.item()) <= 1e-14
+    (ga,) = torch.autograd.grad(loss, lp)
+    (gb,) = torch.autograd.grad(expect, lp)
+    assert (ga - gb).abs().max().item() <= 1e-14
+    assert metrics["actor/policy_loss"] == pytest.approx(loss.item(), abs=0)
+    assert 0.0 < metrics["actor/pg_clipfrac"] < 1.0
+    with pytest.raises(ValueError, match="old_log_prob"):
+        packed_ppo_policy_loss(lp, old[:3], adv)
+    with pytest.raises(ValueError, match="at least one"):
+        packed_ppo_policy_loss(lp[:0], old[:0], adv[:0])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_qwen3")
+    tiny_model("qwen3", exact_norms=False).save_pretrained(d)
+    return str(d)
+
+
+def _actor(model_dir, **kw):
+    actor = DeduplicatedActor(model_dir, device="cpu", dtype=torch.float64, **kw)
+    exact_fp64_norms(actor.model)
+    return actor
+
+
+@pytest.mark.parametrize("attn,split,mode", [("sdpa", True, "none"), ("eager", True, "memory"),
+                                             ("sdpa", False, "compute")])
+def test_actor_forward_and_backward_match_ordinary(model_dir, attn, split, mode):
+    actor = _actor(model_dir, attn_implementation=attn, use_split_attention=split, logits_optimization=mode)
+    ref = tiny_model("qwen3")  # same seed -> same weights as the saved model
+    b = create_dummy_batch(8, 2, 16, 6, device="cpu", include_training_fields=True, add_padding=True, shuffle=True,
+                           vocab_size=128, seed=4)
+    actor.eval()
+    with torch.no_grad():
+        out = actor.forward(b, temperature=0.7, calculate_entropy=True)
+        lp_ref, ent_ref = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], 6, temperature=0.7,
+                                            calculate_entropy=True)
+    assert out.logprobs.shape == (int(b["attention_mask"][:, -6:].sum()),)
+    assert (out.logprobs - lp_ref).abs().max().item() <= 1e-9
+    assert (out.entropy - ent_ref).abs().max().item() <= 1e-9
+    # training step: same loss definition on the ordinary model
+    actor.train()
+    ref.train()
+    metrics = actor.compute_policy_loss_and_backward(b, temperature=0.7, gradient_accumulation=2)
+    lp_t, _ = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], 6, temperature=0.7)
+    valid = b["attention_mask"][:, -6:].bool()
+    sel = b["response_mask"][valid].bool()
+    pick = lambda k: b[k][valid][sel]  # noqa: E731
+    loss, _ = packed_ppo_policy_loss(lp_t[sel], pick("old_log_probs"), pick("advantages"), pick("ref_log_prob"))
+    (loss / 2).backward()
+    assert abs(metrics["actor/policy_loss"] - loss.item()) <= 1e-9
+    assert metrics["zorro/dedup_ratio"] > 1.0
+    err, name = max_rel_grad_error(grads_of(ref), grads_of(actor.model))
+    assert err <= 1e-9, name
+
+
+def test_actor_chunks_by_max_token_len_and_reuses_patcher(model_dir):
+    actor = _actor(model_dir, attn_implementation="sdpa")
+    ref = tiny_model("qwen3")
+    actor.eval()
+    patcher = actor.patch(response_len=6, rollout_n=4, temperature=1.0)
+    assert actor.patch(response_len=3, rollout_n=2, temperature=0.5) is patcher  # installed once
+    # micro-batches of different shapes through the same patcher, then a forced split into group chunks
+    for (B, G, P, R), max_tok in [((8, 2, 16, 6), 4096), ((5, 3, 7, 3), 4096), ((9, 3, 12, 5), 30)]:
+        actor.max_token_len = max_tok
+        b = create_dummy_batch(B, G, P, R, device="cpu", add_padding=True, shuffle=True, vocab_size=128, seed=B)
+        with torch.no_grad():
+            out = actor.forward(b, temperature=0.9, calculate_entropy=True)
+            lp_ref, ent_ref = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], R, temperature=0.9,
+                                                calculate_entropy=True)
+        assert (out.logprobs - lp_ref).abs().max().item() <= 1e-9
+        assert (out.entropy - ent_ref).abs().max().item() <= 1e-9
+    assert actor.patch(6, 4, 1.0).stats(out.plan)["zorro/split_groups"] == 3.0  # 3 groups of 3 < rollout_n=4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(device="cpu", logits_optimization="fast"), "logits_optimization"),
+    (dict(device="cpu", attn_implementation="magic"), "attn_implementation"),
+    (dict(device="cpu", attn_implementation="flash_attention_2"), "needs a CUDA device"),
+    (dict(device="cpu", attention_backend="flash_copyfree"), "needs a CUDA device"),
+    (dict(device="cpu", attention_backend="flash_attention_2"), "attention backend: expected one of"),
+    (dict(device="cpu", world_size=0), "world_size"),
+    (dict(device="cpu", world_size=2), "torch.distributed"),
+    (dict(device="cpu", max_token_len=0), "max_token_len"),
+    (dict(device="cpu", dtype=torch.int64), "dtype"),
+])
+def test_actor_bad_arguments(model_dir, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        DeduplicatedActor(model_dir, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_actor_cuda_without_gpu(model_dir):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        DeduplicatedActor(model_dir, device="cuda")
+
+
+def test_actor_bad_batches(model_dir):
+    actor = _actor(model_dir)
+    b = create_dummy_batch(4, 2, 8, 3, device="cpu", include_training_fields=True, vocab_size=128)
+    with pytest.raises(TypeError, match="micro_batch"):
+        actor.forward([b["input_ids"]])
+    with pytest.raises(ValueError, match="missing keys"):
+        actor.forward({"input_ids": b["input_ids"]})
+    with pytest.raises(ValueError, match="responses"):
+        actor.forward({**b, "responses": b["responses"][:3]})
+    with pytest.raises(ValueError, match="smaller than the sequence width"):
+        actor.forward({**b, "responses": b["input_ids"]})
+    with pytest.raises(ValueError, match="response_mask"):
+        actor.forward({**b, "response_mask": b["response_mask"][:, :2]})
+    with pytest.raises(ValueError, match="missing keys"):
+        actor.compute_policy_loss_and_backward({k: v for k, v in b.items() if k != "advantages"})
+    with pytest.raises(ValueError, match="gradient_accumulation"):
+        actor.compute_policy_loss_and_backward(b, gradient_accumulation=0)
+    with pytest.raises(ValueError, match="rollout_n"):
+        actor.patch(3, 0, 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        actor.patch(3, 2, 0.0)
+
+
+def test_zorro_attention_without_plan_and_with_mask(model_dir):
+    actor = _actor(model_dir)
+    actor.patch(3, 2, 1.0)
+    ids = torch.randint(1, 100, (2, 6))
+    with pytest.raises(ValueError, match="without zorro's step context"):
+        actor.model(input_ids=ids)
+    b = create_dummy_batch(4, 2, 8, 3, device="cpu", vocab_size=128)
+    plan = actor._patcher.plan(b)
+    out = zorro_step(actor.model, plan)  # the same model works through the plan
+    assert out[0].shape == (plan.N,)
+
+
+def test_model_without_interface_dispatch_is_refused():
+    """A model whose attention does not dispatch through ALL_ATTENTION_FUNCTIONS fails the install probe."""
+    from zorro_verl.integrations.transformers import install_zorro, is_installed
+
+    model = tiny_model("qwen3")
+    layer = model.model.layers[0].self_attn
+
+    def private_attention(hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        # A layer computing its own mixing (here: none) instead of calling the attention interface.
+        return layer.o_proj(layer.v_proj(hidden_states).repeat(1, 1, 2)), None
+
+    layer.forward = private_attention
+    with pytest.raises(ValueError, match="called 1 times"):
+        install_zorro(model)
+    assert not is_installed(model)  # restored after the failed probe
+
+
+def test_sliding_window_layers_refused():
+    from zorro_verl.integrations.transformers import install_zorro
+
+    model = tiny_model("qwen3")
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="sliding_attention"):
+        install_zorro(model)
+
+
+def test_actor_attention_backend_keyword_selects_any_registered_backend(model_dir):
+    """Every registered backend is selectable (here those that train on CPU); it overrides attn_implementation."""
+    from zorro_verl.attention import available_backends
+
+    ref = tiny_model("qwen3")
+    b = create_dummy_batch(6, 2, 9, 4, device="cpu", add_padding=True, shuffle=True, vocab_size=128, seed=4)
+    lp_ref, _ = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], 4)
+    for name in available_backends("cpu"):
+        actor = _actor(model_dir, attn_implementation="eager", attention_backend=name)
+        assert actor.backend == name
+        with torch.no_grad():
+            assert (actor.forward(b).logprobs - lp_ref).abs().max().item() <= 1e-9
+    wrapped = DeduplicatedActor.from_model(tiny_model("qwen3"), attention_backend="standard")
+    assert wrapped.backend == "standard"

@@ -1,0 +1,202 @@
+"""The one model step (zorro_step) vs the ordinary per-row forward on tiny real transformers models, fp64.
+
+Compared: log-probs, entropy, the PPO loss and EVERY parameter gradient. Tolerance (docs/DESIGN.md §10):
+max relative error <= 1e-9 (per-tensor ``max|Δ| / max|ref|``); measured values are ~1e-15.
+"""
+
+import pytest
+import torch
+
+from zorro_verl import packed_ppo_policy_loss
+from zorro_verl.integrations.transformers import install_zorro, zorro_step
+from zorro_verl.packing import build_plan
+from zorro_verl.testing import create_dummy_batch, grads_of, max_rel_grad_error, ordinary_logprobs, tiny_model
+
+REL_TOL = 1e-9
+ABS_TOL = 1e-9  # log-probs / entropy / loss are O(1) numbers here
+
+#: Worst errors seen in this module (printed by conftest's terminal summary).
+WORST = {"log-prob abs": 0.0, "entropy abs": 0.0, "loss abs": 0.0, "grad rel": 0.0}
+
+
+def _loss(lp, ent, batch):
+    """PPO loss over response_mask tokens + an entropy bonus, so entropy gradients are compared too."""
+    m = batch["response_mask"].bool()
+    valid = batch["attention_mask"][:, -m.shape[1]:].bool()
+    sel = m[valid]  # [N] in original row order
+    pick = lambda k: batch[k][valid][sel]  # noqa: E731
+    loss, _ = packed_ppo_policy_loss(lp[sel], pick("old_log_probs"), pick("advantages"), pick("ref_log_prob"),
+                                     clip_ratio=0.2, kl_loss_coef=0.05)
+    return loss - 0.01 * ent.mean()
+
+
+def run_pair(kind="qwen3", backend="sdpa", mode="none", temperature=1.0, checkpointing=False, batch=None,
+             model_kwargs=None):
+    model_kwargs = model_kwargs or {}
+    ref_model = tiny_model(kind, **model_kwargs)
+    z_model = tiny_model(kind, **model_kwargs)
+    install_zorro(z_model)
+    for m in (ref_model, z_model):
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    R = batch["responses"].shape[1]
+    lp_ref, ent_ref = ordinary_logprobs(ref_model, batch["input_ids"], batch["attention_mask"], R,
+                                        temperature=temperature, calculate_entropy=True)
+    loss_ref = _loss(lp_ref, ent_ref, batch)
+    loss_ref.backward()
+
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"])
+    lp, ent = zorro_step(z_model, plan, backend=backend, temperature=temperature, calculate_entropy=True,
+                         logits_optimization=mode, chunk_size=7)
+    loss = _loss(lp, ent, batch)
+    loss.backward()
+    return dict(
+        plan=plan,
+        lp_err=(lp - lp_ref).abs().max().item(),
+        ent_err=(ent - ent_ref).abs().max().item(),
+        loss_err=abs(loss.item() - loss_ref.item()),
+        grad_err=max_rel_grad_error(grads_of(ref_model), grads_of(z_model)),
+    )
+
+
+def assert_equal(r):
+    for key, val in (("log-prob abs", r["lp_err"]), ("entropy abs", r["ent_err"]), ("loss abs", r["loss_err"]),
+                     ("grad rel", r["grad_err"][0])):
+        WORST[key] = max(WORST[key], val)
+    assert r["lp_err"] <= ABS_TOL, r
+    assert r["ent_err"] <= ABS_TOL, r
+    assert r["loss_err"] <= ABS_TOL, r
+    assert r["grad_err"][0] <= REL_TOL, r
+
+
+def batch_of(B=8, G=3, P=14, R=6, seed=0, shuffle=True, padding=True):
+    return create_dummy_batch(B, G, P, R, device="cpu", include_training_fields=True, add_padding=padding,
+                              shuffle=shuffle, vocab_size=128, seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "standard"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_models_backends_logit_modes(kind, backend, mode):
+    temperature = 0.7 if mode != "none" else 1.0
+    r = run_pair(kind, backend, mode, temperature, batch=batch_of(seed=len(kind) * 100 + len(backend) * 10 + len(mode)))
+    assert r["plan"].G == 3 and r["plan"].T < r["plan"].ordinary_tokens
+    assert_equal(r)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_gradient_checkpointing(kind, temperature):
+    assert_equal(run_pair(kind, "sdpa", "memory", temperature, checkpointing=True, batch=batch_of(seed=7)))
+
+
+@pytest.mark.parametrize("model_kwargs", [dict(gqa=False), dict(tie_word_embeddings=True), dict(layers=3, heads=2)])
+def test_mha_tied_embeddings_and_shapes(model_kwargs):
+    assert_equal(run_pair("qwen3", "sdpa", "none", 0.7, batch=batch_of(seed=3), model_kwargs=model_kwargs))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])  # sdpa with G == B takes the row layout
+@pytest.mark.parametrize("B,G,P,R", [(5, 1, 9, 4), (4, 4, 6, 3), (7, 2, 1, 5), (6, 3, 10, 1), (3, 2, 8, 0)])
+def test_group_structures(B, G, P, R, backend):
+    """G=1 (all share), G=B (no sharing), 1-token prompts, 1-token responses, zero-width responses."""
+    batch = batch_of(B, G, P, R, seed=B * 10 + G)
+    if R == 0:
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], 0)
+        assert plan.N == 0
+        return _zero_width(batch)
+    r = run_pair("qwen3", backend, "none", 1.0, batch=batch)
+    assert r["plan"].G == G
+    assert_equal(r)
+
+
+def _zero_width(batch):
+    model = tiny_model("qwen3")
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], 0)
+    lp, ent = zorro_step(model, plan, calculate_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+
+
+def test_flex_forward_matches():
+    """FlexAttention (CPU: forward only) gives the same log-probs and entropy."""
+    batch = batch_of(seed=11)
+    ref_model, z_model = tiny_model("qwen3"), tiny_model("qwen3")
+    install_zorro(z_model)
+    R = batch["responses"].shape[1]
+    with torch.no_grad():
+        lp_ref, ent_ref = ordinary_logprobs(ref_model, batch["input_ids"], batch["attention_mask"], R,
+                                            temperature=0.7, calculate_entropy=True)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+        lp, ent = zorro_step(z_model, plan, backend="flex", temperature=0.7, calculate_entropy=True)
+    assert (lp - lp_ref).abs().max().item() <= ABS_TOL
+    assert (ent - ent_ref).abs().max().item() <= ABS_TOL
+
+
+def test_interleaved_equals_sorted_rows():
+    """Row order does not matter: the same batch shuffled gives the same per-row values."""
+    b1 = batch_of(seed=5, shuffle=False)
+    g = torch.Generator().manual_seed(1)
+    perm = torch.randperm(b1["input_ids"].shape[0], generator=g)
+    b2 = {k: v[perm] for k, v in b1.items()}
+    model = tiny_model("qwen3")
+    install_zorro(model)
+    outs = []
+    for b in (b1, b2):
+        plan = build_plan(b["input_ids"], b["attention_mask"], 6)
+        with torch.no_grad():
+            outs.append(plan.to_padded(zorro_step(model, plan)[0]))
+    assert (outs[0][perm] - outs[1]).abs().max().item() <= 1e-12
+
+
+def test_per_row_temperatures_as_verl_passes_them():
+    """A per-row temperature tensor (verl's per-sample temperatures): each row's log-probs / entropy equal the
+    ordinary forward at that row's temperature; all-equal tensors equal the float path exactly."""
+    batch = batch_of(seed=13)
+    R = batch["responses"].shape[1]
+    B = batch["input_ids"].shape[0]
+    model = tiny_model("qwen3")
+    z_model = tiny_model("qwen3")
+    install_zorro(z_model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+    temps = torch.linspace(0.5, 1.2, B, dtype=torch.float64)
+    with torch.no_grad():
+        lp, ent = zorro_step(z_model, plan, temperature=temps, calculate_entropy=True)
+        for b in range(B):
+            rows = plan.out_row == b
+            if not rows.any():  # an empty response
+                continue
+            one = {k: v[b:b + 1] for k, v in batch.items()}
+            lp_b, ent_b = ordinary_logprobs(model, one["input_ids"], one["attention_mask"], R,
+                                            temperature=float(temps[b].float()), calculate_entropy=True)
+            assert (lp[rows] - lp_b).abs().max().item() <= ABS_TOL
+            assert (ent[rows] - ent_b).abs().max().item() <= ABS_TOL
+        same = torch.full((B,), 0.75)
+        for mode in ("none", "compute"):
+            a = zorro_step(z_model, plan, temperature=same, calculate_entropy=True, logits_optimization=mode)
+            b_ = zorro_step(z_model, plan, temperature=0.75, calculate_entropy=True, logits_optimization=mode)
+            assert torch.equal(a[0], b_[0]) and torch.equal(a[1], b_[1])
+        # memory mode takes one temperature: equal values are accepted, different ones refused
+        lp_m, _ = zorro_step(z_model, plan, temperature=same, logits_optimization="memory")
+        assert (lp_m - zorro_step(z_model, plan, temperature=0.75)[0]).abs().max().item() <= ABS_TOL
+        with pytest.raises(ValueError, match="per-row temperatures"):
+            zorro_step(z_model, plan, temperature=temps, logits_optimization="memory")
+        with pytest.raises(ValueError, match="one value per row"):
+            zorro_step(z_model, plan, temperature=temps[:3])
+
+
+def test_layer_calls_are_counted_per_step():
+    from zorro_verl.integrations.transformers import LayerCalls, expected_layer_calls
+
+    batch = batch_of(seed=2)
+    model = tiny_model("qwen3", layers=3)
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1])
+    calls = LayerCalls()
+    with torch.no_grad():
+        zorro_step(model, plan, calls=calls)
+        assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (3, 0)
+        zorro_step(model, plan, calls=calls)  # reset at each step, not accumulated
+    assert calls.attention == 3 and calls.fallbacks == {}
+    with pytest.raises(ValueError, match="expected one of"):
+        zorro_step(model, plan, backend="flash_attention_2")

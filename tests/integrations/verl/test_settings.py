@@ -1,0 +1,51 @@
+"""The verl-free ``zorro`` settings shared by both verl generations (runs without verl)."""
+
+import pytest
+
+from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
+
+
+def test_settings_defaults_and_mapping():
+    s = ZorroSettings.from_mapping({})
+    assert s.to_dict() == {"enable": False, "rollout_n": None, "logits_optimization": "none",
+                           "attention_backend": "auto", "on_unsupported": "raise", "group_balance": True}
+    s = ZorroSettings.from_mapping({"_target_": "x.Y", "enable": True, "rollout_n": 8,
+                                    "logits_optimization": "memory", "on_unsupported": "warn"})
+    assert s.enable and s.rollout_n == 8 and s.logits_optimization == "memory" and s.on_unsupported == "warn"
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"enabel": True}, "unknown key"),
+    ({"enable": "yes"}, "zorro.enable"),
+    ({"rollout_n": 0}, "zorro.rollout_n"),
+    ({"rollout_n": True}, "zorro.rollout_n"),
+    ({"logits_optimization": "fast"}, "zorro.logits_optimization"),
+    ({"attention_backend": "flash_attention_2"}, "zorro.attention_backend"),
+    ({"on_unsupported": "ignore"}, "zorro.on_unsupported"),
+    ({"group_balance": 1}, "zorro.group_balance"),
+])
+def test_settings_reject(bad, key):
+    with pytest.raises(ValueError, match=key):
+        ZorroSettings.from_mapping(bad)
+
+
+def test_settings_omegaconf_if_available():
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"n": 4, "z": {"enable": True, "rollout_n": "${n}"}})
+    assert ZorroSettings.from_mapping(cfg.z).rollout_n == 4
+
+
+def test_resolve_backend():
+    assert resolve_attention_backend("auto", "cpu") == "sdpa"
+    assert resolve_attention_backend("eager", "cpu") == "eager"
+    assert resolve_attention_backend("standard", "cpu") == "standard"
+    for name in ("flash", "flash_copyfree", "flex"):  # cannot train on this CPU host: refused, naming the backend
+        with pytest.raises(ValueError, match=name):
+            resolve_attention_backend(name, "cpu")
+
+
+def test_every_registered_backend_is_a_valid_choice():
+    from zorro_verl.attention import BACKEND_NAMES
+
+    for name in BACKEND_NAMES:
+        assert ZorroSettings.from_mapping({"attention_backend": name}).attention_backend == name

@@ -1,0 +1,165 @@
+"""The Hydra preset and the plugin config dataclass: composed with verl 0.9.1's own ppo_trainer config."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")
+
+CONFIGS = str(REPO_ROOT / "configs")
+
+
+def _compose(overrides=()):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base=None):
+        base = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8", "data.train_batch_size=8"]
+        return compose(config_name="zorro_ppo_trainer", overrides=base + list(overrides))
+
+
+def test_preset_builds_zorro_engine_configs():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from zorro_verl.integrations.verl.settings import settings_of as zorro_settings_of
+    from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig
+
+    cfg = _compose(["actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=warn"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.fsdp_config, ZorroFSDPEngineConfig) and actor.engine is actor.fsdp_config
+    s = zorro_settings_of(actor.engine)
+    assert (s.enable, s.rollout_n, s.on_unsupported, s.group_balance) == (True, 5, "warn", True)
+    ref = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.fsdp_config)
+    assert isinstance(ref, ZorroFSDPEngineConfig)
+    rs = zorro_settings_of(ref)
+    assert (rs.enable, rs.rollout_n, rs.on_unsupported) == (True, 5, "warn")
+    # the override that turns it off leaves verl's config otherwise unchanged
+    off = _compose(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"])
+    assert zorro_settings_of(omega_conf_to_dataclass(off.actor_rollout_ref.ref.fsdp_config)).enable is False
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.actor.fsdp_config.zorro.logits_optimization=fast", "logits_optimization"),
+    ("+actor_rollout_ref.actor.fsdp_config.zorro.bogus=1", "bogus"),
+    ("actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=ignore", "on_unsupported"),
+])
+def test_preset_rejects_bad_values(override, key):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = _compose([override])
+    with pytest.raises(Exception, match=key) as info:
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    # Hydra wraps the ValueError; the message still names the key and the fix
+    assert "zorro" in str(info.value)
+
+
+def test_self_check_when_another_engine_is_registered():
+    from verl.workers.engine import EngineRegistry, FSDPEngineWithLMHead
+
+    from zorro_verl.integrations.verl.v09.registration import check_engine_registered
+
+    slots = EngineRegistry._engines["language_model"]["fsdp2"]
+    saved = slots["cpu"]
+    slots["cpu"] = FSDPEngineWithLMHead
+    try:
+        with pytest.raises(RuntimeError, match="not the zorro engine"):
+            check_engine_registered()
+    finally:
+        slots["cpu"] = saved
+    check_engine_registered()
+
+
+def _fresh_python(code: str, **env) -> subprocess.CompletedProcess:
+    from tests.support.verl_cpu_platform import worker_env
+
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **worker_env(), **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_entry_point_registers_at_import_verl():
+    """`import verl` in a fresh process loads the verl.plugins entry point (needs the pyproject entry point); it
+    imports nothing heavy — verl's engine package is loaded only when used, and then holds the zorro engine."""
+    import importlib.metadata as md
+
+    # pyproject.toml declares the entry point: an install without it is a packaging defect, not a skip.
+    assert any(ep.name == "zorro_verl" for ep in md.entry_points(group="verl.plugins")), \
+        "zorro-verl's verl.plugins entry point is not installed (reinstall with pip install -e .)"
+    code = ("import sys, verl\n"
+            "assert 'zorro_verl.integrations.verl.v09.plugin' in sys.modules\n"
+            "assert 'verl.workers.engine' not in sys.modules and 'zorro_verl.integrations.verl.v09.engine' not in "
+            "sys.modules\n"
+            "from verl.workers.engine import EngineRegistry\n"
+            "from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead as Z\n"
+            "t = EngineRegistry._engines['language_model']\n"
+            "assert all(c is Z for b in ('fsdp', 'fsdp2') for c in t[b].values()), t\n"
+            "print('ok')\n")
+    out = _fresh_python(code)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_enabled_config_without_plugin_stops_at_start():
+    """With the plugin switched off, a zorro-enabled config raises at construction, saying why (no silent stock
+    run); a disabled config still builds."""
+    code = ("from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig\n"
+            "ZorroFSDPEngineConfig(zorro={'enable': False})\n"
+            "try:\n"
+            "    ZorroFSDPEngineConfig(zorro={'enable': True})\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n")
+    out = _fresh_python(code, ZORRO_VERL_PLUGIN_DISABLE="1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: zorro is enabled in the config but its verl plugin is not loaded" in out.stdout
+    assert "ZORRO_VERL_PLUGIN_DISABLE=1" in out.stdout
+
+
+def _example_overrides():
+    """The Hydra overrides of examples/grpo_qwen3_vllm_common.sh, shell variables replaced by sample values."""
+    import re
+
+    path = REPO_ROOT / "examples" / "grpo_qwen3_vllm_common.sh"
+    values = {"DATA_DIR": "/data", "MODEL": "Qwen/Qwen3-1.7B", "ROLLOUT_N": "8", "EXP": "x", "NGPUS": "8",
+              "NNODES": "1"}
+    out = []
+    for line in open(path):
+        m = re.match(r"\s+([a-z_.]+=\S+)", line)
+        if m:
+            ov = m.group(1).replace('"', "").replace("'", "")
+            out.append(re.sub(r"\$(\w+)", lambda v: values[v.group(1)], ov))
+    assert len(out) > 20
+    return out
+
+
+@pytest.mark.parametrize("extra, enabled", [([], True), (["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"],
+                                                          False)])
+def test_example_launch_lines_compose(extra, enabled):
+    """The zorro example and its baseline twin compose against verl 0.9.1's config and differ only in `enable`."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from zorro_verl.integrations.verl.settings import settings_of as zorro_settings_of
+
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base=None):
+        cfg = compose(config_name="zorro_ppo_trainer", overrides=_example_overrides() + extra)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.fsdp_config)
+    assert zorro_settings_of(actor.engine).enable is enabled and zorro_settings_of(ref).enable is enabled
+    assert zorro_settings_of(actor.engine).rollout_n == cfg.actor_rollout_ref.rollout.n == 8
+    assert actor.strategy == "fsdp2" and cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def test_other_strategies_refuse_zorro():
+    """fsdp_turbo reads the same fsdp_config: with zorro enabled its engine refuses to start (no silent stock run)."""
+    from verl.workers.config import HFModelConfig  # noqa: F401  (verl's engine package is importable)
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig
+
+    turbo = EngineRegistry._engines["language_model"]["fsdp_turbo"]["cuda"]
+    assert turbo._zorro_guard
+    cfg = ZorroFSDPEngineConfig(strategy="fsdp_turbo", zorro={"enable": True})
+    with pytest.raises(RuntimeError, match="fsdp_turbo"):
+        turbo(model_config=None, engine_config=cfg, optimizer_config=None, checkpoint_config=None)

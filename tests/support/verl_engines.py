@@ -1,0 +1,173 @@
+"""Helpers for testing the verl 0.9 engine plugin on CPU (used by tests/integrations/verl/v09 and its Ray workers).
+
+Builds stock and zorro engines from the same HF checkpoint (FSDP2, fp32, gloo), verl-layout batches (jagged, as
+verl's trainer hands them to the engine), and verl's own PPO loss.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+
+__all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "response_values", "engine_grads", "rank_batches",
+           "ray_engine_worker_class"]
+
+
+def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
+                 max_token_len: int = 64, use_remove_padding: bool = True, gradient_checkpointing: bool = False,
+                 zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None):
+    """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import FSDPEngineWithLMHead
+
+    from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig
+    from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
+
+    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
+                                 use_remove_padding=use_remove_padding,
+                                 enable_gradient_checkpointing=gradient_checkpointing)
+    common = dict(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
+                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+                  use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
+                  infer_micro_batch_size_per_gpu=micro_batch_size, max_token_len_per_gpu=max_token_len,
+                  infer_max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
+                  **(engine_overrides or {}))
+    if zorro:
+        settings = {"enable": True, "attention_backend": "sdpa", **(zorro_settings or {})}
+        engine_config = ZorroFSDPEngineConfig(zorro=settings, **common)
+        cls = ZorroFSDPEngineWithLMHead
+    else:
+        engine_config = FSDPEngineConfig(**common)
+        cls = FSDPEngineWithLMHead
+    optim = FSDPOptimizerConfig(lr=lr, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
+    engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim,
+                 checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def make_engine_batch(*, batch_size: int = 8, num_prompts: int = 3, prompt_len: int = 6, response_len: int = 5,
+                      vocab: int = 128, seed: int = 0, shuffle: bool = True, temperature: float = 1.0,
+                      calculate_entropy: bool = True, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
+                      max_token_len: int = 64, use_remove_padding: bool = True, global_batch_size=None):
+    """A jagged verl batch (TensorDict) with training fields, built like verl's trainer does."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from zorro_verl.testing import create_dummy_batch
+
+    b = create_dummy_batch(batch_size=batch_size, num_unique_prompts=num_prompts, prompt_len=prompt_len,
+                           response_len=response_len, device="cpu", include_training_fields=True, add_padding=True,
+                           vocab_size=vocab, seed=seed, shuffle=shuffle)
+    P = prompt_len
+    fields = dict(b)
+    fields["prompts"] = b["input_ids"][:, :P]
+    td = tu.get_tensordict(fields)
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=temperature, calculate_entropy=calculate_entropy,
+                         use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
+                         max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,
+                         global_batch_size=global_batch_size if global_batch_size is not None else batch_size,
+                         use_fused_kernels=False)
+    return td
+
+
+def ppo_loss_fn(loss_agg_mode: str = "token-mean"):
+    """verl's ``ppo_loss`` bound to a minimal actor config (vanilla clip loss, no KL / entropy terms)."""
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=8,
+                          use_dynamic_bsz=False, loss_agg_mode=loss_agg_mode, use_kl_loss=False, entropy_coeff=0.0)
+    return partial(ppo_loss, cfg)
+
+
+def response_values(nested: torch.Tensor, td) -> torch.Tensor:
+    """verl's own slicing of a nested predict-next output to ``[B, Rmax]`` (zeros on pads)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(nested, td)
+
+
+def engine_grads(engine) -> dict:
+    """Full (unsharded) gradients after ``train_batch`` (clipped as the optimizer saw them), by parameter name."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def rank_batches(rank: int, use_dynamic_bsz: bool):
+    """Per-DP-rank data for the 2-rank tests: rank 0 has four 2-row groups, rank 1 groups of 3, 3 and 2, so with a
+    micro-batch size of 4 rank 0 needs 2 micro-batches and rank 1 needs 3 (the engine must agree on 3)."""
+    if rank == 0:
+        return make_engine_batch(batch_size=8, num_prompts=4, prompt_len=7, response_len=5, seed=21, shuffle=True,
+                                 temperature=0.8, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=4,
+                                 max_token_len=40, global_batch_size=16)
+    return make_engine_batch(batch_size=8, num_prompts=3, prompt_len=7, response_len=5, seed=22, shuffle=True,
+                             temperature=0.8, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=4, max_token_len=40,
+                             global_batch_size=16)
+
+
+def ray_engine_worker_class():
+    """A verl ``Worker`` (built lazily: verl must be importable) that compares the two engines on its DP shard."""
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    class ZorroEngineTestWorker(Worker):
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def compare(self, ckpt: str, use_dynamic_bsz: bool) -> dict:
+            import importlib.metadata as md
+            import os
+
+            import torch.distributed as dist
+            from verl.workers.engine import EngineRegistry
+
+            from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
+            from zorro_verl.packing.microbatch import fixed_size_microbatches
+            from zorro_verl.testing import grad_rel_error
+
+            has_ep = any(ep.name == "zorro_verl" for ep in md.entry_points(group="verl.plugins"))
+            # the entry point, loaded by `import verl` in this Ray worker, registered the engine when
+            # verl.workers.engine was imported (the CPU platform came first: VERL_USE_EXTERNAL_MODULES)
+            registered_by_plugin = EngineRegistry._engines["language_model"]["fsdp2"].get("cpu") \
+                is ZorroFSDPEngineWithLMHead
+            if not dist.is_initialized():
+                dist.init_process_group(backend="gloo", rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
+            rank = dist.get_rank()
+            td = rank_batches(rank, use_dynamic_bsz)
+            res = {"rank": rank, "has_entry_point": has_ep, "registered_by_plugin": registered_by_plugin}
+            from zorro_verl.integrations.verl.v09.engine import row_group_ids, row_lengths
+
+            p, r = row_lengths(td)
+            res["local_fixed_count"] = len(fixed_size_microbatches(row_group_ids(td, p), p, r, 4))
+            outs = {}
+            for z in (False, True):
+                eng = build_engine(ckpt, zorro=z, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=4,
+                                   max_token_len=40)
+                with eng.eval_mode():
+                    inf = eng.infer_batch(td.clone(), loss_function=None)
+                with eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+                    tr = eng.train_batch(td.clone(), loss_function=ppo_loss_fn())
+                outs[z] = (inf, tr, engine_grads(eng))
+                if z:
+                    res["zorro_count"] = len(eng.zorro_last_micro_batches)
+                    res["zorro_metrics"] = {k: v for k, v in inf["metrics"].items() if k.startswith("zorro/")}
+            mask = td["response_mask"].bool()
+            (ia, ta, sa), (ib, tb, sb) = outs[False], outs[True]
+            res["logp_max_abs"] = (response_values(ia["model_output"]["log_probs"], td)
+                                   - response_values(ib["model_output"]["log_probs"], td))[mask].abs().max().item()
+            res["entropy_max_abs"] = (response_values(ia["model_output"]["entropy"], td)
+                                      - response_values(ib["model_output"]["entropy"], td))[mask].abs().max().item()
+            res["loss"] = (sum(ta["loss"]), sum(tb["loss"]))
+            res["grad_norm"] = (float(ta["metrics"]["grad_norm"]), float(tb["metrics"]["grad_norm"]))
+            res["grad_rel"] = grad_rel_error(sa, sb)
+            return res
+
+    return ZorroEngineTestWorker

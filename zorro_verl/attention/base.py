@@ -1,0 +1,37 @@
+"""The skeleton every attention backend follows (one file per backend, registered in :mod:`.registry`).
+
+A backend computes split attention over a plan's packed row (docs/DESIGN.md §2)::
+
+    attend(plan, query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, D], scaling) -> [1, T, Hq, D]
+
+and owns the index set it derives from the plan's core tensors (``index(plan)``, memoised in ``plan.memo`` under the
+backend's key, built without a host sync: every size it needs is a Python int of the plan). ``available(device)``
+says whether it runs forward *and* backward on that device here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zorro_verl.packing import ZorroPlan
+
+__all__ = ["Backend", "always"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One registered split-attention implementation (see the module docstring for the contract)."""
+
+    name: str
+    attend: Callable[[ZorroPlan, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    index: Callable[[ZorroPlan], dict]
+    available: Callable[[torch.device], bool]
+    summary: str
+
+
+def always(device: torch.device) -> bool:
+    """``available`` of the pure-torch backends: any device."""
+    return True

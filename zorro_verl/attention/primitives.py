@@ -1,0 +1,290 @@
+"""Varlen attention primitives: a forward that returns the softmax log-sum-exp, and its backward.
+
+The ``flash`` and ``flash_copyfree`` backends are written over these two functions (flash-attn vocabulary:
+``cu_seqlens`` int32 ``[n+1]``, ``max_seqlen`` Python ints):
+
+* ``fwd(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, scale, causal) -> (out [Tq, Hq, D],
+  lse [Hq, Tq] fp32, state)``;
+* ``bwd(dout, q, k, v, out, lse [Hq, Tq], state, cu_q, cu_k, max_q, max_k, scale, causal) -> (dq, dk, dv)``
+  — the gradient of the attention whose softmax statistics are ``out``/``lse`` (which may be merged ones).
+
+``causal`` aligns the mask bottom-right when ``seqlen_k > seqlen_q`` (query i sees key j iff
+``j <= i + lk - lq``), as flash-attn >= 2.1 does.
+
+Providers: ``flash_attn`` (flash-attn 2's internal varlen fwd/bwd, imported lazily), ``torch`` (PyTorch's built-in
+flash kernels, ``aten::_flash_attention_forward/backward``, CUDA sm80+; used when flash-attn is not installed, with
+a one-time warning) and :func:`torch_primitives` (plain torch math per segment, any device and dtype incl. fp64:
+the reference the tests plug in on CPU). ``ZORRO_FLASH_PROVIDER=flash_attn|torch`` forces one.
+:func:`flash_available` is the package's one answer to "can the flash backends run here".
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["VarlenPrimitives", "flash_available", "flash_primitives", "flash_provider", "torch_primitives",
+           "varlen_attention", "check_flash_inputs"]
+
+_PRIMS: dict = {}
+_WARNED: set = set()
+
+
+@dataclass(frozen=True)
+class VarlenPrimitives:
+    """A varlen attention forward returning the softmax log-sum-exp, and its backward (see the module doc)."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+# ------------------------------------------------------------------------------------------ torch reference math
+def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
+    c = cu.tolist()  # host sync: reference implementation only
+    return list(zip(c[:-1], c[1:]))
+
+
+def _allowed(lq: int, lk: int, causal: bool, device) -> Optional[torch.Tensor]:
+    """``[lq, lk]`` bool, bottom-right aligned causal (query i sees key j iff j <= i + lk - lq), or None."""
+    if not causal:
+        return None
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    return j <= i + (lk - lq)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _segment_scores(q, k, v, qs_range, ks_range, rep: int, acc: torch.dtype, scale: float, causal: bool):
+    """One (query segment, key segment) pair of the reference: ``qs [Hq, lq, D]``, ``ks/vs [Hq, lk, D]`` (kv heads
+    repeated), masked scores ``s [Hq, lq, lk]``, all in ``acc``."""
+    (a, b), (c, d) = qs_range, ks_range
+    qs = q[a:b].transpose(0, 1).to(acc)
+    ks = k[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
+    vs = v[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
+    s = qs @ ks.transpose(1, 2) * scale
+    m = _allowed(b - a, d - c, causal, q.device)
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf"))
+    return qs, ks, vs, s
+
+
+def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    Tq, Hq, D = q.shape
+    rep = Hq // k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    out = q.new_zeros(Tq, Hq, v.shape[2])
+    lse = torch.full((Hq, Tq), float("-inf"), dtype=acc, device=q.device)
+    for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
+        if b == a or d == c:
+            continue
+        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
+        ls = torch.logsumexp(s, -1)  # [Hq, lq]
+        p = torch.exp(s - ls[..., None]).nan_to_num(0.0)  # fully masked rows (lse = -inf) give 0
+        out[a:b] = (p @ vs).transpose(0, 1).to(q.dtype)
+        lse[:, a:b] = ls
+    return out, lse, None
+
+
+def _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
+    Hq, Hkv = q.shape[1], k.shape[1]
+    rep = Hq // Hkv
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
+        if b == a or d == c:
+            continue
+        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
+        do = dout[a:b].transpose(0, 1).to(acc)  # [Hq, lq, D]
+        o = out[a:b].transpose(0, 1).to(acc)
+        p = torch.exp(s - lse[:, a:b].to(acc)[..., None]).nan_to_num(0.0)  # [Hq, lq, lk] under the given lse
+        delta = (do * o).sum(-1, keepdim=True)  # [Hq, lq, 1] = rowsum(dO * O) with the given (merged) O
+        dp = do @ vs.transpose(1, 2)
+        ds = p * (dp - delta)
+        dq[a:b] += (ds @ ks).transpose(0, 1) * scale
+        dk_h = (ds.transpose(1, 2) @ qs) * scale  # [Hq, lk, D] -> sum over the q heads of each kv head
+        dv_h = p.transpose(1, 2) @ do
+        dk[c:d] += dk_h.view(Hkv, rep, d - c, -1).sum(1).transpose(0, 1)
+        dv[c:d] += dv_h.view(Hkv, rep, d - c, -1).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def torch_primitives() -> VarlenPrimitives:
+    """Plain-torch varlen primitives (a loop over segments, fp32 softmax for half dtypes, fp64 kept): the
+    reference the copy-free and gather logic are tested with on CPU."""
+    return VarlenPrimitives("torch_reference", _torch_fwd, _torch_bwd)
+
+
+# ------------------------------------------------------------------------------------------ GPU providers
+def _lse_rows(cu: torch.Tensor, Tq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segment [Tq], position in segment [Tq])`` of every query row of a varlen call."""
+    n = cu.numel() - 1
+    seg = torch.repeat_interleave(torch.arange(n, device=cu.device), (cu[1:] - cu[:-1]).long(), output_size=Tq)
+    return seg, torch.arange(Tq, device=cu.device) - cu.long()[seg]
+
+
+def _lse_to_flat(lse: torch.Tensor, cu: torch.Tensor, Tq: int) -> torch.Tensor:
+    """A kernel's lse -> ``[Hq, Tq]`` fp32: unpadded kernels return that already; older ones ``[n, Hq, max_q]``."""
+    if lse.dim() == 2 and lse.shape[1] == Tq:
+        return lse
+    seg, local = _lse_rows(cu, Tq)
+    return lse[seg, :, local].transpose(0, 1)
+
+
+def _lse_from_flat(flat: torch.Tensor, like: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_lse_to_flat` into the kernel's own layout ``like``."""
+    Tq = flat.shape[1]
+    if like.dim() == 2 and like.shape[1] == Tq:
+        return flat.contiguous()
+    seg, local = _lse_rows(cu, Tq)
+    out = torch.zeros_like(like)
+    out[seg, :, local] = flat.transpose(0, 1)
+    return out
+
+
+def _aten_primitives() -> VarlenPrimitives:
+    """PyTorch's built-in flash kernels (FlashAttention-2 inside ATen), CUDA only."""
+    ops = torch.ops.aten
+
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        out, lse, rng, unused, _ = ops._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng, unused)
+
+    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
+        like, rng, unused = state
+        dq, dk, dv = ops._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), cu_q, cu_k, max_q, max_k, 0.0, causal,
+            rng, unused, scale=scale)
+        return dq, dk, dv
+
+    return VarlenPrimitives("torch", fwd, bwd)
+
+
+def _flash_attn_primitives() -> VarlenPrimitives:
+    """flash-attn 2's internal varlen forward/backward (their keyword names differ across 2.x: inspected)."""
+    from flash_attn import flash_attn_interface as fai
+
+    f_fwd, f_bwd = fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward
+
+    def params_of(f) -> set:
+        # >= 2.7 wraps them in torch.library custom ops: read the original function's signature
+        return set(inspect.signature(getattr(f, "_init_fn", None) or getattr(f, "__wrapped__", None) or f).parameters)
+
+    fwd_params, bwd_params = params_of(f_fwd), params_of(f_bwd)
+
+    def common(params, causal, scale):
+        kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0, "alibi_slopes": None,
+              "block_table": None}
+        if "window_size" in params:
+            kw["window_size"] = (-1, -1)
+        else:
+            kw.update(window_size_left=-1, window_size_right=-1)
+        return {k: val for k, val in kw.items() if k in params}
+
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        kw = common(fwd_params, causal, scale)
+        if "return_softmax" in fwd_params:
+            kw["return_softmax"] = False
+        ret = f_fwd(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        if len(ret) == 4:  # 2.6+: out, lse, S_dmask, rng_state
+            out, lse, rng = ret[0], ret[1], ret[3]
+        else:  # <= 2.5: out, q, k, v, out_padded, lse, S_dmask, rng_state
+            out, lse, rng = ret[0], ret[5], ret[7]
+        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng)
+
+    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
+        like, rng = state
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kw = common(bwd_params, causal, scale)
+        kw["deterministic"] = False
+        kw["rng_state"] = rng
+        kw = {k2: val for k2, val in kw.items() if k2 in bwd_params}
+        f_bwd(dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), dq, dk, dv, cu_q, cu_k, max_q,
+              max_k, **kw)
+        return dq, dk, dv
+
+    return VarlenPrimitives("flash_attn", fwd, bwd)
+
+
+def flash_provider() -> Optional[str]:
+    """Which flash kernels :func:`flash_primitives` uses here: ``flash_attn``, ``torch`` or None (no CUDA kernels)."""
+    forced = os.environ.get("ZORRO_FLASH_PROVIDER")
+    if forced:
+        if forced not in ("flash_attn", "torch"):
+            raise ValueError(f"ZORRO_FLASH_PROVIDER: expected 'flash_attn' or 'torch', got {forced!r}.")
+        return forced
+    try:
+        from flash_attn import flash_attn_interface as fai
+
+        if hasattr(fai, "_flash_attn_varlen_forward") and hasattr(fai, "_flash_attn_varlen_backward"):
+            return "flash_attn"
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and getattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)():
+        return "torch"
+    return None
+
+
+def flash_available(device) -> bool:
+    """The one answer to "can the flash backends run on ``device``": a CUDA device and a flash provider
+    (flash-attn, or PyTorch's built-in flash kernels)."""
+    return torch.device(device).type == "cuda" and flash_provider() is not None
+
+
+def flash_primitives() -> VarlenPrimitives:
+    """The GPU varlen primitives (see :func:`flash_provider`). Raises ImportError naming the extra if none."""
+    name = flash_provider()
+    if name is None:
+        raise ImportError("attention backend 'flash': no flash kernels here — neither flash-attn (install the extra "
+                          "`pip install zorro-verl[flash]`, CUDA only) nor PyTorch's built-in CUDA flash attention. "
+                          "Choose attention backend 'sdpa' (attn_implementation='sdpa') or 'flex'.")
+    if name not in _PRIMS:
+        if name == "torch" and "torch" not in _WARNED:
+            _WARNED.add("torch")
+            warnings.warn("zorro flash backends: flash-attn is not installed; using PyTorch's built-in flash "
+                          "kernels (aten::_flash_attention_forward/backward, FlashAttention-2).", stacklevel=2)
+        _PRIMS[name] = _flash_attn_primitives() if name == "flash_attn" else _aten_primitives()
+    return _PRIMS[name]
+
+
+def check_flash_inputs(name: str, query: torch.Tensor) -> None:
+    """The flash kernels take fp16/bf16 CUDA tensors only: a clear error naming the backend otherwise."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"attention backend '{name}': expected fp16/bf16 CUDA tensors, got {query.dtype} on "
+                         f"{query.device}. Use attention backend 'sdpa' (or 'eager') on CPU or in fp32/fp64.")
+
+
+# ------------------------------------------------------------------------------------------ one varlen call
+class _VarlenAttention(torch.autograd.Function):
+    """One varlen attention call over primitives, differentiable: ``q [Tq, Hq, D], k/v [Tk, Hkv, D] -> out``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims):
+        out, lse, state = prims.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (state, max_q, max_k, scale, causal, prims)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        state, max_q, max_k, scale, causal, prims = ctx.args
+        dq, dk, dv = prims.bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims: VarlenPrimitives):
+    """Differentiable varlen attention over ``prims``. ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]`` -> ``[Tq, Hq, D]``."""
+    return _VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, scale,
+                                  causal, prims)

@@ -1,0 +1,157 @@
+"""``python -m zorro_verl.bench`` / ``zorro-verl bench``: the argument parser and ``main``.
+
+Settings come from a preset (:data:`zorro_verl.bench.presets.PRESETS`; ``--quick`` = ``--preset cpu-quick``;
+neither: ``cpu-quick``'s settings, whatever the device) and single flags override its fields. ``--ops`` runs the
+op-level attention benchmark instead of the model-level one. Exit code 1 if a target check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from zorro_verl.bench.presets import PRESETS, QUICK_PLAN_SCENARIO, Preset
+from zorro_verl.bench.report import check_targets, format_table, plot
+from zorro_verl.bench.scenarios import parse_scenario
+
+__all__ = ["main", "resolve", "settings", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zorro_verl.bench",
+                                description="Benchmark: zorro's deduplicated forward vs the ordinary forward, "
+                                            "measured against the FLOP-model ideal.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="every setting at once (default: cpu-quick's settings, on any device); flags below "
+                        "override single fields")
+    p.add_argument("--quick", action="store_true", help="alias of --preset cpu-quick (< 3 min on a 2-core host, "
+                                                        "with target checks)")
+    p.add_argument("--ops", action="store_true",
+                   help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "
+                        "instead of the model-level one; backends: --backends or every available one")
+    p.add_argument("--device", default=None, help="cpu or cuda (preset: cpu-quick/cpu-full cpu, gpu cuda)")
+    p.add_argument("--scenario", action="append", default=None, metavar="B,G,P,R[,ragged]",
+                   help="a scenario (repeatable), replaces the preset's; without --preset also drops the plan "
+                        "check and the targets")
+    p.add_argument("--modes", default="fwd,fwd_bwd", help="comma list of fwd, fwd_bwd")
+    p.add_argument("--backends", default=None,
+                   help="comma list of zorro backends (preset: sdpa on the CPU presets, every available on gpu)")
+    p.add_argument("--model", default=None, help="model shape, e.g. quick, qwen3-0.6b, hybrid-quick")
+    p.add_argument("--dtype", default=None, help=f"one of {sorted(DTYPES)} (preset: float32 CPU, bfloat16 gpu)")
+    p.add_argument("--reps", type=int, default=5, help="timed runs per figure (>= 5); the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (presets: 1)")
+    p.add_argument("--clock", default=None, help="wall or cpu (preset: cpu time on CPU, wall on gpu)")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None,
+                   help="gradient checkpointing (preset: off on CPU, on for gpu)")
+    p.add_argument("--baseline-rows", type=int, default=None,
+                   help="run the full-logits baseline in chunks of this many rows (memory); default: all rows "
+                        "on CPU, what fits ~24 GiB on CUDA")
+    p.add_argument("--no-full", action="store_true", help="skip the full-logits baseline")
+    p.add_argument("--plan-check", action="store_true",
+                   help=f"also measure plan building (preset's, else B={QUICK_PLAN_SCENARIO.B}, "
+                        f"G={QUICK_PLAN_SCENARIO.G})")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as a JSON list")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of speedup and ideal")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> Preset:
+    """The run's settings: the preset named (``--quick`` = ``cpu-quick``; none: ``cpu-quick``'s) with every flag
+    given overriding its field. Targets belong to the preset's device: a run moved to another device type drops
+    them. Without a preset, ``--scenario`` makes an ad-hoc grid with no plan check and no targets unless
+    ``--plan-check`` asks for both."""
+    name = args.preset
+    if args.quick:
+        if name not in (None, "cpu-quick"):
+            raise ValueError(f"--quick: an alias of --preset cpu-quick, but --preset {name} was given too.")
+        name = "cpu-quick"
+    base = PRESETS[name or "cpu-quick"]
+    s = base
+    if name is None and args.scenario:
+        s = dataclasses.replace(s, plan_scenario=None, targets=None)
+    over = {}
+    if args.device is not None:
+        over["device"] = args.device
+    if args.dtype is not None:
+        if args.dtype not in DTYPES:
+            raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}.")
+        over["dtype"] = args.dtype
+    if args.model is not None:
+        over["model"] = args.model
+    if args.scenario:
+        over["scenarios"] = tuple(parse_scenario(t) for t in args.scenario)
+    if args.clock is not None:
+        over["clock"] = args.clock
+    if args.threads is not None:
+        over["threads"] = args.threads
+    if args.grad_ckpt is not None:
+        over["grad_ckpt"] = args.grad_ckpt
+    if args.backends:
+        over["backends"] = tuple(b.strip() for b in args.backends.split(","))
+    if args.plan_check:
+        over["plan_scenario"] = s.plan_scenario or QUICK_PLAN_SCENARIO
+        if s.targets is None and name is None:  # as --quick's checks, on the rows of the grid given
+            over["targets"] = base.targets
+    s = dataclasses.replace(s, **over)
+    if torch.device(s.device).type != torch.device(base.device).type:
+        s = dataclasses.replace(s, targets=None)
+    return s
+
+
+def settings(argv: list[str]) -> Preset:
+    """The settings a command line resolves to (:func:`resolve` of its parsed arguments)."""
+    return resolve(_parser().parse_args(argv))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    s = resolve(args)
+    cuda = torch.device(s.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but torch.cuda.is_available() is False; use --device cpu.")
+    if cuda and s.clock == "cpu":
+        print("note: --clock cpu on CUDA counts host CPU time only; --preset gpu or --clock wall times the device.",
+              file=sys.stderr)
+    if not cuda:
+        torch.set_num_threads(s.threads)
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if not set(modes) <= {"fwd", "fwd_bwd"}:
+        raise ValueError(f"--modes: expected a comma list of fwd, fwd_bwd, got {args.modes!r}.")
+    if args.ops and args.plot:
+        raise ValueError("--plot: plots the model-level fwd_bwd rows; the op-level run (--ops) has none.")
+    t0 = time.perf_counter()
+    if args.ops:
+        from zorro_verl.bench.ops import run_ops
+
+        # every available backend unless named: comparing backends is what the op-level run is for
+        rows = run_ops(s.scenarios, modes=modes, backends=list(s.backends) if args.backends else None,
+                       model_shape=s.model, dtype=DTYPES[s.dtype], device=s.device, warmup=args.warmup,
+                       reps=args.reps, clock=s.clock)
+    else:
+        from zorro_verl.bench.runner import run_bench
+
+        rows = run_bench(s.scenarios, modes=modes, backends=s.backends, model_shape=s.model, dtype=DTYPES[s.dtype],
+                         device=s.device, warmup=args.warmup, reps=args.reps, clock=s.clock, grad_ckpt=s.grad_ckpt,
+                         baseline_rows=args.baseline_rows, full_logits=not args.no_full,
+                         plan_scenario=s.plan_scenario)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    print()
+    print(format_table(rows))
+    checks = check_targets(rows, s.targets)
+    for line in checks:
+        print(line)
+    print(f"total {time.perf_counter() - t0:.0f} s; preset {s.name}; device: {rows[0]['device'] if rows else s.device}")
+    return 1 if any(c.startswith("FAIL") for c in checks) else 0

@@ -1,0 +1,102 @@
+"""The FLOP model of docs/DESIGN.md §1 with a model's real dimensions: what the ordinary padded forward computes
+vs what zorro's deduplicated forward computes.
+
+Counted: matmul FLOPs of every linear layer per token (2 per multiply-add), attention ``4 Hq D`` per (query, key)
+pair actually needed (causal), the LM head on the rows each side computes; gated delta-net layers per token.
+Inputs are the per-row lengths of a batch (``[B] int64`` CPU tensors); outputs are Python ints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["flop_model", "attention_pairs", "linear_flops_per_token", "mlp_flops_per_token",
+           "linear_attention_flops_per_token"]
+
+#: Model types whose full-attention q_proj also produces a per-head output gate (twice the query width).
+_GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+
+
+def linear_attention_flops_per_token(cfg) -> int:
+    """Forward FLOPs per token of one gated delta-net token mixer (Qwen3.5 / Qwen3-Next), from the config:
+    the q/k/v/z/b/a and output projections, the depthwise causal conv, and the recurrent state update + readout
+    (per value head a ``[Dk, Dv]`` state: decay-and-correct, rank-1 update, query readout ~ 6 Dk Dv)."""
+    H = cfg.hidden_size
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_dim, value_dim = nk * dk, nv * dv
+    proj = H * (2 * key_dim + value_dim) + H * value_dim + 2 * H * nv + value_dim * H
+    conv = (2 * key_dim + value_dim) * cfg.linear_conv_kernel_dim
+    return 2 * (proj + conv) + 6 * nv * dk * dv
+
+
+def mlp_flops_per_token(cfg) -> int:
+    """Forward FLOPs per token of one layer's MLP (dense SwiGLU, or the routed experts + router of an MoE)."""
+    H = cfg.hidden_size
+    if getattr(cfg, "num_experts", None):
+        return 2 * (cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts)
+    return 2 * 3 * H * cfg.intermediate_size
+
+
+def linear_flops_per_token(cfg) -> int:
+    """Forward matmul FLOPs of one full-attention decoder layer per token (2 per multiply-add), from the config:
+    the q/k/v/o projections and the MLP."""
+    H = cfg.hidden_size
+    D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    q_out = 2 * Hq * D if cfg.model_type in _GATED_ATTENTION else Hq * D  # q_proj = query + output gate
+    return 2 * (H * q_out + 2 * H * Hkv * D + Hq * D * H) + mlp_flops_per_token(cfg)
+
+
+def attention_pairs(p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int) -> tuple[int, int]:
+    """Causal (query, key) pairs per head and layer: ``(ordinary, zorro)``.
+
+    Ordinary: every position of the ``B`` padded rows of width ``S`` (``B S (S+1) / 2``, what it computes);
+    zorro: each unique prompt once, each response against its prompt and causally itself.
+    ``p_len [B]``, ``r_len [B]``, ``row_group [B]``: int64 valid prompt / response length and group id per row.
+    """
+    B = p_len.numel()
+    G = int(row_group.max()) + 1
+    p_group = torch.zeros(G, dtype=torch.long).scatter_(0, row_group, p_len)
+    base_pairs = B * S * (S + 1) // 2
+    z_pairs = int((p_group * (p_group + 1) // 2).sum() + (r_len * p_len + r_len * (r_len + 1) // 2).sum())
+    return base_pairs, z_pairs
+
+
+def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int) -> dict:
+    """Forward FLOPs of the ordinary padded forward and of zorro's deduplicated forward.
+
+    Args:
+        cfg: the model config (real dimensions).
+        p_len: ``[B] int64`` valid prompt length per row; r_len: ``[B] int64`` valid response length per row.
+        row_group: ``[B] int64`` group id per row. S: padded row width of the baseline batch.
+
+    Returns:
+        dict of ints: ``baseline`` (padded rows, response-only head), ``baseline_full`` (padded rows, logits
+        everywhere), ``zorro``; each is linear + attention (+ head). Backward is taken as 2x forward, so the
+        ratios hold for ``fwd`` and ``fwd_bwd`` alike. Also ``baseline_tokens``, ``zorro_tokens`` and ``N``
+        (valid response tokens).
+    """
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    L = types.count("full_attention")  # layers with quadratic attention
+    L_lin = types.count("linear_attention")  # gated delta-net layers: per-token cost only
+    H, V = cfg.hidden_size, cfg.vocab_size
+    D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    per_pair = 4 * cfg.num_attention_heads * D  # QK^T and PV
+    lin = linear_flops_per_token(cfg)
+    B = p_len.numel()
+    N = int(r_len.sum())
+    G = int(row_group.max()) + 1
+    p_group = torch.zeros(G, dtype=torch.long).scatter_(0, row_group, p_len)
+    base_tokens = B * S
+    z_tokens = int(p_group.sum()) + N
+    base_pairs, z_pairs = attention_pairs(p_len, r_len, row_group, S)
+    head = 2 * H * V * N
+    base = L * (lin * base_tokens + per_pair * base_pairs)
+    zorro = L * (lin * z_tokens + per_pair * z_pairs)
+    if L_lin:
+        lin_layer = linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg)
+        base += L_lin * lin_layer * base_tokens
+        zorro += L_lin * lin_layer * z_tokens
+    return {"baseline": base + head, "baseline_full": base + 2 * H * V * base_tokens, "zorro": zorro + head,
+            "baseline_tokens": base_tokens, "zorro_tokens": z_tokens, "N": N}

@@ -1,0 +1,63 @@
+"""The attention function registered as ``"zorro"`` in transformers' ``AttentionInterface`` (docs/DESIGN.md §2).
+
+No mask function is registered with it, so transformers passes ``attention_mask=None`` and builds no O(T^2) mask;
+the structure comes from the plan in the ``zorro_ctx`` kwarg. The name must not contain "flash", "sdpa",
+"flex_attention" or "/", which trigger transformers' own dispatch logic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from zorro_verl.attention import attend
+from zorro_verl.integrations.transformers.context import StepContext, require_context
+
+__all__ = ["ZORRO_ATTN_NAME", "register_zorro_attention", "zorro_attention_forward"]
+
+ZORRO_ATTN_NAME = "zorro"
+
+
+def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                            scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                            softcap: Optional[float] = None, zorro_ctx: Optional[StepContext] = None, **kwargs):
+    """The attention function registered as ``"zorro"``.
+
+    Args:
+        query: ``[1, Hq, T, D]``; key/value: ``[1, Hkv, T, D]`` (RoPE / q-k-norm applied, GQA not expanded).
+        attention_mask: must be ``None`` (zorro registers no mask function; the plan carries the structure).
+        zorro_ctx: the :class:`StepContext` of the call (plan, backend, layer-call counter).
+
+    Returns:
+        ``([1, T, Hq, D], None)``.
+    """
+    ctx = require_context(zorro_ctx, "zorro attention")
+    plan = ctx.plan
+    if attention_mask is not None:
+        raise ValueError("zorro attention: got an attention_mask; the model built a mask although zorro registers "
+                         "none. Call the model without attention_mask (the plan carries the structure).")
+    if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != plan.T:
+        raise ValueError(f"zorro attention: expected query [1, Hq, T={plan.T}, D] (one packed row), got "
+                         f"{tuple(query.shape)}. Pass input_ids=plan.input_ids[None].")
+    if sliding_window is not None:
+        raise ValueError(f"zorro attention: sliding-window attention (window {sliding_window}) is not supported; "
+                         "disable use_sliding_window in the model config or do not use zorro for this model.")
+    if softcap is not None:
+        raise ValueError("zorro attention: attention logit soft-capping is not supported.")
+    if dropout:
+        raise ValueError(f"zorro attention: attention dropout {dropout} is not supported (RL training uses 0); "
+                         "set config.attention_dropout = 0.")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    ctx.calls.attention += 1
+    return attend(plan, ctx.backend, query, key, value, scaling), None
+
+
+def register_zorro_attention() -> None:
+    """Register :func:`zorro_attention_forward` as ``"zorro"`` in transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    if AttentionInterface._global_mapping.get(ZORRO_ATTN_NAME) is not zorro_attention_forward:
+        AttentionInterface.register(ZORRO_ATTN_NAME, zorro_attention_forward)

@@ -1,0 +1,55 @@
+"""What travels with one deduplicated model call besides the plan: the chosen backend and a per-forward counter.
+
+One :class:`StepContext` is passed as the ``zorro_ctx`` kwarg of the model call; transformers forwards unknown
+kwargs unchanged to every attention function and decoder-layer submodule (also under gradient checkpointing). It
+is an opaque object, not a dataclass or dict: FSDP2 (and other ``tree_map``-style input casts) rebuild those, an
+opaque object is passed by reference, so the counts made inside the model reach the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zorro_verl.attention import get_backend
+from zorro_verl.packing import ZorroPlan
+
+__all__ = ["LayerCalls", "StepContext", "require_context"]
+
+
+@dataclass
+class LayerCalls:
+    """Counts of one forward: zorro attention calls, gated delta-net calls, and layer calls that ran a slower
+    fallback kernel because a fast GPU library is missing (``fallbacks[library]``)."""
+
+    attention: int = 0
+    recurrent: int = 0
+    fallbacks: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.attention = 0
+        self.recurrent = 0
+        self.fallbacks.clear()
+
+
+class StepContext:
+    """``plan`` (:class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a registered attention backend name) and
+    ``calls`` (:class:`LayerCalls`) of one deduplicated model call."""
+
+    __slots__ = ("plan", "backend", "calls")
+
+    def __init__(self, plan: ZorroPlan, backend: str = "sdpa", calls: LayerCalls | None = None):
+        if not isinstance(plan, ZorroPlan):
+            raise TypeError(f"plan: expected a ZorroPlan (zorro_verl.packing.build_plan), got {type(plan).__name__}.")
+        get_backend(backend)  # ValueError naming the registered backends
+        self.plan, self.backend, self.calls = plan, backend, calls if calls is not None else LayerCalls()
+
+
+def require_context(ctx, who: str) -> StepContext:
+    """The ``zorro_ctx`` kwarg a sequence mixer received: a :class:`StepContext`, or a clear error naming ``who``."""
+    if ctx is None:
+        raise ValueError(f"{who}: called without zorro's step context (the `zorro_ctx` kwarg is missing). Run the "
+                         "model through zorro_verl.integrations.transformers.zorro_step, or uninstall zorro "
+                         "(uninstall_zorro(model)) for an ordinary forward.")
+    if not isinstance(ctx, StepContext):
+        raise TypeError(f"zorro_ctx: expected a StepContext, got {type(ctx).__name__}.")
+    return ctx

@@ -1,0 +1,143 @@
+"""Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/DESIGN.md §4).
+
+* :func:`install_zorro` sets the model's attention to the registered ``"zorro"`` function, wraps gated delta-net
+  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), and — with ``probe`` — checks with a tiny forward
+  that every decoder layer's sequence mixing goes through zorro. Any other layer type, or a model that does not
+  dispatch through ``ALL_ATTENTION_FUNCTIONS``, raises here, never silently.
+* :func:`forward_packed` is the only place a model runs on a packed row: it zeroes the step's counters, calls the
+  root module (so FSDP hooks and any final processing run as in the stock forward) and checks that every attention
+  and linear-attention layer ran through zorro exactly once.
+
+Model-agnostic: nothing is patched by class name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zorro_verl.integrations.transformers import hybrid
+from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
+from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
+from zorro_verl.packing import build_plan
+
+__all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_calls", "check_layer_calls",
+           "forward_packed"]
+
+#: config.layer_types entries zorro handles: full attention (registered function) and linear attention (hybrid.py).
+_HANDLED_LAYER_TYPES = ("full_attention", hybrid.LINEAR_ATTENTION)
+
+
+def _text_config(model):
+    cfg = model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def is_installed(model) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == ZORRO_ATTN_NAME
+
+
+def expected_layer_calls(model) -> tuple[int, int]:
+    """``(attention layers, linear-attention layers)`` one forward must run through zorro: the ``full_attention``
+    entries of ``config.layer_types`` when the config lists them (hybrid models), else ``num_hidden_layers``."""
+    cfg = _text_config(model)
+    n = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(n, int):
+        raise ValueError(f"model: cannot tell its decoder layer count (config.num_hidden_layers is {n!r}); zorro "
+                         "supports decoder-only language models.")
+    types = getattr(cfg, "layer_types", None)
+    attn = sum(t == "full_attention" for t in types[:n]) if types else n
+    return attn, len(hybrid.linear_attention_modules(model))
+
+
+def _check_layer_types(model) -> None:
+    """Refuse (at install time) any layer type whose sequence mixing zorro does not handle."""
+    types = getattr(_text_config(model), "layer_types", None)
+    if types:
+        other = sorted({t for t in types if t not in _HANDLED_LAYER_TYPES})
+        if other:
+            raise ValueError(
+                f"model: layers of type {other} do not mix the sequence through zorro (only "
+                f"{list(_HANDLED_LAYER_TYPES)} are handled). Running them over the packed row would let one response "
+                "see its siblings — refused. Use a model whose layers are all of the handled types.")
+    hybrid.check_linear_attention_supported(model)
+
+
+def check_layer_calls(model, calls: LayerCalls) -> None:
+    """After one forward: every full-attention layer called the zorro attention once and every linear-attention
+    layer ran zorro's gated delta-net forward once. Raises ``ValueError`` otherwise (a layer bypassed zorro: the
+    deduplicated result would be wrong)."""
+    attn, rec = expected_layer_calls(model)
+    if calls.attention != attn:
+        raise ValueError(
+            f"model: {attn} attention layers but the zorro attention was called {calls.attention} times; some layers "
+            "do not dispatch attention through transformers' ALL_ATTENTION_FUNCTIONS (or mix the sequence another "
+            "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
+    if calls.recurrent != rec:
+        raise ValueError(
+            f"model: {rec} linear-attention layers but zorro's gated delta-net forward ran {calls.recurrent} times; a "
+            "linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) again "
+            "after changing the model.")
+
+
+def forward_packed(model, ctx: StepContext, **model_kwargs):
+    """Run ``model`` (the root ``*ForCausalLM``, possibly FSDP-wrapped) on ``ctx.plan``'s packed row.
+
+    ``model_kwargs`` go to the model call (e.g. ``logits_to_keep``). Returns the model's output; raises if zorro
+    is not installed or a layer bypassed it.
+    """
+    if not is_installed(model):
+        raise ValueError("model: zorro is not installed on this model (its attn_implementation is "
+                         f"{getattr(model.config, '_attn_implementation', None)!r}). Call install_zorro(model) "
+                         "or DeduplicatedActor.patch() first.")
+    plan = ctx.plan
+    ctx.calls.reset()
+    out = model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=None,
+                zorro_ctx=ctx, use_cache=False, **model_kwargs)
+    check_layer_calls(model, ctx.calls)
+    return out
+
+
+def install_zorro(model, *, probe: bool = True) -> None:
+    """Switch ``model`` to zorro attention (idempotent) and, with ``probe``, verify every layer dispatches to it.
+
+    The probe is a no-grad forward of a 2-row, 1-group batch of a few tokens. Raises ``ValueError`` (restoring the
+    model's previous attention) when a layer would bypass zorro. Verl's engines install without the probe (it would
+    call submodules outside the FSDP root's forward) and rely on the check of every :func:`forward_packed`.
+    """
+    register_zorro_attention()
+    _check_layer_types(model)
+    if is_installed(model):
+        hybrid.wrap_linear_attention(model)  # idempotent
+        return
+    model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
+    model.set_attn_implementation(ZORRO_ATTN_NAME)
+    try:
+        hybrid.wrap_linear_attention(model)
+        if probe:
+            _probe(model)
+    except Exception:
+        uninstall_zorro(model)
+        raise
+
+
+def uninstall_zorro(model) -> None:
+    """Restore the attention implementation (and linear-attention forwards) the model had before
+    :func:`install_zorro`."""
+    hybrid.unwrap_linear_attention(model)
+    if is_installed(model):
+        model.set_attn_implementation(getattr(model, "_zorro_previous_attn", None) or "sdpa")
+
+
+def _probe(model) -> None:
+    emb = model.get_input_embeddings()
+    vocab = emb.weight.shape[0]
+    ids = (torch.arange(10, device=emb.weight.device) % max(vocab - 1, 1) + 1).view(2, 5)
+    ids[:, :3] = ids[0, :3]  # one shared 3-token prompt, two 2-token responses
+    plan = build_plan(ids, None, 2)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            forward_packed(model, StepContext(plan, "sdpa"), logits_to_keep=plan.logit_index)
+    finally:
+        model.train(was_training)

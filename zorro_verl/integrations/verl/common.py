@@ -1,0 +1,62 @@
+"""What both verl generations' zorro actors share (docs/DESIGN.md §8): the settings-driven state, the loud
+refusal of settings zorro cannot run exactly, and the dedup metrics. Imports no verl."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from zorro_verl.integrations.verl.settings import ZorroSettings
+
+__all__ = ["ZorroActorMixin", "report_unsupported", "dedup_metrics", "METRIC_KEYS"]
+
+#: The metrics every zorro actor reports (each step; lists of per-call values in verl 0.9).
+METRIC_KEYS = ("zorro/dedup_ratio", "zorro/prompt_tokens_saved", "zorro/split_groups", "zorro/fallback_batches")
+
+
+def dedup_metrics(ordinary_tokens: int, dedup_tokens: int, split_groups: int, fallback_batches: int) -> dict:
+    """The :data:`METRIC_KEYS` values: tokens of the ordinary forward over tokens of the deduplicated one, prompt
+    tokens saved, groups split across micro-batches, micro-batches run by the stock forward."""
+    return {
+        "zorro/dedup_ratio": ordinary_tokens / dedup_tokens if dedup_tokens else 1.0,
+        "zorro/prompt_tokens_saved": float(ordinary_tokens - dedup_tokens),
+        "zorro/split_groups": float(split_groups),
+        "zorro/fallback_batches": float(fallback_batches),
+    }
+
+
+def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log: logging.Logger) -> None:
+    """A setting zorro cannot run exactly: raise (``on_unsupported=raise``) or warn once per reason (``warn``; the
+    caller then runs the stock forward and counts the batch in ``zorro/fallback_batches``)."""
+    msg = (f"zorro: unsupported setting: {reason}. Fix the setting, disable zorro "
+           "(fsdp_config.zorro.enable=false), or set fsdp_config.zorro.on_unsupported=warn to run the stock "
+           "forward for such batches (counted in zorro/fallback_batches).")
+    if settings.on_unsupported == "raise":
+        raise ValueError(msg)
+    if reason not in warned:
+        warned.add(reason)
+        log.warning(msg)
+
+class ZorroActorMixin:
+    """The zorro state both verl actors share (0.9 engine, 0.7 legacy actor): the settings, the static support
+    check (``_zorro_static_unsupported``, defined by each actor), warn-once bookkeeping and the chosen backend."""
+
+    def _zorro_setup(self, settings: "ZorroSettings", device_type: str) -> None:
+        self.zorro = settings
+        self._zorro_warned: set = set()
+        self._zorro_static_reason: Optional[str] = None
+        self._zorro_backend: Optional[str] = None
+        if not settings.enable:
+            return
+        self._zorro_static_reason = self._zorro_static_unsupported()
+        if self._zorro_static_reason is not None:
+            self._zorro_unsupported(self._zorro_static_reason)
+        else:
+            self._zorro_backend = settings.resolved_backend(device_type)
+
+    @property
+    def zorro_active(self) -> bool:
+        return self.zorro.enable and self._zorro_static_reason is None
+
+    def _zorro_unsupported(self, reason: str) -> None:
+        report_unsupported(self.zorro, reason, self._zorro_warned, logging.getLogger(type(self).__module__))

@@ -1,0 +1,149 @@
+"""The ``zorro`` settings shared by both verl generations (docs/DESIGN.md §8). Imports no verl.
+
+Plain Python (no verl, no dataclass): :meth:`ZorroSettings.from_mapping` accepts a dict, an OmegaConf ``DictConfig``
+or any object with the same attributes (e.g. the Hydra plugin dataclass), rejects unknown keys and bad values
+with a ``ValueError`` naming the key, and returns a validated, immutable-by-convention settings object.
+
+Keys (documented for users in ``configs/README.md``):
+
+* ``enable`` (bool, False): run the deduplicated forward.
+* ``rollout_n`` (int >= 1 or None): responses per prompt; a sizing hint for micro-batching (groups are always
+  found from the token ids, so a wrong value never changes results).
+* ``logits_optimization`` (``none|compute|memory``): how the LM head / log-softmax is materialised.
+* ``attention_backend`` (``auto`` or any registered backend: ``sdpa|eager|standard|flash|flash_copyfree|flex``):
+  ``auto`` = ``flash`` where the flash backends can run (:func:`~zorro_verl.attention.flash_available`: CUDA and
+  flash-attn or PyTorch's built-in flash kernels), else ``sdpa`` (logged once when that happens on CUDA).
+* ``on_unsupported`` (``raise|warn``): what to do with a setting zorro cannot run exactly; ``warn`` falls back to
+  the stock forward for that batch, warns once and counts it in ``zorro/fallback_batches``.
+* ``group_balance`` (bool, True): group-aware DP balancing in the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from zorro_verl.attention import BACKEND_NAMES, flash_available, get_backend
+from zorro_verl.logprob import LOGITS_MODES
+
+__all__ = ["ZorroSettings", "settings_of", "SETTING_KEYS", "ATTENTION_BACKEND_CHOICES", "ON_UNSUPPORTED",
+           "resolve_attention_backend"]
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
+ON_UNSUPPORTED = ("raise", "warn")
+SETTING_KEYS = ("enable", "rollout_n", "logits_optimization", "attention_backend", "on_unsupported",
+                "group_balance")
+#: Keys that may appear in a Hydra node beside the settings and are ignored here (Hydra's own).
+_IGNORED_KEYS = ("_target_",)
+
+_logged_auto_sdpa = False
+
+
+def _mapping_items(cfg: Any) -> dict:
+    """Turn a dict / OmegaConf node / attribute object into a plain dict (resolving interpolations)."""
+    if cfg is None:
+        return {}
+    try:  # OmegaConf is optional here: verl brings it, the core package does not need it.
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return dict(OmegaConf.to_container(cfg, resolve=True))
+    except ImportError:
+        pass
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    if hasattr(cfg, "__dict__"):
+        return {k: v for k, v in vars(cfg).items() if not k.startswith("_") or k in _IGNORED_KEYS}
+    raise TypeError(f"zorro config: expected a mapping (dict / OmegaConf DictConfig) or an object with attributes, "
+                    f"got {type(cfg).__name__}.")
+
+
+def _as_bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise ValueError(f"zorro.{key}: expected true or false, got {v!r}.")
+
+
+def _as_choice(key: str, v: Any, choices: tuple) -> str:
+    if not isinstance(v, str) or v not in choices:
+        raise ValueError(f"zorro.{key}: expected one of {list(choices)}, got {v!r}.")
+    return v
+
+
+class ZorroSettings:
+    """Validated zorro settings. Build with :meth:`from_mapping` (or the keyword constructor, same checks)."""
+
+    __slots__ = SETTING_KEYS
+
+    def __init__(self, enable: bool = False, rollout_n: Optional[int] = None, logits_optimization: str = "none",
+                 attention_backend: str = "auto", on_unsupported: str = "raise", group_balance: bool = True):
+        self.enable = _as_bool("enable", enable)
+        if rollout_n is not None:
+            if isinstance(rollout_n, bool) or not isinstance(rollout_n, int) or rollout_n < 1:
+                raise ValueError(f"zorro.rollout_n: expected a positive int or null, got {rollout_n!r}. It defaults "
+                                 "to ${actor_rollout_ref.rollout.n} in the preset.")
+        self.rollout_n = rollout_n
+        self.logits_optimization = _as_choice("logits_optimization", logits_optimization, LOGITS_MODES)
+        self.attention_backend = _as_choice("attention_backend", attention_backend, ATTENTION_BACKEND_CHOICES)
+        self.on_unsupported = _as_choice("on_unsupported", on_unsupported, ON_UNSUPPORTED)
+        self.group_balance = _as_bool("group_balance", group_balance)
+
+    @classmethod
+    def from_mapping(cls, cfg: Any) -> ZorroSettings:
+        """Validate ``cfg`` (dict, OmegaConf node or attribute object). Unknown keys raise ``ValueError``."""
+        items = _mapping_items(cfg)
+        unknown = sorted(k for k in items if k not in SETTING_KEYS and k not in _IGNORED_KEYS)
+        if unknown:
+            raise ValueError(f"zorro config: unknown key(s) {unknown}; valid keys are {list(SETTING_KEYS)}. Check "
+                             "the spelling in your YAML / command-line override.")
+        return cls(**{k: v for k, v in items.items() if k in SETTING_KEYS})
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in SETTING_KEYS}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ZorroSettings) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return "ZorroSettings(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in SETTING_KEYS) + ")"
+
+    def resolved_backend(self, device_type: str) -> str:
+        """The plan backend for ``device_type`` ('cuda' / 'cpu' / ...); see :func:`resolve_attention_backend`."""
+        return resolve_attention_backend(self.attention_backend, device_type)
+
+
+def resolve_attention_backend(choice: str, device_type: str) -> str:
+    """``auto`` -> ``flash`` where the flash backends can run, else ``sdpa`` (logged once on CUDA).
+
+    Explicit choices are returned unchanged once they can run here; an explicit one that cannot (``flash`` without
+    CUDA or flash kernels, ``flex`` for training on CPU...) raises naming why.
+    """
+    global _logged_auto_sdpa
+    _as_choice("attention_backend", choice, ATTENTION_BACKEND_CHOICES)
+    if choice == "auto":
+        if flash_available(device_type):
+            return "flash"
+        if device_type == "cuda" and not _logged_auto_sdpa:
+            _logged_auto_sdpa = True
+            logger.warning("zorro: attention_backend=auto picked 'sdpa' on CUDA because no flash kernels are available "
+                           "(neither flash-attn nor PyTorch's built-in flash attention); install flash-attn "
+                           "(pip install 'zorro-verl[flash]') for the faster varlen kernels.")
+        return "sdpa"
+    if not get_backend(choice).available(device_type):
+        raise ValueError(f"zorro.attention_backend: {choice!r} cannot run forward and backward on device "
+                         f"{device_type!r} here ({get_backend(choice).summary}). Use 'auto' or 'sdpa'.")
+    return choice
+
+
+def settings_of(engine_config) -> ZorroSettings:
+    """Validated settings of an engine config (the ``_zorro_settings`` its ``__post_init__`` stored, else its
+    ``zorro`` mapping); the disabled defaults for a stock config without one."""
+    s = getattr(engine_config, "_zorro_settings", None)
+    if isinstance(s, ZorroSettings):
+        return s
+    return ZorroSettings.from_mapping(getattr(engine_config, "zorro", None) or {})

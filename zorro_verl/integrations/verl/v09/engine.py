@@ -1,0 +1,304 @@
+"""The zorro FSDP engine for verl >= 0.9: ``FSDPEngineWithLMHead`` with a deduplicated micro-batch forward
+(docs/DESIGN.md §8).
+
+Data path (one ``forward_backward_batch`` call = one mini-batch of this DP rank)::
+
+    jagged batch (input_ids = [prompt | response] per row, no padding)
+      -> group ids from the valid prompt tokens (any row order)
+      -> group-aware micro-batches (fixed rows or token budget counting each prompt once), the same count on every
+         DP rank (all-reduce MAX, then split)
+      -> per micro-batch: build_plan -> zorro_step (one packed row through the FSDP root module, LM head at the
+         response-predicting rows only) -> verl's nested predict-next layout
+         (row b's slice [p_b - 1, p_b + r_b - 1) holds its response log-probs; other entries are 0 and never read)
+      -> verl's loss function unchanged (global token normalisation), outputs back in original row order.
+
+With ``zorro.enable = false`` (or a stock ``FSDPEngineConfig``) every method is the stock one. Settings zorro cannot
+run exactly raise, or with ``on_unsupported = warn`` run the stock forward for that batch, warn once and count the
+batch in ``zorro/fallback_batches``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager, nullcontext
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func
+
+from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
+from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics
+from zorro_verl.integrations.verl.settings import settings_of
+from zorro_verl.packing import build_plan, group_ids
+from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
+
+__all__ = ["ZorroFSDPEngineWithLMHead", "row_lengths", "row_group_ids"]
+
+logger = logging.getLogger(__name__)
+
+
+def row_lengths(td) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid prompt and response tokens per row of a jagged verl batch: ``([B] int64, [B] int64)``.
+
+    Same rule as verl's ``no_padding_2_padding``: from nested ``prompts``/``responses``, or from the padded
+    ``attention_mask`` split at ``prompts.shape[1]``. Checked against the ``input_ids`` row lengths.
+    """
+    for key in ("input_ids", "prompts", "responses"):
+        if key not in td.keys():
+            raise ValueError(f"zorro engine: the batch has no '{key}' field; zorro needs the prompt/response split "
+                             "of verl's rollout batch (prompts, responses, attention_mask, jagged input_ids).")
+    prompts, responses = td["prompts"], td["responses"]
+    if prompts.is_nested:
+        p, r = prompts.offsets().diff(), responses.offsets().diff()
+    else:
+        am = td["attention_mask"]
+        p, r = am[:, : prompts.shape[1]].sum(1), am[:, prompts.shape[1]:].sum(1)
+    seq = td["input_ids"].offsets().diff()
+    p, r = p.to(seq.device).long(), r.to(seq.device).long()
+    if not torch.equal(p + r, seq):
+        raise ValueError("zorro engine: prompt + response lengths from attention_mask do not add up to the jagged "
+                         "input_ids lengths; the batch is not in verl's [prompt | response] layout.")
+    if bool((p <= 0).any()):
+        raise ValueError("zorro engine: a row has an empty prompt; every row needs at least one prompt token.")
+    return p, r
+
+
+def row_group_ids(td, p: torch.Tensor) -> torch.Tensor:
+    """``[B] int64`` group id per row of a jagged batch (:func:`~zorro_verl.packing.group_ids` of its valid prompt
+    tokens, right-aligned in a ``[B, Pmax]`` block)."""
+    ids = td["input_ids"]
+    vals, off = ids.values(), ids.offsets()
+    B, pmax = p.numel(), int(p.max())
+    row = torch.repeat_interleave(torch.arange(B, device=vals.device), p)
+    j = torch.arange(row.numel(), device=vals.device) - torch.repeat_interleave(torch.cumsum(p, 0) - p, p)
+    prompts = torch.zeros((B, pmax), dtype=torch.long, device=vals.device)
+    mask = torch.zeros((B, pmax), dtype=torch.bool, device=vals.device)
+    col = pmax - p[row] + j
+    prompts[row, col] = vals[off[:-1][row] + j].long()
+    mask[row, col] = True
+    return group_ids(prompts, mask)
+
+
+def _to_verl_padded(nested: torch.Tensor, p: torch.Tensor, r: torch.Tensor, pw: int, rw: int, fill: int = 0):
+    """Jagged ``[prompt | response]`` rows -> verl's left/right padded ``[B, pw + rw]`` (plus the index used)."""
+    vals, off = nested.values(), nested.offsets()
+    seq = p + r
+    B = seq.numel()
+    row = torch.repeat_interleave(torch.arange(B, device=vals.device), seq)
+    j = torch.arange(vals.shape[0], device=vals.device) - off[:-1][row]
+    pr = p[row]
+    col = torch.where(j < pr, pw - pr + j, pw + j - pr)
+    out = torch.full((B, pw + rw), fill, dtype=vals.dtype, device=vals.device)
+    out[row, col] = vals
+    return out, row, col
+
+
+class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
+    """verl's FSDP LM engine with zorro's deduplicated forward (see module docstring)."""
+
+    #: Marks the engines verl must build when zorro is enabled (checked by the config at start).
+    zorro_engine = True
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self._zorro_setup(settings_of(engine_config), get_device_name())
+        if not self.zorro.enable:
+            return
+        logger.warning("zorro: FSDP engine active on rank %d (%s; backend=%s, logits=%s, on_unsupported=%s)",
+                       self.rank, "deduplicated forward" if self._zorro_static_reason is None
+                       else f"stock forward: {self._zorro_static_reason}", self._zorro_backend,
+                       self.zorro.logits_optimization, self.zorro.on_unsupported)
+
+    # ------------------------------------------------------------------ support checks
+    def _zorro_static_unsupported(self):
+        if self.engine_config.ulysses_sequence_parallel_size > 1:
+            return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
+        if getattr(self.engine_config, "use_fused_kernels", False):
+            return "fused kernels (set actor_rollout_ref.model.use_fused_kernels=false)"
+        if getattr(self.model_config, "lora_rank", 0) > 0:
+            return "LoRA (lora_rank > 0) is not verified with zorro"
+        hf = getattr(self.model_config, "hf_config", None)
+        if hf is not None and getattr(hf, "vision_config", None) is not None:
+            return "vision-language models (3-D position ids / multimodal inputs)"
+        return None
+
+    def _zorro_batch_unsupported(self, data):
+        get = tu.get_non_tensor_data
+        if get(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
+            return "pad_mode other than no_padding"
+        for key in ("use_fused_kernels", "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+            if get(data=data, key=key, default=False):
+                return f"{key}=True"
+        if self.zorro.logits_optimization == "memory" and "temperature" in data.keys():
+            t = data["temperature"]
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and not bool((t == t.reshape(-1)[0]).all()):
+                return "per-sample temperatures with logits_optimization=memory"
+        if get(data=data, key="force_group_size", default=1) != 1:
+            return "force_group_size > 1"
+        if "multi_modal_inputs" in data.keys():
+            from verl.utils.model import extract_multi_modal_inputs
+
+            # verl's V1 agent loop stores an (empty) entry per sample for text-only data: only real inputs count
+            if extract_multi_modal_inputs(data["multi_modal_inputs"]):
+                return "multimodal inputs"
+        if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
+            return "3-D position ids (mrope)"
+        return None
+
+    # ------------------------------------------------------------------ model
+    def initialize(self):
+        super().initialize()
+        self._zorro_stock_attn = getattr(self.module.config, "_attn_implementation", None)
+        if self.zorro_active:
+            self._install()
+
+    def _install(self) -> None:
+        # install_zorro's checks (layer types, hybrid delta-net wrappers); every forward then checks that each
+        # attention / linear-attention layer ran through zorro once (check_layer_calls).
+        install_zorro(self.module, probe=False)
+
+    def _installed(self) -> bool:
+        return is_installed(self.module)
+
+    @contextmanager
+    def _stock_attention(self):
+        """Run with the model's original attention (fallback batches); covers the backward recompute too."""
+        if not self._installed():
+            yield
+            return
+        uninstall_zorro(self.module)
+        try:
+            yield
+        finally:
+            self._install()
+
+    # ------------------------------------------------------------------ batch
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if not self.zorro.enable:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        reason = self._zorro_static_reason or self._zorro_batch_unsupported(data)
+        if reason is None and not forward_only and self.zorro.logits_optimization == "memory":
+            # The chunked head recompute runs in backward, after FSDP2 may have resharded (freed) the root's
+            # parameters: not safe; memory mode serves the forward-only passes (old log-prob, ref).
+            reason = "logits_optimization=memory for training steps (it serves forward-only log-prob passes)"
+        if reason is not None:
+            if self._zorro_static_reason is None:
+                self._zorro_unsupported(reason)
+            with self._stock_attention():
+                out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            self._add_metrics(out, {"zorro/fallback_batches": 1.0})
+            return out
+
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
+                                     group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+        mbs = self.zorro_micro_batches(data)
+        micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]
+
+        output_lst = []
+        ctx = torch.no_grad() if forward_only else nullcontext()
+        scaler = getattr(self, "scaler", None)
+        for i, micro_batch in enumerate(micro_batches):
+            sync_ctx = nullcontext() if forward_only else self._gradient_sync_context(
+                is_last_micro_batch=i == len(micro_batches) - 1)
+            with ctx, sync_ctx, torch.profiler.record_function(f"zorro_micro_batch{i}"):
+                loss, meta_info = self.forward_step(micro_batch, loss_function=loss_function,
+                                                    forward_only=forward_only)
+                if not forward_only:
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                    if not return_model_output:
+                        meta_info.pop("model_output", None)
+            output_lst.append(meta_info)
+
+        out = postprocess_batch_func(output_lst=output_lst, indices=mbs.batches, data=data)
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            # verl restores the order only for dynamic bsz; group-aware fixed micro-batches reorder rows too.
+            out["model_output"] = {k: restore_dynamic_batch(v, mbs.batches) for k, v in out["model_output"].items()}
+        self._add_metrics(out, dedup_metrics(mbs.ordinary_tokens, mbs.dedup_tokens, mbs.split_groups, 0))
+        self.zorro_last_micro_batches = mbs
+        return out
+
+    @staticmethod
+    def _add_metrics(out, values: dict) -> None:
+        if out is None:
+            return
+        metrics = out.setdefault("metrics", {})
+        for k, v in values.items():
+            metrics.setdefault(k, []).append(v)
+
+    def zorro_micro_batches(self, data):
+        """Group-aware micro-batches of ``data`` (row index lists), the same count on every DP rank."""
+        p, r = row_lengths(data)
+        g = row_group_ids(data, p)
+        sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            max_tok = int(tu.get(data, "max_token_len_per_gpu")) * sp
+            mbs = dynamic_microbatches(g, p, r, max_tok)
+        else:
+            mbs = fixed_size_microbatches(g, p, r, int(tu.get(data, "micro_batch_size_per_gpu")))
+        # FSDP collectives need the same number of forward/backward calls on every DP rank.
+        count = torch.tensor([len(mbs)], device=get_device_id())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group())
+        count = int(count.item())
+        if count > len(mbs):
+            mbs = split_to_count(mbs, count, g, p, r)
+        return mbs
+
+    # ------------------------------------------------------------------ micro-batch
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if not self.zorro_active or not self._installed():
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        device_name = get_device_name()
+        micro_batch = micro_batch.to(get_device_id())
+        p, r = row_lengths(micro_batch)
+        pw, rw = int(p.max()), int(r.max())
+        ids_pad, row, col = _to_verl_padded(micro_batch["input_ids"], p, r, pw, rw)
+        am = torch.zeros_like(ids_pad)
+        am[row, col] = 1
+        pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0]
+        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am)
+
+        temperature = micro_batch["temperature"]
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((plan.B,), float(temperature), device=ids_pad.device)
+        calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
+
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
+                        else torch.autocast(device_type=device_name, dtype=autocast_dtype))
+        with autocast_ctx:
+            logp, ent = zorro_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
+                                   calculate_entropy=calculate_entropy,
+                                   logits_optimization=self.zorro.logits_optimization)
+
+            offsets = micro_batch["input_ids"].offsets()
+            # predict-next layout: the token at column j of row b's response is predicted at row position p_b-1+j
+            idx = offsets[:-1][plan.out_row] + p[plan.out_row] - 1 + plan.out_col
+            total = int(offsets[-1])
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(
+                logp.new_zeros(total).index_put((idx,), logp), offsets)}
+            if calculate_entropy:
+                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(
+                    ent.new_zeros(total).index_put((idx,), ent), offsets)
+
+            if loss_function is not None:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss = torch.tensor(1.0, device=device_name)
+                metrics = {}
+            output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+            return loss, output

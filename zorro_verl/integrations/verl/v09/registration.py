@@ -1,0 +1,129 @@
+"""Registration of the zorro engine in verl >= 0.9 (docs/DESIGN.md §8). No side effects at import: the plugin
+(:mod:`.plugin`) calls :func:`install`, and the config class calls :func:`check_engine_registered`.
+
+:func:`install` registers post-import hooks, so nothing heavy is imported at ``import verl``:
+
+* when ``verl.workers.engine`` is imported, verl's stock ``FSDPEngineWithLMHead`` is swapped for
+  :class:`~zorro_verl.integrations.verl.v09.engine.ZorroFSDPEngineWithLMHead` in ``EngineRegistry`` for the
+  ``fsdp``/``fsdp2`` backends (every device key it was registered for, plus ``cpu``); the zorro class is the stock
+  engine unless its engine config enables zorro, so runs without the preset are unchanged. Every other
+  language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
+  zorro-enabled config instead of silently running the stock forward;
+* when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
+  (:mod:`.balance`, switchable by config).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import os
+
+from zorro_verl.integrations.verl.settings import settings_of
+from zorro_verl.integrations.verl.v09 import balance
+
+__all__ = ["install", "is_installed", "check_engine_registered", "PLUGIN_DISABLE_ENV"]
+
+logger = logging.getLogger(__name__)
+
+#: Set to ``1`` to keep the ``verl.plugins`` entry point from installing anything (zorro-enabled configs then stop
+#: at start with the reason).
+PLUGIN_DISABLE_ENV = "ZORRO_VERL_PLUGIN_DISABLE"
+_BACKENDS = ("fsdp", "fsdp2")
+_installed = False
+
+
+def verl_is_09_or_newer() -> bool:
+    try:
+        major, minor = (int(x) for x in md.version("verl").split(".")[:2])
+    except Exception:  # unknown layout: let the engine import fail loudly if the API is missing
+        return True
+    return (major, minor) >= (0, 9)
+
+
+def install() -> None:
+    """Register the post-import hooks (idempotent). A no-op under verl < 0.9 or with ``ZORRO_VERL_PLUGIN_DISABLE=1``."""
+    global _installed
+    if _installed or os.environ.get(PLUGIN_DISABLE_ENV, "0") == "1" or not verl_is_09_or_newer():
+        return
+    import wrapt  # a dependency of the verl extra only
+
+    wrapt.register_post_import_hook(_register_engine, "verl.workers.engine")
+    wrapt.register_post_import_hook(balance.install_v0_hook, "verl.trainer.ppo.ray_trainer")
+    wrapt.register_post_import_hook(balance.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
+    _installed = True
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def _register_engine(engine_package) -> None:
+    """Post-import hook of ``verl.workers.engine``: put the zorro engine in its ``EngineRegistry``."""
+    # Imported here, not at module level: the engine module imports verl's FSDP engine, which must not be loaded at
+    # `import verl` (it resolves verl's device platform; tests install a CPU platform before that).
+    from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
+
+    stock = engine_package.FSDPEngineWithLMHead
+    table = engine_package.EngineRegistry._engines.setdefault("language_model", {})
+    for backend in _BACKENDS:
+        slots = table.setdefault(backend, {})
+        for key, cls in list(slots.items()):
+            if cls is stock:
+                slots[key] = ZorroFSDPEngineWithLMHead
+        slots.setdefault("cpu", ZorroFSDPEngineWithLMHead)
+    for backend, slots in table.items():
+        if backend in _BACKENDS:
+            continue
+        for key, cls in list(slots.items()):
+            if not getattr(cls, "_zorro_guard", False):
+                slots[key] = _guarded(cls, backend)
+
+
+def _guarded(cls, backend: str):
+    """A subclass of engine ``cls`` whose constructor raises when its engine config enables zorro."""
+
+    def __init__(self, *args, **kwargs):
+        engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
+        if engine_config is not None and settings_of(engine_config).enable:
+            raise RuntimeError(f"zorro is enabled but the actor/ref strategy is {backend!r}: the zorro engine supports "
+                               "strategy fsdp or fsdp2 (actor_rollout_ref.actor.strategy=fsdp2).")
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _why_not_installed() -> str:
+    if os.environ.get(PLUGIN_DISABLE_ENV, "0") == "1":
+        return f"{PLUGIN_DISABLE_ENV}=1 is set in this process"
+    if not verl_is_09_or_newer():
+        return f"verl {md.version('verl')} is older than 0.9 (use the verl 0.7 integration, configs/zorro_legacy.yaml)"
+    if not any(ep.name == "zorro_verl" for ep in md.entry_points(group="verl.plugins")):
+        return ("the `verl.plugins` entry point of zorro-verl is not installed in this Python environment (pip install "
+                "zorro-verl into the environment of every Ray worker)")
+    policy = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    if policy == "none" or (policy not in ("auto", "") and "zorro_verl" not in policy.split(",")):
+        return f"VERL_USE_EXTERNAL_PLUGINS={policy!r} does not load the entry point 'zorro_verl'"
+    return ("verl failed to load the plugin (it logs plugin errors at DEBUG only); `python -c \"import "
+            "zorro_verl.integrations.verl.v09.plugin\"` shows the error")
+
+
+def check_engine_registered() -> None:
+    """Raise ``RuntimeError`` saying why, unless the plugin is installed in this process and verl resolves the zorro
+    engine for ``fsdp`` and ``fsdp2``."""
+    if not _installed:
+        raise RuntimeError(f"zorro is enabled in the config but its verl plugin is not loaded: {_why_not_installed()}.")
+    from verl.workers.engine import EngineRegistry  # the import runs the post-import hook if it has not run yet
+
+    for backend in _BACKENDS:
+        try:
+            cls = EngineRegistry.get_engine_cls("language_model", backend)
+        except ValueError as e:
+            raise RuntimeError(f"zorro is enabled but verl has no engine for backend {backend!r} on this device: "
+                               f"{e}") from e
+        if not getattr(cls, "zorro_engine", False):  # ZorroFSDPEngineWithLMHead and its subclasses
+            raise RuntimeError(
+                f"zorro is enabled in the config but verl builds {cls.__module__}.{cls.__qualname__} for strategy "
+                f"{backend!r}, not the zorro engine (another plugin replaced it?). Remove the conflicting plugin or "
+                "disable zorro (fsdp_config.zorro.enable=false).")

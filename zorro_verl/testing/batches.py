@@ -1,0 +1,87 @@
+"""GRPO-shaped dummy batches in verl's layout (test and demo input)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["create_dummy_batch"]
+
+
+def create_dummy_batch(
+    batch_size: int = 8,
+    num_unique_prompts: int = 2,
+    prompt_len: int = 4096,
+    response_len: int = 512,
+    device: str = "cuda",
+    include_training_fields: bool = False,
+    add_padding: bool = False,
+    vocab_size: int = 1000,
+    seed: int = 0,
+    shuffle: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A GRPO-shaped micro-batch in verl's layout.
+
+    ``num_unique_prompts`` prompts, each repeated ``batch_size / num_unique_prompts`` times (the remainder goes to
+    the first prompts). With ``add_padding`` prompts have different valid lengths (left pad) and responses end
+    early (right pad); one response in every group of >= 3 has length 1 and the last row of the batch may
+    have an empty response. With ``shuffle`` siblings are not adjacent.
+
+    Returns a dict:
+        ``input_ids [B, P+R] int64``, ``attention_mask [B, P+R] int64``, ``position_ids [B, P+R] int64``,
+        ``responses [B, R] int64``, ``response_mask [B, R] int64``; with ``include_training_fields`` also
+        ``old_log_probs``, ``advantages``, ``ref_log_prob`` ``[B, R] float32`` (zeros on pads).
+    """
+    for name, v in (("batch_size", batch_size), ("num_unique_prompts", num_unique_prompts),
+                    ("prompt_len", prompt_len), ("response_len", response_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "response_len" else 1):
+            raise ValueError(f"{name}: expected a positive int, got {v!r}.")
+    if num_unique_prompts > batch_size:
+        raise ValueError(f"num_unique_prompts: expected <= batch_size ({batch_size}), got {num_unique_prompts}.")
+    gen = torch.Generator().manual_seed(seed)
+    B, G, P, R = batch_size, num_unique_prompts, prompt_len, response_len
+    group = torch.arange(B) * G // B  # contiguous groups of near-equal size
+    prompts = torch.randint(1, vocab_size, (G, P), generator=gen)
+    p_len = torch.full((G,), P)
+    r_len = torch.full((B,), R)
+    if add_padding:
+        p_len = torch.randint(max(1, P // 2), P + 1, (G,), generator=gen)
+        p_len[0] = P
+        r_len = torch.randint(max(1, R // 2), R + 1, (B,), generator=gen) if R > 0 else r_len
+        if R > 0:
+            r_len[0] = R
+            for g in range(G):
+                rows = (group == g).nonzero().flatten()
+                if rows.numel() >= 3:
+                    r_len[rows[1]] = 1
+            if B >= 3 and (group == group[-1]).sum() >= 2:
+                r_len[-1] = 0
+    input_ids = torch.zeros(B, P + R, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
+    responses = torch.randint(1, vocab_size, (B, R), generator=gen)
+    for b in range(B):
+        g = int(group[b])
+        p, r = int(p_len[g]), int(r_len[b])
+        input_ids[b, P - p:P] = prompts[g, P - p:]
+        attention_mask[b, P - p:P + r] = 1
+    responses = responses * attention_mask[:, P:]
+    input_ids[:, P:] = responses
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0) * attention_mask
+    # verl keeps counting positions on the right pad; the valid tokens are what matter.
+    response_mask = attention_mask[:, P:].clone()
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": responses,
+        "response_mask": response_mask,
+    }
+    if include_training_fields:
+        m = response_mask.float()
+        batch["old_log_probs"] = (-torch.rand(B, R, generator=gen) * 2 - 0.1) * m
+        adv = torch.randn(G, generator=gen)[group]
+        batch["advantages"] = (adv[:, None] + 0.1 * torch.randn(B, R, generator=gen)) * m
+        batch["ref_log_prob"] = (-torch.rand(B, R, generator=gen) * 2 - 0.1) * m
+    if shuffle:
+        perm = torch.randperm(B, generator=gen)
+        batch = {k: v[perm] for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}

@@ -1,0 +1,110 @@
+"""Tiny randomly initialised models built from a config (offline, no download): Qwen3 / Qwen3-MoE and the hybrid
+gated delta-net families. transformers is imported inside the functions, never at import."""
+
+from __future__ import annotations
+
+import torch
+
+from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_norms
+
+__all__ = ["tiny_config", "tiny_model", "HYBRID_KINDS", "tiny_hybrid_config", "tiny_hybrid_model",
+           "model_from_config"]
+
+
+def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab_size: int = 128,
+                hidden: int = 32, heads: int = 4, tie_word_embeddings: bool = False):
+    """A small config built offline. ``kind``: ``qwen3`` or ``qwen3_moe``; ``gqa=False`` gives MHA."""
+    kv = heads // 2 if gqa else heads
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=hidden // heads, max_position_embeddings=4096,
+                  tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0)
+    if kind == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(intermediate_size=2 * hidden, **common)
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=hidden, num_experts=4,
+                              num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, **common)
+    raise ValueError(f"kind: expected 'qwen3' or 'qwen3_moe', got {kind!r}.")
+
+
+def model_from_config(cfg, dtype: torch.dtype, seed: int, attn_implementation: str):
+    """``*ForCausalLM`` from ``cfg`` with the given attention, deterministic for ``seed`` (the shared builder of
+    :func:`tiny_model` and :func:`tiny_hybrid_model`)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg._attn_implementation = attn_implementation
+    if hasattr(cfg, "num_experts") and dtype == torch.float64:
+        cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def tiny_model(kind: str = "qwen3", *, dtype: torch.dtype = torch.float64, seed: int = 0,
+               attn_implementation: str = "sdpa", exact_norms: bool = True, **cfg_kwargs):
+    """A randomly initialised ``*ForCausalLM`` from :func:`tiny_config`; deterministic for a given ``seed``.
+
+    With ``exact_norms`` (default) RMSNorm modules keep fp64 in fp64 (see :func:`exact_fp64_norms`).
+    """
+    model = model_from_config(tiny_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    if exact_norms:
+        exact_fp64_norms(model)
+    return model
+
+
+#: ``kind`` names of :func:`tiny_hybrid_config`.
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def tiny_hybrid_config(kind: str = "qwen3_5", *, layer_types: tuple = ("linear_attention", "full_attention",
+                                                                      "linear_attention"),
+                       vocab_size: int = 128, hidden: int = 32, heads: int = 4, gqa: bool = True,
+                       linear_k_heads: int = 2, linear_v_heads: int = 4, linear_head_dim: int = 8,
+                       conv_kernel: int = 4):
+    """A small hybrid (gated delta-net + full attention) text config built offline.
+
+    ``kind``: ``qwen3_5`` (Qwen3.5 dense text), ``qwen3_5_moe`` (Qwen3.5 MoE text) or ``qwen3_next``. The default
+    layer pattern starts and ends with linear attention; ``linear_v_heads > linear_k_heads`` exercises the key-head
+    repeat of the delta rule.
+    """
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=len(layer_types),
+                  layer_types=list(layer_types), num_attention_heads=heads,
+                  num_key_value_heads=heads // 2 if gqa else heads, head_dim=hidden // heads,
+                  max_position_embeddings=4096, tie_word_embeddings=False, attention_dropout=0.0,
+                  linear_conv_kernel_dim=conv_kernel, linear_key_head_dim=linear_head_dim,
+                  linear_value_head_dim=linear_head_dim, linear_num_key_heads=linear_k_heads,
+                  linear_num_value_heads=linear_v_heads)
+    moe = dict(moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden, num_experts=4,
+               num_experts_per_tok=2)
+    if kind == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(intermediate_size=2 * hidden, **common)
+    if kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**moe, **common)
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(intermediate_size=2 * hidden, decoder_sparse_step=1, norm_topk_prob=True, **moe,
+                               **common)
+    raise ValueError(f"kind: expected one of {HYBRID_KINDS}, got {kind!r}.")
+
+
+def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                      attn_implementation: str = "sdpa", exact: bool = True, **cfg_kwargs):
+    """A randomly initialised hybrid ``*ForCausalLM`` from :func:`tiny_hybrid_config`; deterministic per ``seed``.
+
+    With ``exact`` (default) and fp64, :func:`exact_fp64_hybrid` makes the oracle keep fp64 end to end.
+    """
+    model = model_from_config(tiny_hybrid_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    with torch.no_grad():  # random, not the zero/one init, so every parameter matters in the tests
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    if exact:
+        exact_fp64_hybrid(model)
+    return model
