@@ -7,6 +7,7 @@ import logging
 from typing import Optional
 
 from zorro_verl.integrations.verl.settings import ZorroSettings
+from zorro_verl.logprob import DEFAULT_CHUNK
 
 __all__ = ["ZorroActorMixin", "report_unsupported", "dedup_metrics", "METRIC_KEYS"]
 
@@ -40,6 +41,9 @@ def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log:
 class ZorroActorMixin:
     """The zorro state both verl actors share (0.9 engine, 0.7 legacy actor): the settings, the static support
     check (``_zorro_static_unsupported``, defined by each actor), warn-once bookkeeping and the chosen backend."""
+
+    #: Rows per chunk of the ``compute`` / ``memory`` logits modes (an attribute so tests can make it small).
+    logits_chunk_size = DEFAULT_CHUNK
 
     def _zorro_setup(self, settings: "ZorroSettings", device_type: str) -> None:
         self.zorro = settings

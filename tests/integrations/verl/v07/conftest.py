@@ -84,7 +84,7 @@ def make_actor_node(*, zorro: dict | None = None, use_remove_padding: bool = Tru
         for k, v in extra.items():
             OmegaConf.update(a, k, v, force_add=True)
         if zorro is not None:
-            a.fsdp_config._target_ = "zorro_verl.integrations.verl.legacy_config.ZorroLegacyFSDPEngineConfig"
+            a.fsdp_config._target_ = "zorro_verl.integrations.verl.v07.config.ZorroLegacyFSDPEngineConfig"
             a.fsdp_config.zorro = zorro
     return root.actor_rollout_ref.actor
 

@@ -25,7 +25,8 @@ LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss")
 
 def _classes():
     from verl.workers.actor.dp_actor import DataParallelPPOActor
-    from zorro_verl.integrations.verl.legacy import ZoRRoDataParallelPPOActor
+
+    from zorro_verl.integrations.verl.v07.actor import ZoRRoDataParallelPPOActor
 
     return DataParallelPPOActor, ZoRRoDataParallelPPOActor
 
@@ -190,10 +191,8 @@ def test_no_sharing_keeps_parent_micro_batches(base_model):
 
 
 def test_logits_compute_mode_chunks(base_model, monkeypatch):
-    import zorro_verl.integrations.verl.legacy as legacy
-
-    monkeypatch.setattr(legacy, "_COMPUTE_CHUNK", 5)
     Stock, Zorro = _classes()
+    monkeypatch.setattr(Zorro, "logits_chunk_size", 5)
     stock = make_actor(Stock, base_model, make_actor_config())
     zorro = make_actor(Zorro, base_model, make_actor_config(zorro={**ZORRO_ON, "logits_optimization": "compute"}))
     data = make_batch()
@@ -251,7 +250,7 @@ def test_bad_key_fails_at_config_build():
 # ---------------------------------------------------------------------- installation from configuration
 @pytest.fixture
 def routing():
-    from zorro_verl.integrations.verl import legacy
+    from zorro_verl.integrations.verl.v07 import actor as legacy
 
     legacy.install()
     yield legacy
@@ -294,12 +293,12 @@ def test_external_lib_installs_routing(base_model):
 
     from verl.utils.import_utils import import_external_libs
 
-    from zorro_verl.integrations.verl import legacy
+    from zorro_verl.integrations.verl.v07 import actor as legacy
 
     legacy.uninstall()
-    sys.modules.pop("zorro_verl.integrations.verl.legacy_plugin", None)
+    sys.modules.pop("zorro_verl.integrations.verl.v07.plugin", None)
     try:
-        import_external_libs("zorro_verl.integrations.verl.legacy_plugin")
+        import_external_libs("zorro_verl.integrations.verl.v07.plugin")
         assert legacy.is_routing_installed()
         Stock, Zorro = _classes()
         assert type(make_actor(Stock, base_model, make_actor_config(zorro=ZORRO_ON))) is Zorro
@@ -314,10 +313,10 @@ def test_verl_use_external_modules_env():
     import sys
 
     code = ("import verl\n"
-            "from zorro_verl.integrations.verl.legacy import is_routing_installed\n"
+            "from zorro_verl.integrations.verl.v07.actor import is_routing_installed\n"
             "assert is_routing_installed()\n"
             "print('routed')\n")
-    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "zorro_verl.integrations.verl.legacy_plugin"}
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "zorro_verl.integrations.verl.v07.plugin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "routed" in out.stdout
@@ -325,7 +324,7 @@ def test_verl_use_external_modules_env():
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_hybrid_models_match_stock(kind):
-    """Hybrid linear-attention models (issue 6) through the legacy actor. The stock reference runs padded rows:
+    """Hybrid linear-attention models through the legacy actor. The stock reference runs padded rows:
     its remove-padding path packs rows into one sequence, which transformers' CPU gated delta-net cannot separate."""
     from zorro_verl.testing import tiny_hybrid_model
 

@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+from tests.support import REPO_ROOT
+
+CONFIGS = str(REPO_ROOT / "configs")
 
 
 def _compose(*overrides):
@@ -21,10 +23,11 @@ def _compose(*overrides):
 
 def test_preset_gives_zorro_actor_and_ref_settings():
     from verl.utils.config import omega_conf_to_dataclass
-    from zorro_verl.integrations.verl.legacy_config import ZorroLegacyFSDPEngineConfig, legacy_settings_of
+
+    from zorro_verl.integrations.verl.v07.config import ZorroLegacyFSDPEngineConfig, legacy_settings_of
 
     cfg = _compose("actor_rollout_ref.actor.fsdp_config.zorro.logits_optimization=compute")
-    assert cfg.actor_rollout_ref.model.external_lib == "zorro_verl.integrations.verl.legacy_plugin"
+    assert cfg.actor_rollout_ref.model.external_lib == "zorro_verl.integrations.verl.v07.plugin"
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor.fsdp_config, ZorroLegacyFSDPEngineConfig)
     s = legacy_settings_of(actor)

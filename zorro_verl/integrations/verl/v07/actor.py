@@ -111,7 +111,7 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
 
     Args:
         config: the actor / ref config (``FSDPActorConfig`` or its OmegaConf node); zorro's settings are read from
-            ``config.fsdp_config.zorro`` (:func:`~zorro_verl.integrations.verl.legacy_config.legacy_settings_of`).
+            ``config.fsdp_config.zorro`` (:func:`~zorro_verl.integrations.verl.v07.config.legacy_settings_of`).
         actor_module: the (FSDP-wrapped) ``*ForCausalLM``.
         actor_optimizer: ``None`` for the reference policy.
     """
@@ -202,7 +202,8 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
         with torch.autocast(device_type=self.device_name, dtype=self.param_dtype):  # same autocast as the parent
             logp, ent = zorro_step(self.actor_module, plan, backend=self._zorro_backend,
                                    temperature=float(temperature), calculate_entropy=calculate_entropy,
-                                   logits_optimization=self.zorro.logits_optimization)
+                                   logits_optimization=self.zorro.logits_optimization,
+                                   chunk_size=self.logits_chunk_size)
         outputs = {"log_probs": plan.to_padded(logp)}  # [B, R], 0 on pads like the parent's remove-padding path
         if calculate_entropy:
             outputs["entropys"] = plan.to_padded(ent)

@@ -281,7 +281,8 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         with autocast_ctx:
             logp, ent = zorro_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
                                    calculate_entropy=calculate_entropy,
-                                   logits_optimization=self.zorro.logits_optimization)
+                                   logits_optimization=self.zorro.logits_optimization,
+                                   chunk_size=self.logits_chunk_size)
 
             offsets = micro_batch["input_ids"].offsets()
             # predict-next layout: the token at column j of row b's response is predicted at row position p_b-1+j
