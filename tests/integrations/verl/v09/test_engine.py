@@ -1,6 +1,6 @@
 """The zorro FSDP engine vs verl 0.9.1's stock FSDPEngineWithLMHead on CPU (FSDP2, fp32, 1-rank gloo).
 
-Tolerances (issue 4): log-probs / entropy max abs <= 1e-5; PPO loss and grad norm relative <= 1e-5 (fp32).
+Tolerances (docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; PPO loss and grad norm relative <= 1e-5 (fp32).
 """
 
 import logging
