@@ -26,8 +26,8 @@ import torch
 
 from zorro_verl.bench.flops import attention_pairs
 from zorro_verl.bench.models import build_config
-from zorro_verl.bench.runner import check_backends, common_fields, make_batches
-from zorro_verl.bench.timing import Clock, steady_heap, time_interleaved
+from zorro_verl.bench.runner import common_fields, make_batches, setup_run
+from zorro_verl.bench.timing import Clock, time_interleaved
 
 __all__ = ["OpInputs", "make_op_inputs", "ordinary_attention", "zorro_attention", "packed_view", "run_ops"]
 
@@ -114,12 +114,7 @@ def run_ops(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape="
     memory ``peak_mb`` / ``ordinary_peak_mb`` (``mem_method``), ``max_abs_diff`` (zorro vs ordinary output on valid
     tokens, before timing) and the provenance of :func:`zorro_verl.bench.runner.common_fields`.
     """
-    if reps < 5:
-        raise ValueError(f"--reps: expected >= 5 timed runs per figure (medians of at least 5), got {reps}.")
-    dev = torch.device(device)
-    backends = check_backends(backends, dev)
-    if dev.type == "cpu":
-        steady_heap()
+    dev, backends = setup_run(reps, device, backends)
     cfg = build_config(model_shape)
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq

@@ -119,6 +119,17 @@ def make_batches(sc: Scenario, k: int, device: str) -> list[dict]:
     return out
 
 
+def setup_run(reps: int, device, backends) -> tuple[torch.device, list[str]]:
+    """Checks and process settings shared by the model-level and op-level runs: ``(device, backends)``."""
+    if reps < 5:
+        raise ValueError(f"--reps: expected >= 5 timed runs per figure (medians of at least 5), got {reps}.")
+    dev = torch.device(device)
+    backends = check_backends(backends, dev)
+    if dev.type == "cpu":
+        steady_heap()
+    return dev, backends
+
+
 def check_backends(backends, device: torch.device) -> list[str]:
     """``backends`` (``None``: every backend available on ``device``) as a list, each known and available."""
     from zorro_verl.attention.registry import BACKENDS, available_backends
@@ -157,12 +168,7 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
     """
     from zorro_verl.packing import build_plan
 
-    if reps < 5:
-        raise ValueError(f"--reps: expected >= 5 timed runs per figure (medians of at least 5), got {reps}.")
-    dev = torch.device(device)
-    backends = check_backends(backends, dev)
-    if dev.type == "cpu":
-        steady_heap()
+    dev, backends = setup_run(reps, device, backends)
     model = build_model(model_shape, dtype, device)
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
