@@ -18,6 +18,7 @@ import time
 import torch
 
 from zorro_verl.api import packed_ppo_policy_loss
+from zorro_verl.attention import available_backends
 from zorro_verl.integrations.transformers import install_zorro, load_causal_lm, zorro_step
 from zorro_verl.logprob import LOGITS_MODES
 from zorro_verl.packing import build_plan
@@ -42,7 +43,8 @@ def _parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser
     p.add_argument("--prompt-len", "-P", type=int, default=256)
     p.add_argument("--response-len", "-R", type=int, default=32)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float64")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="kernel inside zorro's split attention")
+    p.add_argument("--attn", default="sdpa", choices=available_backends("cpu"),
+                   help="attention backend of zorro's split attention (those that train on this CPU)")
     p.add_argument("--logits", default="none", choices=list(LOGITS_MODES), help="logits_optimization")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per path (median reported)")

@@ -199,7 +199,7 @@ class DeduplicatedActor:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' requested but CUDA is not available; pass device='cpu'.")
-        if self.backend in ("flash", "flash_copyfree") and dev.type != "cuda":
+        if dev.type not in get_backend(self.backend).device_types:
             raise ValueError(f"attention backend {self.backend!r} (attn_implementation={attn_implementation!r}) needs "
                              f"a CUDA device, got {device!r}; use 'sdpa' or 'eager' on CPU.")
         if not isinstance(model_name_or_path, str):

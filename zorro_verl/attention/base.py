@@ -30,6 +30,8 @@ class Backend:
     index: Callable[[ZorroPlan], dict]
     available: Callable[[torch.device], bool]
     summary: str
+    #: Device types it runs on at all (``available`` may still say no there, e.g. flex has no CPU backward).
+    device_types: tuple = ("cpu", "cuda")
 
 
 def always(device: torch.device) -> bool:

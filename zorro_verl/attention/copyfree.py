@@ -163,4 +163,5 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
 
 
 BACKEND = Backend("flash_copyfree", attend_copyfree, copyfree_index, flash_available,
-                  "flash varlen, prompt and own parts merged by log-sum-exp; no K/V copies (CUDA, fp16/bf16)")
+                  "flash varlen, prompt and own parts merged by log-sum-exp; no K/V copies (CUDA, fp16/bf16)",
+                  ("cuda",))

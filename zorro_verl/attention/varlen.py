@@ -96,4 +96,4 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
 
 
 BACKEND = Backend("flash", attend_varlen, varlen_index, flash_available,
-                  "flash varlen, two calls; per-response gather of the prompt's K/V (CUDA, fp16/bf16)")
+                  "flash varlen, two calls; per-response gather of the prompt's K/V (CUDA, fp16/bf16)", ("cuda",))
