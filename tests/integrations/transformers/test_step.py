@@ -200,3 +200,17 @@ def test_layer_calls_are_counted_per_step():
     assert calls.attention == 3 and calls.fallbacks == {}
     with pytest.raises(ValueError, match="expected one of"):
         zorro_step(model, plan, backend="flash_attention_2")
+
+
+def test_step_context_passes_fsdp_style_input_casting_by_reference():
+    """FSDP2 casts forward kwargs with torch.distributed.utils._apply_to_tensors, which rebuilds dataclasses and
+    dicts: the opaque StepContext must come through as the same object, so the layer counts reach the caller."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from zorro_verl.integrations.transformers import StepContext
+
+    batch = batch_of(seed=1)
+    ctx = StepContext(build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1]))
+    assert _apply_to_tensors(lambda t: t, {"zorro_ctx": ctx})["zorro_ctx"] is ctx
+    with pytest.raises(TypeError, match="ZorroPlan"):
+        StepContext(batch)
