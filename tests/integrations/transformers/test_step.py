@@ -214,3 +214,30 @@ def test_step_context_passes_fsdp_style_input_casting_by_reference():
     assert _apply_to_tensors(lambda t: t, {"zorro_ctx": ctx})["zorro_ctx"] is ctx
     with pytest.raises(TypeError, match="ZorroPlan"):
         StepContext(batch)
+
+
+def test_head_fn_runs_as_the_head_forward_and_refuses_post_processed_logits():
+    """A head function sees the [N, H] response-predicting hidden states inside the head module's forward (so FSDP
+    gathers the head once); a model that changes the head's output before returning it is refused, not misread."""
+    batch = batch_of(seed=4)
+    R = batch["responses"].shape[1]
+    model = tiny_model("qwen3")
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+    seen = {}
+
+    def head_fn(hidden, head, targets, temperature, calculate_entropy):
+        seen["shape"], seen["head"] = tuple(hidden.shape), head
+        logits = torch.nn.functional.linear(hidden, head.weight).double() / temperature
+        lp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        return lp, (-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) if calculate_entropy else None)
+
+    with torch.no_grad():
+        lp, ent = zorro_step(model, plan, temperature=0.8, calculate_entropy=True, head_fn=head_fn)
+        ref_lp, ref_ent = zorro_step(model, plan, temperature=0.8, calculate_entropy=True)
+    assert seen["shape"] == (plan.N, model.config.hidden_size) and seen["head"] is model.lm_head
+    assert (lp - ref_lp).abs().max().item() <= 1e-12 and (ent - ref_ent).abs().max().item() <= 1e-12
+    assert "forward" not in model.lm_head.__dict__  # the swap is undone
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="soft-caps"):
+        zorro_step(model, plan, logits_optimization="memory")

@@ -6,7 +6,7 @@ benchmark — runs the deduplicated forward through :func:`zorro_step`, so a new
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -15,12 +15,17 @@ from zorro_verl.integrations.transformers.install import forward_packed
 from zorro_verl.logprob import DEFAULT_CHUNK, check_logits_optimization, logits_logprobs, response_logprobs
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["zorro_step"]
+__all__ = ["zorro_step", "HeadFn", "HeadProjection"]
+
+#: ``(hidden [N, H], head module, targets [N] int64, temperature, calculate_entropy) -> (log_probs [N], entropy [N]
+#: | None)``
+HeadFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, float, bool],
+                  tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def _per_row_temperature(temperature: torch.Tensor, plan: ZorroPlan, memory: bool):
     """A per-row temperature tensor ``[B]`` (or ``[B, 1]``) -> ``(float, None)`` when no division is needed (all
-    ones) or the ``memory`` mode takes one float, else ``(1.0, divisors [N] float32)``; one host sync."""
+    ones) or a head function takes one float (``memory``), else ``(1.0, divisors [N] float32)``; one host sync."""
     t = temperature.reshape(-1).to(torch.float32)
     if t.numel() != plan.B:
         raise ValueError(f"temperature: expected a float or a tensor with one value per row ({plan.B}), got shape "
@@ -28,8 +33,8 @@ def _per_row_temperature(temperature: torch.Tensor, plan: ZorroPlan, memory: boo
     uniform, ones, first = torch.stack([(t == t[0]).all(), (t == 1).all(), t[0]]).tolist()
     if memory:
         if not uniform:
-            raise ValueError("temperature: per-row temperatures with logits_optimization='memory' are not "
-                             "supported (the chunked head takes one temperature); use 'none' or 'compute'.")
+            raise ValueError("temperature: per-row temperatures with logits_optimization='memory' (or a head "
+                             "function) are not supported: the head takes one temperature; use 'none' or 'compute'.")
         return first, None
     return 1.0, (None if ones else t[plan.out_row])
 
@@ -37,7 +42,8 @@ def _per_row_temperature(temperature: torch.Tensor, plan: ZorroPlan, memory: boo
 def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
                temperature: Union[float, torch.Tensor] = 1.0, calculate_entropy: bool = False,
                logits_optimization: str = "none", chunk_size: int = DEFAULT_CHUNK,
-               calls: Optional[LayerCalls] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               calls: Optional[LayerCalls] = None,
+               head_fn: Optional[HeadFn] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Deduplicated forward of ``plan``: log-probs (and entropy) of every valid response token, original row order.
 
     Args:
@@ -52,6 +58,11 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
         logits_optimization: ``none | compute | memory`` (:mod:`zorro_verl.logprob`).
         chunk_size: rows per chunk of the ``compute`` / ``memory`` modes.
         calls: an optional :class:`LayerCalls` that receives this forward's layer counts (e.g. fallback kernels).
+        head_fn: computes log-probs / entropy from the ``[N, H]`` response-predicting hidden states instead of
+            materialised logits (the ``memory`` mode's chunked head by default; e.g. verl's fused kernel):
+            ``head_fn(hidden [N, H], head module, targets [N] int64, temperature: float, calculate_entropy) ->
+            (log_probs [N], entropy [N] | None)``. It runs as the head module's forward (see :func:`_head_step`):
+            use the head's parameters or :class:`HeadProjection`, never call the module.
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` — fp32 (fp64 for fp64 models); ``plan.to_padded`` gives ``[B, R]``.
@@ -60,26 +71,83 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
     ctx = StepContext(plan, backend, calls)
     divisors = None
     if isinstance(temperature, torch.Tensor):
-        temperature, divisors = _per_row_temperature(temperature, plan, memory=mode == "memory")
-    head = model.get_output_embeddings()
-    if mode == "memory":
-        # The root forward runs as usual (FSDP hooks, final norm) with the head fed an empty slice; a pre-hook keeps
-        # the head's input, the [N, H] response-predicting hidden states, for the chunked log-prob Function.
-        kept = {}
-
-        def keep_input(module, args):
-            kept["h"] = args[0]
-            return (args[0][:, :0],) + tuple(args[1:])
-
-        handle = head.register_forward_pre_hook(keep_input)
-        try:
-            forward_packed(model, ctx, logits_to_keep=plan.logit_index)
-        finally:
-            handle.remove()
-        return response_logprobs(kept["h"][0], head, plan.target_ids, temperature=temperature,
-                                 calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size)
+        temperature, divisors = _per_row_temperature(temperature, plan, memory=mode == "memory" or head_fn is not None)
+    if head_fn is None and mode == "memory":
+        head_fn = _chunked_head(chunk_size)
+    if head_fn is not None:
+        return _head_step(model, ctx, head_fn, temperature, calculate_entropy)
     logits = forward_packed(model, ctx, logits_to_keep=plan.logit_index).logits[0]  # [N, V]
     if divisors is not None:  # same op and dtype as verl's per-sample temperature scaling
         logits = logits / divisors.clamp(min=1e-8).to(logits.dtype)[:, None]
     return logits_logprobs(logits, plan.target_ids, temperature=temperature, calculate_entropy=calculate_entropy,
                            logits_optimization=mode, chunk_size=chunk_size)
+
+
+class HeadProjection:
+    """The LM head's own computation without the module's hooks: ``h [n, H] -> logits [n, V]``, plus its
+    ``parameters()``. A head function runs inside the head module's forward, where FSDP has already gathered the
+    parameters; calling the module again there would re-enter the swapped forward (and FSDP's hooks)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return type(self.module).forward(self.module, h)
+
+    def parameters(self):
+        return self.module.parameters()
+
+
+def _chunked_head(chunk_size: int) -> HeadFn:
+    def head_fn(hidden, head, targets, temperature, calculate_entropy):
+        return response_logprobs(hidden, HeadProjection(head), targets, temperature=temperature,
+                                 calculate_entropy=calculate_entropy, logits_optimization="memory",
+                                 chunk_size=chunk_size)
+
+    return head_fn
+
+
+def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, calculate_entropy: bool):
+    """Run ``head_fn`` on the ``[N, H]`` response-predicting hidden states *as the head module's forward*.
+
+    The root forward runs as usual (FSDP hooks, final norm) and calls its head on ``hidden[:, logit_index]``; the
+    head's forward is swapped, for this call only, for one that returns ``head_fn``'s results stacked ``[1, 2, N]``.
+    So FSDP gathers the head's parameters once around the whole head computation (whatever it chunks), and its
+    backward hooks fire on the returned tensor before the gradient reaches ``head_fn``'s graph. The root must hand
+    the head's output through unchanged as ``logits`` (checked): models that post-process logits are refused.
+    """
+    plan = ctx.plan
+    head = model.get_output_embeddings()
+    if getattr(_text_config(model), "final_logit_softcapping", None):
+        raise ValueError("logits_optimization: this model soft-caps its logits after the head; the chunked / fused "
+                         "head paths cannot reproduce that. Use logits_optimization='none' or 'compute'.")
+    returned = {}
+
+    def forward(x):  # x: [1, N, H]
+        logp, ent = head_fn(x[0], head, plan.target_ids, temperature, calculate_entropy)
+        out = torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)])[None]  # [1, 2, N]
+        returned["out"] = out
+        return out
+
+    had_own = "forward" in head.__dict__
+    saved = head.__dict__.get("forward")
+    head.forward = forward
+    try:
+        out = forward_packed(model, ctx, logits_to_keep=plan.logit_index).logits
+    finally:
+        if had_own:
+            head.forward = saved
+        else:
+            del head.forward
+    if out is not returned.get("out"):
+        raise ValueError("logits_optimization: the model transformed its head's output before returning it as logits "
+                         "(e.g. a cast or soft-capping), so the chunked / fused head paths cannot be used with it. Use "
+                         "logits_optimization='none' or 'compute'.")
+    return out[0, 0], (out[0, 1] if calculate_entropy else None)
+
+
+def _text_config(model):
+    cfg = model.config
+    return getattr(cfg, "text_config", None) or cfg
