@@ -26,6 +26,7 @@ LAYERS = [
     ("zorro_verl.bench", "bench"),
     ("zorro_verl.demo", "entry"),
     ("zorro_verl.cli", "entry"),
+    ("zorro_verl.doctor", "entry"),
     ("zorro_verl", "root"),
 ]
 CORE = {"packing", "logprob", "attention", "recurrent"}

@@ -1,4 +1,5 @@
-"""The ``zorro-verl`` command: ``demo`` (the main job) and ``bench`` (the benchmark harness)."""
+"""The ``zorro-verl`` command: ``demo`` (the main job), ``bench`` (the benchmark harness) and ``doctor`` (checks the
+setup of a zorro-enabled verl run)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: zorro-verl {demo,bench} [options]   (zorro-verl demo --help for a command's options)"
+    usage = "usage: zorro-verl {demo,bench,doctor} [options]   (zorro-verl demo --help for a command's options)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -16,6 +17,10 @@ def main(argv=None) -> int:
         from zorro_verl.demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "doctor":
+        from zorro_verl.doctor import main as doctor_main
+
+        return doctor_main(rest)
     if cmd == "bench":
         from zorro_verl.bench import main as bench_main
 

@@ -204,3 +204,89 @@ def test_flash_attn_adapter_builds_the_calls_of_each_version(fwd, bwd, monkeypat
     got = _outputs_and_grads(lambda *a: attend_copyfree(*a, prims=prims), plan, q, k, v, w)
     for a, b in zip(ref, got):
         assert (a - b).abs().max().item() <= TOL
+
+
+def _fake_flash_attn(monkeypatch, bwd):
+    """flash_attn stand-ins (flash-attn 2.7 signatures) whose backward is ``bwd``."""
+    import sys
+    import types
+
+    fai = types.ModuleType("flash_attn.flash_attn_interface")
+    fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = _fa_fwd_27, bwd
+    fa = types.ModuleType("flash_attn")
+    fa.flash_attn_interface = fai
+    monkeypatch.setitem(sys.modules, "flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fai)
+
+
+@pytest.mark.parametrize("env, want", [(None, False), ("0", False), ("1", True)])
+def test_flash_attn_backward_honours_deterministic_env(env, want, monkeypatch):
+    """``FLASH_ATTENTION_DETERMINISTIC=1`` (flash-attn's switch, set by verl's ``enable_full_determinism``) reaches
+    flash-attn's varlen backward as ``deterministic=True``; it is read at the backward call, not at build time."""
+    import functools
+
+    from zorro_verl.attention import primitives
+
+    seen = []
+
+    @functools.wraps(_fa_bwd_27)  # the adapter reads the keyword names from the wrapped signature
+    def bwd(*args, **kw):
+        seen.append(kw["deterministic"])
+        return _fa_bwd_27(*args, **kw)
+
+    _fake_flash_attn(monkeypatch, bwd)
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    prims = primitives._flash_attn_primitives()
+    if env is not None:
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
+    plan = build_plan(IDS, MASK, 3)
+    q, k, v = _qkv(plan, 4, 2)
+    w = torch.randn(1, plan.T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _outputs_and_grads(lambda *a: attend_copyfree(*a, prims=prims), plan, q, k, v, w)
+    assert seen and all(d is want for d in seen)
+
+
+@pytest.mark.parametrize("env, want", [(None, False), ("1", True)])
+def test_aten_flash_backward_honours_deterministic_env(env, want, monkeypatch):
+    """ATen's flash backward has no ``deterministic`` argument; it is deterministic only under
+    ``torch.use_deterministic_algorithms(True, warn_only=False)``. With ``FLASH_ATTENTION_DETERMINISTIC=1`` that mode
+    is on during the call (also when verl set ``warn_only=True``) and restored after it."""
+    import types
+
+    from zorro_verl.attention import primitives
+
+    seen = []
+
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug_mask, scale):
+        o, lse, _ = PRIMS.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+        return o, lse, "rng", "unused", None  # lse [Hq, Tq], as the unpadded kernels return it
+
+    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused, scale):
+        seen.append((torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()))
+        return PRIMS.bwd(dout, q, k, v, out, lse, None, cu_q, cu_k, max_q, max_k, scale, causal)
+
+    fake_ops = types.SimpleNamespace(aten=types.SimpleNamespace(_flash_attention_forward=fwd,
+                                                                _flash_attention_backward=bwd))
+    monkeypatch.setattr(primitives.torch, "ops", fake_ops)
+    prims = primitives._aten_primitives()
+    monkeypatch.undo()  # torch.ops back; prims keeps the stand-ins
+    if env is not None:
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
+    else:
+        monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)  # what verl's enable_full_determinism sets
+    try:
+        plan = build_plan(IDS, MASK, 3)
+        q, k, v = _qkv(plan, 4, 2)
+        w = torch.randn(1, plan.T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        ref = _outputs_and_grads(dense_oracle, plan, q, k, v, w)
+        got = _outputs_and_grads(lambda *a: attend_copyfree(*a, prims=prims), plan, q, k, v, w)
+        after = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    for a, b in zip(ref, got):
+        assert (a - b).abs().max().item() <= TOL
+    assert seen and all(s == ((True, False) if want else (True, True)) for s in seen)
+    assert after == (True, True)  # verl's mode is restored after the backward

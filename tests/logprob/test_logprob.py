@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zorro_verl.logprob import response_logprobs
+from zorro_verl.logprob import logits_logprobs, logprobs_from_logits, response_logprobs
 
 TOL = 1e-12
 
@@ -62,16 +62,141 @@ def test_without_entropy_and_empty(mode):
     assert lp0.shape == (0,) and ent0.shape == (0,)
 
 
-def test_memory_mode_holds_one_chunk_of_logits():
-    """The memory mode's forward never materializes more than [chunk, V] logits (it calls lm_head per chunk)."""
-    head, hidden, targets = _setup(n=20, v=50)
-    seen = []
-    head.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
-    lp, _ = response_logprobs(hidden, head, targets, logits_optimization="memory", chunk_size=6)
-    assert seen and max(s[0] for s in seen) <= 6
-    seen.clear()
-    lp.sum().backward()  # recompute in backward, again per chunk
-    assert seen and max(s[0] for s in seen) <= 6
+def _saved_tensors(fn):
+    """Run ``fn()`` and return its result and every tensor autograd saved for backward meanwhile."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def test_memory_mode_never_calls_the_head_and_returns_param_grads():
+    """Memory mode uses the head's weight / bias directly (one FSDP2 all-gather per step, whatever the chunk count):
+    the module is never called, the parameter gradients are outputs of the autograd Function (so
+    ``torch.autograd.grad`` reaches them), and nothing ``[> chunk, V]`` is kept for backward."""
+    head, hidden, targets = _setup(n=20, v=50, bias=True)
+    calls = []
+    head.register_forward_hook(lambda m, i, o: calls.append(tuple(o.shape)))
+    (lp, ent), saved = _saved_tensors(lambda: response_logprobs(
+        hidden, head, targets, temperature=0.7, calculate_entropy=True, logits_optimization="memory", chunk_size=6))
+    assert not any(t.dim() == 2 and t.shape[-1] == 50 and t.shape[0] > 6 for t in saved)
+    w1 = torch.randn_like(lp)
+    got = torch.autograd.grad((lp * w1 + ent).sum(), [hidden, head.weight, head.bias])
+    assert calls == []
+    lp_ref, ent_ref = _direct(head, hidden, targets, 0.7)
+    want = torch.autograd.grad((lp_ref * w1 + ent_ref).sum(), [hidden, head.weight, head.bias])
+    assert (lp - lp_ref).abs().max().item() <= TOL and (ent - ent_ref).abs().max().item() <= TOL
+    for a, b in zip(want, got):
+        assert (a - b).abs().max().item() <= TOL
+
+
+def test_memory_mode_refuses_a_non_linear_head():
+    head, hidden, targets = _setup()
+    with pytest.raises(ValueError, match="torch.nn.Linear head"):
+        response_logprobs(hidden, torch.nn.Sequential(head), targets, logits_optimization="memory")
+
+
+@pytest.mark.parametrize("mode, chunk", [("none", 64), ("compute", 1), ("compute", 4), ("compute", 64)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_materialised_modes_match_the_oracle(mode, chunk, temperature, entropy):
+    """``logits_logprobs`` (the lean autograd Function) vs the plain reference ``logprobs_from_logits`` on the same
+    fp64 logits: values and the gradients of log-probs alone, entropy alone and a mix, <= 1e-12."""
+    g = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(13, 37, generator=g, dtype=torch.float64)).requires_grad_(True)
+    targets = torch.randint(0, 37, (13,), generator=g)
+    lp_ref, ent_ref = logprobs_from_logits(logits, targets, temperature, entropy)
+    lp, ent = logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=entropy,
+                              logits_optimization=mode, chunk_size=chunk)
+    assert (lp - lp_ref).abs().max().item() <= TOL
+    assert (ent is None) == (not entropy)
+    if entropy:
+        assert (ent - ent_ref).abs().max().item() <= TOL
+    w1, w2 = torch.randn(13, generator=g, dtype=torch.float64), torch.randn(13, generator=g, dtype=torch.float64)
+    mixes = [(w1, None)] + ([(None, w2), (w1, w2)] if entropy else [])
+    def loss(lp_, ent_, a, b):
+        return (lp_ * a).sum() if b is None else (ent_ * b).sum() + ((lp_ * a).sum() if a is not None else 0)
+
+    for a, b in mixes:
+        (want,) = torch.autograd.grad(loss(lp_ref, ent_ref, a, b), [logits], retain_graph=True)
+        (got,) = torch.autograd.grad(loss(lp, ent, a, b), [logits], retain_graph=True)
+        assert (want - got).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["none", "compute"])
+def test_materialised_modes_keep_only_the_logits_for_backward(dtype, mode):
+    """Modes none / compute keep for backward the logits themselves (their own dtype: no fp32 upcast copy, no
+    softmax) plus per-row statistics; the gradient w.r.t. the logits comes back in their dtype."""
+    n, v = 12, 40
+    logits = torch.randn(n, v, dtype=dtype).requires_grad_(True)
+    targets = torch.randint(0, v, (n,))
+    (lp, ent), saved = _saved_tensors(lambda: logits_logprobs(
+        logits, targets, temperature=0.7, calculate_entropy=True, logits_optimization=mode, chunk_size=5))
+    big = [t for t in saved if t.numel() > n]
+    assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr() and big[0].dtype == dtype, \
+        [(tuple(t.shape), t.dtype) for t in big]
+    (g,) = torch.autograd.grad((lp + ent).sum(), [logits])
+    assert g.dtype == dtype and g.shape == (n, v)
+
+
+def test_compute_mode_forward_creates_fp32_blocks_of_one_chunk():
+    """Forward-only (no grad), compute mode: no op creates an fp32 tensor with more than ``chunk`` rows of V."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, v, chunk = 23, 64, 5
+    logits = torch.randn(n, v, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (n,))
+    shapes = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2 and t.shape[-1] == v:
+                    shapes.append(tuple(t.shape))
+            return out
+
+    with torch.no_grad(), Record():
+        logits_logprobs(logits, targets, temperature=0.7, calculate_entropy=True, logits_optimization="compute",
+                        chunk_size=chunk)
+    assert shapes and max(s[0] for s in shapes) <= chunk
+
+
+@pytest.mark.parametrize("chunk", [64, 4])
+def test_memory_mode_under_autocast(chunk):
+    """bf16 autocast with fp32 parameters (verl's mixed precision): the memory mode's recompute replays the forward's
+    autocast. One chunk: equal to the materialised path (same bf16 ops) up to fp32 summation order; several chunks:
+    the weight gradient (fp32 sums over chunks) is no further from the fp64 oracle than the materialised path's."""
+    head32, hidden64, targets = _setup(n=13, h=16, v=50, bias=True)
+    head = torch.nn.Linear(16, 50, bias=True).to(torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(head32.weight)
+        head.bias.copy_(head32.bias)
+    hidden = hidden64.detach().float().requires_grad_(True)
+    w1 = torch.randn(13, dtype=torch.float32)
+
+    def run(mode):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, ent = response_logprobs(hidden, head, targets, temperature=0.7, calculate_entropy=True,
+                                        logits_optimization=mode, chunk_size=chunk)
+        return (lp, ent, *torch.autograd.grad((lp * w1 + ent).sum(), [hidden, head.weight, head.bias]))
+
+    ref, mem = run("none"), run("memory")
+    lp64, ent64 = _direct(head32, hidden64, targets, 0.7)
+    exact = [lp64, ent64, *torch.autograd.grad((lp64 * w1.double() + ent64).sum(),
+                                               [hidden64, head32.weight, head32.bias])]
+    for r, m, e in zip(ref, mem, exact):
+        assert m.dtype == r.dtype and m.shape == r.shape
+        if chunk >= 13:
+            assert (m - r).abs().max().item() <= 1e-6 * max(1.0, r.abs().max().item())
+        else:
+            assert (m.double() - e).norm() <= 2 * (r.double() - e).norm() + 1e-12
 
 
 def test_low_precision_softmax_in_fp32():

@@ -220,3 +220,66 @@ def test_balance_properties(data, world):
     no_equal = balance_groups_across_ranks(g, p, r, world, equal_size=False)
     assert no_equal.split_groups == 0
     assert sorted(no_equal.permutation()) == list(range(B))
+
+
+# ------------------------------------------------------------------------- prompt identity and mini-batch slots
+def test_balance_label_with_different_prompt_lengths_never_raises():
+    # Multi-turn: rows 0-3 carry one uid; rows 0,1 share the first prompt (len 5), rows 2,3 are later turns with
+    # the accumulated conversation as prompt (len 9 and 12). They are three groups, not an error.
+    g = [0, 0, 0, 0, 1, 1, 1, 1]
+    p = [5, 5, 9, 12, 7, 7, 7, 7]
+    bal = balance_groups_across_ranks(g, p, [2] * 8, world_size=2)
+    assert sorted(bal.permutation()) == list(range(8))
+    assert bal.relabelled_groups == 1
+    assert bal.costs == [microbatch_cost(rows, [0, 0, 1, 2, 3, 3, 3, 3], p, [2] * 8) for rows in bal.ranks]
+
+
+def test_balance_minibatch_slots_keep_groups_whole():
+    # 4 groups of 2 rows, 2 ranks x 2 mini-batches of 2 rows: each slot holds one whole group.
+    g = [0, 1, 2, 3, 0, 1, 2, 3]
+    bal = balance_groups_across_ranks(g, [6, 5, 4, 3] * 2, [1] * 8, world_size=2, minibatches_per_rank=2)
+    assert [len(x) for x in bal.ranks] == [4, 4]
+    assert bal.split_groups == 0 and bal.minibatch_split_groups == 0
+    for rows in bal.ranks:
+        for mb in (rows[:2], rows[2:]):
+            assert len({g[b] for b in mb}) == 1
+    # one slot per rank (the default) puts two groups in a rank's row block in any order: no mini-batch guarantee
+    assert balance_groups_across_ranks(g, [6, 5, 4, 3] * 2, [1] * 8, world_size=2).minibatches_per_rank == 1
+
+
+def test_balance_minibatch_slots_reject_indivisible_batch():
+    with pytest.raises(ValueError, match="minibatches_per_rank"):
+        balance_groups_across_ranks([0] * 6, [1] * 6, [1] * 6, world_size=2, minibatches_per_rank=2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(max_rows=32), st.integers(1, 4), st.integers(1, 4))
+def test_balance_minibatch_slot_properties(data, world, m):
+    g, p, r = data
+    B = len(g) - len(g) % (world * m)
+    if B == 0:
+        return
+    g, p, r = g[:B], p[:B], r[:B]
+    bal = balance_groups_across_ranks(g, p, r, world, minibatches_per_rank=m)
+    assert sorted(bal.permutation()) == list(range(B))
+    per_rank, per_slot = B // world, B // (world * m)
+    assert all(len(x) == per_rank for x in bal.ranks)
+    slots = [rows[j * per_slot:(j + 1) * per_slot] for rows in bal.ranks for j in range(m)]
+    assert bal.minibatch_split_groups == len(_groups_split(slots, g))
+    assert bal.split_groups == len(_groups_split(bal.ranks, g))
+    # mini-batch slots never cost rank-level deduplication: the same rows per rank as without them
+    assert [sorted(x) for x in bal.ranks] == [sorted(x) for x in balance_groups_across_ranks(g, p, r, world).ranks]
+    split = _groups_split(bal.ranks, g)
+    assert bal.split_rows == [sum(1 for b in rows if g[b] in split) for rows in bal.ranks]
+    sizes = {g.count(k) for k in set(g)}
+    if len(sizes) == 1 and per_slot % sizes.pop() == 0:  # uniform groups that divide a slot never split
+        assert bal.minibatch_split_groups == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(max_rows=24), st.integers(1, 4))
+def test_balance_never_raises_on_mixed_prompt_lengths(data, world):
+    g, p, r = data
+    p = [v + (b % 3) for b, v in enumerate(p)]  # the same label may now carry several prompt lengths
+    bal = balance_groups_across_ranks(g, p, r, world)
+    assert sorted(bal.permutation()) == list(range(len(g)))

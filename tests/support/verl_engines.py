@@ -17,8 +17,11 @@ __all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "response_values"
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
                  max_token_len: int = 64, use_remove_padding: bool = True, gradient_checkpointing: bool = False,
-                 zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None):
-    """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``."""
+                 zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None,
+                 model_overrides: Optional[dict] = None):
+    """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``;
+    ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
+    config."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead
@@ -28,7 +31,7 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
 
     model_config = HFModelConfig(path=ckpt, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
                                  use_remove_padding=use_remove_padding,
-                                 enable_gradient_checkpointing=gradient_checkpointing)
+                                 enable_gradient_checkpointing=gradient_checkpointing, **(model_overrides or {}))
     common = dict(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
                   mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                   use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
@@ -75,14 +78,21 @@ def make_engine_batch(*, batch_size: int = 8, num_prompts: int = 3, prompt_len: 
     return td
 
 
-def ppo_loss_fn(loss_agg_mode: str = "token-mean"):
-    """verl's ``ppo_loss`` bound to a minimal actor config (vanilla clip loss, no KL / entropy terms)."""
+def ppo_loss_fn(loss_agg_mode: str = "token-mean", *, use_kl_loss: bool = False, kl_loss_type: str = "low_var_kl",
+                kl_loss_coef: float = 0.001, entropy_coeff: float = 0.0, loss_scale_factor: Optional[int] = None,
+                policy_loss: Optional[dict] = None):
+    """verl's ``ppo_loss`` bound to a minimal actor config the way verl's worker binds it
+    (``partial(ppo_loss, config=actor_config)``). Defaults: vanilla clip loss, no KL / entropy terms;
+    ``policy_loss`` holds ``PolicyLossConfig`` keys (``loss_mode``, ``kl_cov_ratio``...)."""
     from verl.workers.config import FSDPActorConfig
+    from verl.workers.config.actor import PolicyLossConfig
     from verl.workers.utils.losses import ppo_loss
 
     cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=8,
-                          use_dynamic_bsz=False, loss_agg_mode=loss_agg_mode, use_kl_loss=False, entropy_coeff=0.0)
-    return partial(ppo_loss, cfg)
+                          use_dynamic_bsz=False, loss_agg_mode=loss_agg_mode, use_kl_loss=use_kl_loss,
+                          kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
+                          loss_scale_factor=loss_scale_factor, policy_loss=PolicyLossConfig(**(policy_loss or {})))
+    return partial(ppo_loss, config=cfg)
 
 
 def response_values(nested: torch.Tensor, td) -> torch.Tensor:

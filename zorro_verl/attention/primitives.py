@@ -23,16 +23,43 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 __all__ = ["VarlenPrimitives", "flash_available", "flash_primitives", "flash_provider", "torch_primitives",
-           "varlen_attention", "check_flash_inputs"]
+           "varlen_attention", "check_flash_inputs", "flash_deterministic", "DETERMINISTIC_ENV"]
 
 _PRIMS: dict = {}
 _WARNED: set = set()
+
+#: flash-attn's (and verl's ``enable_full_determinism``'s, and transformers') switch for a deterministic backward.
+DETERMINISTIC_ENV = "FLASH_ATTENTION_DETERMINISTIC"
+
+
+def flash_deterministic() -> bool:
+    """Whether the flash backward must be deterministic: ``FLASH_ATTENTION_DETERMINISTIC=1``, read at each backward
+    call, as flash-attn's and transformers' own varlen calls read it."""
+    return os.environ.get(DETERMINISTIC_ENV, "0") == "1"
+
+
+@contextmanager
+def _aten_deterministic(on: bool):
+    """ATen's flash backward has no ``deterministic`` argument: it is deterministic only under
+    ``torch.use_deterministic_algorithms(True, warn_only=False)`` (verl sets ``warn_only=True``). Switch that on
+    around the one backward call and restore the previous mode."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    if not on or (enabled and not warn_only):
+        yield
+        return
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 @dataclass(frozen=True)
@@ -163,9 +190,10 @@ def _aten_primitives() -> VarlenPrimitives:
 
     def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
         like, rng, unused = state
-        dq, dk, dv = ops._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), cu_q, cu_k, max_q, max_k, 0.0, causal,
-            rng, unused, scale=scale)
+        with _aten_deterministic(flash_deterministic()):
+            dq, dk, dv = ops._flash_attention_backward(
+                dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), cu_q, cu_k, max_q, max_k, 0.0,
+                causal, rng, unused, scale=scale)
         return dq, dk, dv
 
     return VarlenPrimitives("torch", fwd, bwd)
@@ -207,7 +235,7 @@ def _flash_attn_primitives() -> VarlenPrimitives:
         like, rng = state
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kw = common(bwd_params, causal, scale)
-        kw["deterministic"] = False
+        kw["deterministic"] = flash_deterministic()
         kw["rng_state"] = rng
         kw = {k2: val for k2, val in kw.items() if k2 in bwd_params}
         f_bwd(dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), dq, dk, dv, cu_q, cu_k, max_q,

@@ -3,13 +3,17 @@ Imports torch only.
 
 ``logits_optimization`` (the one name of this knob in the API, the verl config and here):
 
-* ``none``    — materialize ``[N, V]`` logits once, then log-softmax / entropy (the reference);
-* ``compute`` — materialize logits once, run the softmax / entropy follow-up in row chunks;
-* ``memory``  — an autograd Function that never holds more than one ``[chunk, V]`` block of logits: forward under
-  no_grad per chunk, backward recomputes each chunk and back-propagates through the ``lm_head`` module.
+* ``none``    — materialise ``[N, V]`` logits once (the head's dtype); log-probs / entropy over all rows at once;
+* ``compute`` — the same, with the softmax / entropy follow-up in row chunks (fp32 temporaries per chunk);
+* ``memory``  — an autograd Function over the head's ``weight`` / ``bias`` that never holds more than one
+  ``[chunk, V]`` block of logits, recomputed in backward (:func:`linear_logprobs`).
+
+``none`` and ``compute`` run :class:`_LogitsLogprob`: for backward it keeps only the logits in their own dtype plus
+``[N]`` fp32 statistics, never an upcast copy or a softmax. :func:`logprobs_from_logits` is the plain reference
+(autograd through log-softmax and softmax) the tests compare every mode with.
 
 Logits are computed in the hidden dtype and the softmax in at least fp32 (fp64 stays fp64).
-Entropy is ``lse - sum(softmax * logits)``. The ``lm_head`` *module* is called (FSDP2 hooks), never its weight.
+Entropy is ``lse - sum(softmax * logits)``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["LOGITS_MODES", "DEFAULT_CHUNK", "check_logits_optimization", "response_logprobs", "logits_logprobs",
-           "logprobs_from_logits", "logprobs_from_logits_chunked"]
+           "logprobs_from_logits", "linear_logprobs", "linear_head_params"]
 
 #: Values of ``logits_optimization``.
 LOGITS_MODES = ("none", "compute", "memory")
@@ -40,7 +45,9 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                          calculate_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``logits [n, V]``, ``targets [n] int64`` -> ``(log_probs [n], entropy [n] | None)`` in fp32 (fp64 for fp64)."""
+    """The plain reference: ``logits [n, V]``, ``targets [n] int64`` -> ``(log_probs [n], entropy [n] | None)`` in
+    fp32 (fp64 for fp64). Autograd keeps the upcast logits and the softmax ``[n, V]``: the oracle of the tests, not
+    the shipped path (:class:`_LogitsLogprob`)."""
     logits = logits.to(_softmax_dtype(logits.dtype))
     if temperature != 1.0:
         logits = logits / temperature
@@ -52,57 +59,207 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     return logp, ent
 
 
-def logprobs_from_logits_chunked(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                                 calculate_entropy: bool, chunk_size: int = DEFAULT_CHUNK
-                                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`logprobs_from_logits` over row chunks of already materialized ``logits [n, V]`` (the ``compute``
-    mode): the fp32 softmax / entropy intermediates exist for one chunk at a time."""
-    if logits.shape[0] <= chunk_size:
-        return logprobs_from_logits(logits, targets, temperature, calculate_entropy)
-    parts = [logprobs_from_logits(logits[s:s + chunk_size], targets[s:s + chunk_size], temperature,
-                                  calculate_entropy) for s in range(0, logits.shape[0], chunk_size)]
-    return torch.cat([a for a, _ in parts]), (torch.cat([b for _, b in parts]) if calculate_entropy else None)
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a, b [c, V]`` -> ``[c]`` row-wise dot products, without a ``[c, V]`` product temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-class _ChunkedLogprob(torch.autograd.Function):
-    """Memory mode: ``hidden [N, H] -> (log_probs [N], entropy [N])`` holding one ``[chunk, V]`` at a time."""
+def _chunk_stats(z_raw: torch.Tensor, targets: torch.Tensor, temperature: float, calculate_entropy: bool):
+    """One chunk's statistics. ``z_raw [c, V]`` logits in their own dtype, ``targets [c] int64`` ->
+    ``(log_probs [c], entropy [c] | None, lse [c], s [c] | None)`` in the softmax dtype (fp32; fp64 for fp64), where
+    ``lse = logsumexp(z)``, ``s = sum(softmax(z) * z)`` and ``z = z_raw.to(softmax dtype) / temperature``.
+    The same operations as :func:`logprobs_from_logits`; ``[c, V]`` temporaries live for this chunk only."""
+    z = z_raw.to(_softmax_dtype(z_raw.dtype))  # no copy when already fp32 / fp64
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not calculate_entropy:
+        return logp, None, lse, None
+    s = _rowdot((z - lse[:, None]).exp_(), z)  # softmax(z) . z   [c]
+    return logp, lse - s, lse, s
+
+
+def _chunk_grad(z_raw: torch.Tensor, targets: torch.Tensor, temperature: float, lse: torch.Tensor,
+                s: Optional[torch.Tensor], g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
+                owned: bool = False) -> torch.Tensor:
+    """Gradient w.r.t. one chunk of logits ``z_raw [c, V]`` (returned in ``z_raw``'s dtype) of
+    ``sum(g_lp * log_probs) + sum(g_ent * entropy)``, from the forward's ``lse [c]`` and ``s [c]``:
+    ``d logp / dz = onehot(target) - p``, ``d entropy / dz = -p * (z - s)``, ``p = exp(z - lse)``; divided by the
+    temperature and cast back as autograd does through the reference's division and upcast. ``owned``: ``z_raw`` is
+    a temporary of the caller and may be overwritten (two ``[c, V]`` fp32 temporaries instead of three)."""
+    z = z_raw.to(_softmax_dtype(z_raw.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    owned = owned or z is not z_raw
+    p = (z - lse[:, None]).exp_()  # [c, V] softmax
+    if g_ent is not None:
+        coef = (z.sub_(s[:, None]) if owned else z - s[:, None]).mul_(g_ent[:, None])  # [c, V]
+        del z
+        if g_lp is not None:
+            coef.add_(g_lp[:, None])
+        grad = p.mul_(coef).neg_()
+        del coef
+    elif g_lp is not None:
+        grad = p.mul_(g_lp[:, None]).neg_()
+    else:
+        grad = p.zero_()
+    if g_lp is not None:
+        grad.scatter_add_(-1, targets[:, None], g_lp[:, None].to(grad.dtype))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(z_raw.dtype)
+
+
+def _chunks(n: int, chunk: int):
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+class _LogitsLogprob(torch.autograd.Function):
+    """Modes ``none`` / ``compute``: ``logits [N, V]`` (any float dtype) -> ``(log_probs [N], entropy [N])`` in the
+    softmax dtype, row chunk by row chunk. Saves for backward only the logits themselves (their own dtype, no
+    upcast copy) plus ``lse [N]`` and ``s [N]``; backward rebuilds the softmax one ``[chunk, V]`` block at a time and
+    writes the gradient ``[N, V]`` in the logits' dtype. The oracle is :func:`logprobs_from_logits`."""
 
     @staticmethod
-    def forward(ctx, hidden, lm_head, targets, temperature, calculate_entropy, chunk):
-        n = hidden.shape[0]
-        out_dtype = _softmax_dtype(hidden.dtype)
-        logp = hidden.new_empty(n, dtype=out_dtype)
-        ent = hidden.new_zeros(n, dtype=out_dtype)
-        with torch.no_grad():
-            for s in range(0, n, chunk):
-                lp, en = logprobs_from_logits(lm_head(hidden[s:s + chunk]), targets[s:s + chunk], temperature,
-                                              calculate_entropy)
-                logp[s:s + chunk] = lp
-                if en is not None:
-                    ent[s:s + chunk] = en
-        ctx.save_for_backward(hidden, targets)
-        ctx.lm_head, ctx.temperature, ctx.calculate_entropy, ctx.chunk = lm_head, temperature, calculate_entropy, chunk
+    def forward(ctx, logits, targets, temperature, calculate_entropy, chunk):
+        n = logits.shape[0]
+        sd = _softmax_dtype(logits.dtype)
+        logp = logits.new_empty(n, dtype=sd)
+        lse = logits.new_empty(n, dtype=sd)
+        ent = logits.new_empty(n if calculate_entropy else 0, dtype=sd)
+        s = logits.new_empty(n, dtype=sd) if calculate_entropy else None
+        for a, b in _chunks(n, chunk):
+            lp_c, en_c, lse_c, s_c = _chunk_stats(logits[a:b], targets[a:b], temperature, calculate_entropy)
+            logp[a:b], lse[a:b] = lp_c, lse_c
+            if calculate_entropy:
+                ent[a:b], s[a:b] = en_c, s_c
+        ctx.save_for_backward(logits, targets, lse, s)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if not calculate_entropy:
+            ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        hidden, targets = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden)
-        chunk = ctx.chunk
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk].detach().requires_grad_(True)
-            with torch.enable_grad():
-                lp, en = logprobs_from_logits(ctx.lm_head(h), targets[s:s + chunk], ctx.temperature,
-                                              ctx.calculate_entropy)
-                outs, grads = [lp], [grad_logp[s:s + chunk]]
-                if en is not None and grad_ent is not None:
-                    outs.append(en)
-                    grads.append(grad_ent[s:s + chunk])
-                # Accumulates lm_head parameter grads directly (as activation checkpointing does) and gives dh.
-                torch.autograd.backward(outs, grads, inputs=[h, *[p for p in ctx.lm_head.parameters()
-                                                                  if p.requires_grad]])
-            grad_hidden[s:s + chunk] = h.grad
-        return grad_hidden, None, None, None, None, None
+    def backward(ctx, g_lp, g_ent):
+        logits, targets, lse, s = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        if s is None:
+            g_ent = None
+        spans = _chunks(logits.shape[0], ctx.chunk)
+        grad = torch.empty_like(logits) if len(spans) != 1 else None  # one chunk: its gradient is the gradient
+        for a, b in spans:
+            g = _chunk_grad(logits[a:b], targets[a:b], ctx.temperature, lse[a:b],
+                                    None if s is None else s[a:b], None if g_lp is None else g_lp[a:b],
+                                    None if g_ent is None else g_ent[a:b])
+            if grad is None:
+                grad = g
+            else:
+                grad[a:b] = g
+        return grad, None, None, None, None
+
+
+def _autocast_state(device_type: str):
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+class _ChunkedLinearLogprob(torch.autograd.Function):
+    """Memory mode: ``hidden [N, H]``, head ``weight [V, H]`` and ``bias [V] | None`` ->
+    ``(log_probs [N], entropy [N])`` holding one ``[chunk, V]`` block of logits at a time.
+
+    Forward computes each chunk's logits with ``F.linear`` (the head's own computation) and keeps ``lse [N]`` and
+    ``s [N]``; backward recomputes each chunk and returns the gradients of ``hidden``, ``weight`` and ``bias`` as the
+    Function's outputs, so they reach the parameters through autograd (and FSDP2's post-backward reduction) like a
+    plain ``nn.Linear``'s. The head module is never called: under FSDP2 its parameters are gathered once around the
+    whole chunk loop (see ``zorro_step``). The weight / bias gradients of low-precision heads accumulate over chunks in
+    fp32 (``[V, H]`` fp32 during this backward) and are cast once. The autocast state of the forward is replayed when
+    the chunks are recomputed."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, calculate_entropy, chunk):
+        outs = [_chunk_stats(F.linear(hidden[a:b], weight, bias), targets[a:b], temperature, calculate_entropy)
+                for a, b in _chunks(hidden.shape[0], chunk)]  # [(logp [c], ent [c] | None, lse [c], s [c] | None)]
+        empty = hidden.new_empty(0, dtype=outs[0][0].dtype if outs else _softmax_dtype(hidden.dtype))
+
+        def cat(i):
+            return torch.cat([o[i] for o in outs]) if outs else empty
+
+        logp, lse = cat(0), cat(2)
+        ent, s = (cat(1), cat(3)) if calculate_entropy else (empty, None)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, s)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.autocast = _autocast_state(hidden.device.type)
+        if not calculate_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, s = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        if s is None:
+            g_ent = None
+        n = hidden.shape[0]
+        spans = _chunks(n, ctx.chunk)
+        enabled, ac_dtype = ctx.autocast
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = grad_b = w_c = None  # weight / bias gradients: one chunk's, or the fp32 (fp64) sums over chunks
+        for a, b in spans:
+            h = hidden[a:b]
+            with torch.autocast(hidden.device.type, dtype=ac_dtype, enabled=enabled):
+                z = F.linear(h, weight, bias)  # [c, V], the forward's dtype
+            g = _chunk_grad(z, targets[a:b], ctx.temperature, lse[a:b], None if s is None else s[a:b],
+                            None if g_lp is None else g_lp[a:b], None if g_ent is None else g_ent[a:b], owned=True)
+            del z
+            if w_c is None:
+                w_c = weight.to(g.dtype)  # the autocast copy of the forward (no copy without autocast)
+            h = h.to(g.dtype)
+            if need_h:
+                grad_h[a:b] = g @ w_c
+            acc = g.dtype if len(spans) == 1 else _softmax_dtype(g.dtype)
+            if need_w:  # [V, H]
+                gw = g.t() @ h if acc == g.dtype else g.t().to(acc) @ h.to(acc)
+                grad_w = gw if grad_w is None else grad_w.add_(gw)
+            if need_b:  # [V]
+                gb = g.sum(0, dtype=acc)
+                grad_b = gb if grad_b is None else grad_b.add_(gb)
+        if n == 0:  # no rows: zero gradients of the right shapes
+            grad_w = torch.zeros_like(weight) if need_w else None
+            grad_b = torch.zeros_like(bias) if need_b else None
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+def linear_head_params(module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(weight [V, H], bias [V] | None)`` of an LM head whose forward is ``torch.nn.Linear``'s (also when FSDP2
+    wraps it: its class then derives from ``nn.Linear`` without a forward of its own); ``ValueError`` otherwise."""
+    if not isinstance(module, torch.nn.Linear) or type(module).forward is not torch.nn.Linear.forward:
+        raise ValueError(f"lm_head: logits_optimization='memory' computes the head as F.linear(hidden, weight, bias) "
+                         f"from its parameters; expected a torch.nn.Linear head, got {type(module).__name__}. Use "
+                         "logits_optimization='none' or 'compute' for this model.")
+    return module.weight, module.bias
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                    *, temperature: float = 1.0, calculate_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The ``memory`` mode: log-probs (and entropy) of ``targets`` under ``F.linear(hidden, weight, bias) /
+    temperature``, one ``[chunk_size, V]`` block of logits at a time, recomputed in backward.
+
+    Args:
+        hidden: ``[N, H]`` hidden states at response-predicting rows (any float dtype).
+        weight: ``[V, H]`` head weight; bias: ``[V]`` or None (gradients flow to both through autograd).
+        targets: ``[N] int64``; temperature: a float > 0; chunk_size: rows per chunk.
+
+    Returns:
+        ``(log_probs [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits).
+    """
+    temperature = _check_call(temperature, chunk_size)
+    logp, ent = _ChunkedLinearLogprob.apply(hidden, weight, bias, targets, temperature, calculate_entropy,
+                                            chunk_size)
+    return logp, (ent if calculate_entropy else None)
 
 
 def _check_call(temperature, chunk_size) -> float:
@@ -124,9 +281,9 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
     if mode == "memory":
         raise ValueError("logits_optimization: 'memory' never materialises the logits; call response_logprobs with "
                          "the hidden states and the lm_head module.")
-    if mode == "compute":
-        return logprobs_from_logits_chunked(logits, targets, temperature, calculate_entropy, chunk_size)
-    return logprobs_from_logits(logits, targets, temperature, calculate_entropy)
+    chunk = chunk_size if mode == "compute" else max(1, logits.shape[0])
+    logp, ent = _LogitsLogprob.apply(logits, targets, temperature, calculate_entropy, chunk)
+    return logp, (ent if calculate_entropy else None)
 
 
 def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, *,
@@ -136,7 +293,9 @@ def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: t
 
     Args:
         hidden: ``[N, H]`` hidden states at response-predicting rows (any float dtype).
-        lm_head: the output-embedding module (``model.get_output_embeddings()``), ``[.., H] -> [.., V]``.
+        lm_head: the output-embedding module (``model.get_output_embeddings()``), ``[.., H] -> [.., V]``; called
+            once in modes ``none`` / ``compute``; in ``memory`` a ``torch.nn.Linear`` whose weight / bias are used
+            directly (:func:`linear_head_params`), never called.
         targets: ``[N] int64`` predicted token ids.
         temperature: divides the logits; > 0.
         calculate_entropy: also return the entropy ``[N]``.
@@ -148,9 +307,9 @@ def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: t
     """
     mode = check_logits_optimization(logits_optimization)
     temperature = _check_call(temperature, chunk_size)
-    if mode != "memory" or hidden.shape[0] == 0:
+    if mode != "memory":
         return logits_logprobs(lm_head(hidden), targets, temperature=temperature,
-                               calculate_entropy=calculate_entropy,
-                               logits_optimization="none" if mode == "memory" else mode, chunk_size=chunk_size)
-    logp, ent = _ChunkedLogprob.apply(hidden, lm_head, targets, temperature, calculate_entropy, chunk_size)
-    return logp, (ent if calculate_entropy else None)
+                               calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size)
+    weight, bias = linear_head_params(lm_head)
+    return linear_logprobs(hidden, weight, bias, targets, temperature=temperature,
+                           calculate_entropy=calculate_entropy, chunk_size=chunk_size)

@@ -20,7 +20,7 @@ gives the index that puts concatenated per-micro-batch outputs back into the ori
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import torch
@@ -274,66 +274,138 @@ def restore_permutation(batches: Sequence[Sequence[int]]) -> torch.Tensor:
 
 @dataclass
 class DPBalance:
-    """Rows per data-parallel rank. ``ranks[k]``: row indices for rank ``k`` (ascending, siblings adjacent);
-    ``costs[k]``: deduplicated token cost; ``split_groups``: groups spread over more than one rank."""
+    """Rows per data-parallel rank.
+
+    ``ranks[k]``: row indices for rank ``k`` — its mini-batches in order (``minibatches_per_rank`` consecutive chunks
+    of equal size), siblings adjacent inside each chunk. ``costs[k]``: deduplicated token cost of rank ``k``.
+    ``split_groups``: groups spread over more than one rank. ``minibatch_split_groups``: groups spread over more
+    than one (rank, mini-batch) slot (counts ``split_groups`` too; equal to it when ``minibatches_per_rank == 1``).
+    ``split_rows[k]``: rows of rank ``k`` whose group is split across ranks. ``relabelled_groups``: input labels
+    whose rows had different prompt lengths and were therefore treated as several groups.
+    """
 
     ranks: list[list[int]]
     costs: list[int]
     split_groups: int
+    minibatch_split_groups: int = 0
+    minibatches_per_rank: int = 1
+    split_rows: list[int] = field(default_factory=list)
+    relabelled_groups: int = 0
 
     def permutation(self) -> list[int]:
         """Global reorder index: rank 0's rows, then rank 1's, ... (what verl's ``batch.reorder`` expects)."""
         return [b for rows in self.ranks for b in rows]
 
 
-def balance_groups_across_ranks(row_group: IntSeq, prompt_lens: IntSeq, response_lens: IntSeq, world_size: int,
-                                equal_size: bool = True) -> DPBalance:
-    """Bin-pack whole groups onto ``world_size`` ranks, balancing deduplicated token cost.
+def _prompt_identity_groups(g: list[int], p: list[int]) -> tuple[list[int], int]:
+    """Relabel rows by ``(label, prompt_len)``: rows of one label with different prompt lengths cannot share a
+    prompt (e.g. the turns of a multi-turn trajectory stored under one uid). Returns the labels and how many input
+    labels were split this way."""
+    ids: dict[tuple[int, int], int] = {}
+    lens: dict[int, set] = {}
+    out = []
+    for gid, pl in zip(g, p):
+        out.append(ids.setdefault((gid, pl), len(ids)))
+        lens.setdefault(gid, set()).add(pl)
+    return out, sum(1 for s in lens.values() if len(s) > 1)
 
-    With ``equal_size`` (verl dispatches equal DP chunks) each rank gets exactly ``B // world_size`` rows (the first
-    ``B % world_size`` ranks one more). Groups are placed largest-cost first on the least-loaded rank that still has
-    room for the whole group; groups that fit nowhere whole (larger than a rank's share, or left over by uneven
-    sizes) are then cut into as few pieces as possible, filling the ranks with the most free rows first, and counted
-    in ``split_groups``. Works for fewer groups than ranks and for ``B < world_size`` (some ranks get no rows).
-    Without ``equal_size`` whole groups are never split and rank sizes may differ.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: expected a positive int, got {world_size!r}.")
-    g, p, r = _inputs(row_group, prompt_lens, response_lens)
-    B = len(g)
-    units = sorted(_units(g, p, r), key=lambda u: (-u.cost, -len(u.rows), u.rows[0]))
-    ranks: list[list[int]] = [[] for _ in range(world_size)]
-    loads = [0] * world_size
-    if equal_size:
-        cap = [B // world_size + (1 if k < B % world_size else 0) for k in range(world_size)]
-    else:
-        cap = [B] * world_size
+
+def _pack(units: list[GroupUnit], cap: list[int], r: list[int]) -> list[list[int]]:
+    """Place ``units`` into ``len(cap)`` bins of at most ``cap[k]`` rows, balancing deduplicated cost: largest cost
+    first onto the least-loaded bin with room for the whole unit; units that fit nowhere whole are then cut into as
+    few pieces as possible, filling the bins with the most free rows first (each piece pays the prompt)."""
+    n = len(cap)
+    bins: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
     deferred: list[GroupUnit] = []
-    for u in units:
-        fits = [k for k in range(world_size) if cap[k] - len(ranks[k]) >= len(u.rows)]
+    for u in sorted(units, key=lambda u: (-u.cost, -len(u.rows), u.rows[0])):
+        fits = [k for k in range(n) if cap[k] - len(bins[k]) >= len(u.rows)]
         if not fits:
             deferred.append(u)
             continue
         k = min(fits, key=lambda k: (loads[k], k))
-        ranks[k].extend(u.rows)
+        bins[k].extend(u.rows)
         loads[k] += u.cost
-    for u in deferred:  # only with equal_size: cut into the largest free slots
+    for u in deferred:
         rows = list(u.rows)
         while rows:
-            k = max(range(world_size), key=lambda k: (cap[k] - len(ranks[k]), -loads[k], -k))
-            free = cap[k] - len(ranks[k])
-            assert free > 0, "row capacities sum to B"
+            k = max(range(n), key=lambda k: (cap[k] - len(bins[k]), -loads[k], -k))
+            free = cap[k] - len(bins[k])
+            assert free > 0, "row capacities sum to the number of rows"
             piece, rows = rows[:free], rows[free:]
-            ranks[k].extend(piece)
+            bins[k].extend(piece)
             loads[k] += u.prompt_len + sum(r[b] for b in piece)
-    ranks = [_siblings_adjacent(rows, g) for rows in ranks]
+    return bins
+
+
+def balance_groups_across_ranks(row_group: IntSeq, prompt_lens: IntSeq, response_lens: IntSeq, world_size: int,
+                                equal_size: bool = True, minibatches_per_rank: int = 1) -> DPBalance:
+    """Bin-pack whole groups onto ``world_size`` ranks (and onto ``minibatches_per_rank`` mini-batches per rank),
+    balancing deduplicated token cost.
+
+    Args:
+        row_group: ``[B]`` group labels; rows of one label with different ``prompt_lens`` are treated as different
+            groups (counted in ``relabelled_groups``), so this never raises on inconsistent labels.
+        prompt_lens, response_lens: ``[B]`` valid token counts.
+        world_size: data-parallel ranks.
+        equal_size: verl dispatches equal DP chunks: each rank gets exactly ``B // world_size`` rows (the first
+            ``B % world_size`` ranks one more). Without it whole groups are never split and rank sizes may differ.
+        minibatches_per_rank: verl's trainer later cuts each rank's rows into this many consecutive mini-batches of
+            equal size; each rank's rows come out mini-batch by mini-batch, so whole groups fill
+            mini-batches. Needs ``equal_size`` and ``B`` divisible by ``world_size *
+            minibatches_per_rank`` when above 1.
+
+    Groups are placed largest-cost first on the least-loaded rank that still has room for the whole group; groups
+    that fit nowhere whole (larger than a rank's share, or left over by uneven sizes) are then cut into as few
+    pieces as possible, filling the ranks with the most free rows first (``split_groups``). Then, the same way,
+    each rank's groups go into its mini-batches; a group that fits no mini-batch whole is cut inside its rank
+    (``minibatch_split_groups``), so the forward-only passes, which run a rank's rows at once, still see it once.
+    Works for fewer groups than ranks and for ``B < world_size``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}.")
+    m = minibatches_per_rank
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"minibatches_per_rank: expected a positive int, got {m!r}.")
+    g, p, r = _inputs(row_group, prompt_lens, response_lens)
+    B = len(g)
+    if m > 1 and (not equal_size or B % (world_size * m)):
+        raise ValueError(f"minibatches_per_rank: {m} mini-batches per rank need equal_size=True and a batch "
+                         f"divisible by world_size * minibatches_per_rank = {world_size * m}; got B={B}, "
+                         f"equal_size={equal_size}. Pass minibatches_per_rank=1.")
+    g, relabelled = _prompt_identity_groups(g, p)
+    if equal_size:
+        cap = [B // world_size + (1 if k < B % world_size else 0) for k in range(world_size)]
+    else:
+        cap = [B] * world_size
+    ranks = _pack(_units(g, p, r), cap, r)
+    # then each rank's rows into its mini-batches: a group that does not fit a mini-batch is cut inside its rank
+    # (it still pays its prompt once per rank in the forward-only passes, which run the whole rank at once)
+    slots: list[list[int]] = []
+    for rows in ranks:
+        if m == 1:
+            slots.append(rows)
+            continue
+        sub = _units([g[b] for b in rows], [p[b] for b in rows], [r[b] for b in rows])
+        local = _pack(sub, [len(rows) // m] * m, [r[b] for b in rows])
+        slots.extend([rows[i] for i in part] for part in local)
+    slots = [_siblings_adjacent(rows, g) for rows in slots]
+    ranks = [[b for s in range(k * m, (k + 1) * m) for b in slots[s]] for k in range(world_size)]
+    rank_owners = _owners(ranks, g)
+    slot_owners = _owners(slots, g)
+    split = sum(1 for s in rank_owners.values() if len(s) > 1)
+    mb_split = sum(1 for s in slot_owners.values() if len(s) > 1)
+    split_rows = [sum(1 for b in rows if len(rank_owners[g[b]]) > 1) for rows in ranks]
+    costs = [_cost_of(rows, g, p, r) for rows in ranks]
+    return DPBalance(ranks, costs, split, mb_split, m, split_rows, relabelled)
+
+
+def _owners(parts: list[list[int]], g: list[int]) -> dict[int, set]:
     owners: dict[int, set] = {}
-    for k, rows in enumerate(ranks):
+    for k, rows in enumerate(parts):
         for b in rows:
             owners.setdefault(g[b], set()).add(k)
-    split = sum(1 for s in owners.values() if len(s) > 1)
-    costs = [_cost_of(rows, g, p, r) for rows in ranks]
-    return DPBalance(ranks, costs, split)
+    return owners
 
 
 def _siblings_adjacent(rows: list[int], g: list[int]) -> list[int]:

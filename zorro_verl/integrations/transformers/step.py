@@ -12,10 +12,16 @@ import torch
 
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.install import forward_packed
-from zorro_verl.logprob import DEFAULT_CHUNK, check_logits_optimization, logits_logprobs, response_logprobs
+from zorro_verl.logprob import (
+    DEFAULT_CHUNK,
+    check_logits_optimization,
+    linear_head_params,
+    linear_logprobs,
+    logits_logprobs,
+)
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["zorro_step", "HeadFn", "HeadProjection"]
+__all__ = ["zorro_step", "HeadFn"]
 
 #: ``(hidden [N, H], head module, targets [N] int64, temperature, calculate_entropy) -> (log_probs [N], entropy [N]
 #: | None)``
@@ -62,7 +68,7 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             materialised logits (the ``memory`` mode's chunked head by default; e.g. verl's fused kernel):
             ``head_fn(hidden [N, H], head module, targets [N] int64, temperature: float, calculate_entropy) ->
             (log_probs [N], entropy [N] | None)``. It runs as the head module's forward (see :func:`_head_step`):
-            use the head's parameters or :class:`HeadProjection`, never call the module.
+            use the head's parameters (e.g. :func:`~zorro_verl.logprob.linear_head_params`), never call the module.
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` — fp32 (fp64 for fp64 models); ``plan.to_padded`` gives ``[B, R]``.
@@ -83,28 +89,16 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
                            logits_optimization=mode, chunk_size=chunk_size)
 
 
-class HeadProjection:
-    """The LM head's own computation without the module's hooks: ``h [n, H] -> logits [n, V]``, plus its
-    ``parameters()``. A head function runs inside the head module's forward, where FSDP has already gathered the
-    parameters; calling the module again there would re-enter the swapped forward (and FSDP's hooks)."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return type(self.module).forward(self.module, h)
-
-    def parameters(self):
-        return self.module.parameters()
-
-
 def _chunked_head(chunk_size: int) -> HeadFn:
+    """The ``memory`` mode's head function: the chunked autograd Function over the head's own ``weight`` / ``bias``
+    (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 the head's
+    parameters are gathered once per step (around the swapped head forward) whatever the chunk count, and their
+    gradients come back as the Function's outputs through autograd (FSDP2's post-backward reduction sees them)."""
+
     def head_fn(hidden, head, targets, temperature, calculate_entropy):
-        return response_logprobs(hidden, HeadProjection(head), targets, temperature=temperature,
-                                 calculate_entropy=calculate_entropy, logits_optimization="memory",
-                                 chunk_size=chunk_size)
+        weight, bias = linear_head_params(head)
+        return linear_logprobs(hidden, weight, bias, targets, temperature=temperature,
+                               calculate_entropy=calculate_entropy, chunk_size=chunk_size)
 
     return head_fn
 
@@ -127,7 +121,8 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
 
     def forward(x):  # x: [1, N, H]
         logp, ent = head_fn(x[0], head, plan.target_ids, temperature, calculate_entropy)
-        out = torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)])[None]  # [1, 2, N]
+        # a fresh tensor, not a view: FSDP2 registers its pre-backward hook on the module's output
+        out = torch.cat([logp[None, None], (ent if ent is not None else torch.zeros_like(logp))[None, None]], 1)
         returned["out"] = out
         return out
 

@@ -49,3 +49,32 @@ def test_preset_rejects_unknown_key():
     cfg = _compose("+actor_rollout_ref.actor.fsdp_config.zorro.logit_optimization=compute")
     with pytest.raises((ValueError, InstantiationException), match="unknown key.*logit_optimization"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_new_engine_workers_refuse_zorro():
+    """``trainer.use_legacy_worker_impl=disable`` makes verl 0.7 build ``verl.workers.engine_workers``, which never
+    constructs the legacy actor: with zorro enabled the engine config is refused where those workers (and only they)
+    wrap it, in ``TrainingWorkerConfig`` (built as their ``init_model`` builds it), instead of training the stock
+    way."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+
+    cfg = _compose("trainer.use_legacy_worker_impl=disable",
+                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4")
+    ref = cfg.actor_rollout_ref.ref
+    with open_dict(ref):  # the renames engine_workers.ActorRolloutRefWorker.init_model applies to the ref node
+        ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    for node in (cfg.actor_rollout_ref.actor, ref):
+        actor = omega_conf_to_dataclass(node)
+        with pytest.raises(RuntimeError, match="use_legacy_worker_impl=auto"):
+            TrainingWorkerConfig(model_type="language_model", model_config=None, engine_config=actor.engine,
+                                 optimizer_config=actor.optim, checkpoint_config=actor.checkpoint)
+    # zorro off: verl's new workers are untouched
+    off = _compose("trainer.use_legacy_worker_impl=disable", "actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
+    actor = omega_conf_to_dataclass(off.actor_rollout_ref.actor)
+    TrainingWorkerConfig(model_type="language_model", engine_config=actor.engine, optimizer_config=actor.optim)

@@ -71,8 +71,8 @@ def test_v0_trainer_hook_real_ray_trainer():
 
 
 def test_v1_trainer_hook_logic():
-    """verl's V1 PPOTrainer needs transfer_queue (not installed here): the hook runs on a stand-in module that has
-    the two names it uses, with KVBatchMeta-like keys ``{uid}_{session}_{i}`` and verl's tags."""
+    """The hook on a stand-in module that has the two names it uses, with KVBatchMeta-like keys
+    ``{uid}_{session}_{i}`` and verl's tags (the real V1 trainer is tested below)."""
     from zorro_verl.integrations.verl.v09.balance import install_v1_hook, v1_group_of_key
 
     class Batch:
@@ -109,3 +109,222 @@ def test_v1_trainer_hook_logic():
     me.config = _trainer_self(False).config
     PPOTrainer._balance_batch(me, Batch(keys, tags), off)
     assert off == {"stock": True}
+
+
+# ------------------------------------------------------------------------------ the real V1 trainer (verl 0.9.1)
+def _v1_trainer(dp=2, mini=1, n=4, shuffle=False, rollout_n=4, enable=True):
+    """verl's V1 ``PPOTrainer`` methods on a stand-in ``self``: a worker group with ``dp`` actor ranks, the config
+    keys ``_balance_batch`` / ``_get_required_batch_multiple`` read."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    cfg = OmegaConf.create({
+        "trainer": {"critic_warmup": 0},
+        "actor_rollout_ref": {"rollout": {"n": n}, "actor": {
+            "ppo_mini_batch_size": mini, "shuffle": shuffle,
+            "fsdp_config": {"zorro": {"enable": enable, "group_balance": True, "rollout_n": rollout_n}}}}})
+    me = types.SimpleNamespace(config=cfg, use_critic=False, global_steps=1,
+                               actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": list(range(dp))}),
+                               tokenizer=types.SimpleNamespace(eos_token_id=0))
+    me._get_required_batch_multiple = types.MethodType(PPOTrainer._get_required_batch_multiple, me)
+    return PPOTrainer, me
+
+
+def _kv(keys, prompt_lens, response_len=3):
+    from transfer_queue import KVBatchMeta
+
+    tags = [{"status": "success", "prompt_len": p, "response_len": response_len, "seq_len": p + response_len}
+            for p in prompt_lens]
+    return KVBatchMeta(partition_id="train", keys=list(keys), tags=tags)
+
+
+def test_v1_real_trainer_multi_turn_outputs_under_one_uid():
+    """An agent loop stores the turns of one trajectory under one uid (``{uid}_{session}_{i}``), turn i > 0 with
+    the accumulated conversation as its prompt: balancing groups on (uid, prompt length) and never raises."""
+    PPOTrainer, me = _v1_trainer(dp=2, mini=2, n=2, rollout_n=2)
+    keys, plens = [], []
+    for u, base in (("a", 10), ("b", 12), ("c", 7), ("d", 9)):
+        for s in range(2):
+            keys += [f"{u}_{s}_0", f"{u}_{s}_1"]
+            plens += [base, base + 20 + 5 * s]  # turn 1: a longer, session-specific prompt
+    metrics = {}
+    out = PPOTrainer._balance_batch(me, _kv(keys, plens), metrics)
+    assert sorted(out.keys) == sorted(keys)
+    assert metrics["zorro/balance_partial_groups"] == 0  # two sessions per uid = rollout_n
+    assert "zorro/balance_fallbacks" not in metrics
+    for half in (out.keys[:8], out.keys[8:]):  # the first turns of a uid stay on one rank
+        firsts = [k.rsplit("_", 2)[0] for k in half if k.endswith("_0")]
+        assert all(firsts.count(u) in (0, 2) for u in "abcd")
+
+
+def test_v1_real_trainer_whole_groups_fill_minibatches(caplog):
+    """Groups of 3 and 1 rollouts (filtered samples), mini-batches of 4 rows: the slots hold whole groups, where
+    rank-level ordering would put two 3-groups back to back across a mini-batch boundary."""
+    PPOTrainer, me = _v1_trainer(dp=1, mini=1, n=4, rollout_n=4)
+    keys = ["a_0_0", "c_0_0", "a_1_0", "c_1_0", "a_2_0", "c_2_0", "b_0_0", "d_0_0"]
+    plens = [20, 18, 20, 18, 20, 18, 5, 6]
+    metrics = {}
+    with caplog.at_level("WARNING"):
+        out = PPOTrainer._balance_batch(me, _kv(keys, plens), metrics)
+    for mb in (out.keys[:4], out.keys[4:]):
+        uids = {k.split("_")[0] for k in mb}
+        assert len(uids) == 2 and any(len([k for k in mb if k.startswith(u)]) == 3 for u in uids), out.keys
+    assert metrics["zorro/balance_minibatch_split_groups"] == 0
+    assert metrics["zorro/balance_partial_groups"] == 4
+    assert "zorro.rollout_n=4" in caplog.text
+
+
+def test_v1_real_trainer_shuffle_warns_and_counts(caplog):
+    PPOTrainer, me = _v1_trainer(dp=2, mini=1, n=2, rollout_n=2, shuffle=True)
+    keys = [f"{u}_{s}_0" for u in "abcd" for s in range(2)]
+    metrics = {}
+    with caplog.at_level("WARNING"):
+        PPOTrainer._balance_batch(me, _kv(keys, [5, 5, 6, 6, 7, 7, 8, 8]), metrics)
+    assert metrics["zorro/balance_shuffled"] == 1 and metrics["zorro/balance_split_groups"] == 0
+
+
+def test_v1_real_trainer_partial_ranks_warn_and_count(caplog):
+    """One prompt of 8 rollouts over 2 ranks of 4 rows: every row of both ranks is in a split group."""
+    PPOTrainer, me = _v1_trainer(dp=2, mini=1, n=8, rollout_n=8)
+    metrics = {}
+    with caplog.at_level("WARNING"):
+        PPOTrainer._balance_batch(me, _kv([f"a_{s}_0" for s in range(8)], [9] * 8), metrics)
+    assert metrics["zorro/balance_partial_ranks"] == 2 and metrics["zorro/balance_split_groups"] == 1
+    assert "most rows belong to prompt groups split across ranks" in caplog.text
+
+
+def test_v1_real_trainer_balancing_error_falls_back_loudly(monkeypatch, caplog):
+    """An error inside zorro's balancing never stops the step: verl's balancing runs, warned and counted."""
+    from zorro_verl.integrations.verl.v09 import balance
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(balance, "balance_groups_across_ranks", boom)
+    PPOTrainer, me = _v1_trainer(dp=2, mini=1, n=2, rollout_n=2)
+    keys = [f"{u}_{s}_0" for u in "abcd" for s in range(2)]
+    metrics = {}
+    with caplog.at_level("WARNING"):
+        out = PPOTrainer._balance_batch(me, _kv(keys, [5] * 8), metrics)
+    assert sorted(out.keys) == sorted(keys)
+    assert metrics["zorro/balance_fallbacks"] == 1 and any(k.startswith("global_seqlen") for k in metrics)
+    assert "group-aware balancing failed" in caplog.text
+
+
+def test_hook_installation_is_logged(caplog):
+    from zorro_verl.integrations.verl.v09.balance import _wrap_balance_batch
+
+    cls = type("SomeTrainer", (), {"_balance_batch": lambda self, batch, metrics, **kw: batch})
+    with caplog.at_level("WARNING"):
+        _wrap_balance_batch(cls, lambda *a: None)
+    assert "zorro: group-aware DP balancing installed in" in caplog.text and "SomeTrainer" in caplog.text
+
+
+def _fresh_python(code: str, **env):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.verl_cpu_platform import worker_env
+
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **worker_env(), **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_preset_installs_hooks_when_verl_plugins_are_restricted():
+    """With ``VERL_USE_EXTERNAL_PLUGINS=none`` verl loads no entry point; the preset's ``model.external_lib`` (which
+    verl imports wherever it builds the model config, the trainer process included) installs the hooks, and a
+    zorro-enabled engine config builds."""
+    from tests.support import REPO_ROOT
+
+    code = ("import verl, sys\n"
+            "from zorro_verl.integrations.verl.v09 import registration\n"
+            "assert not registration.is_installed()\n"
+            "from hydra import compose, initialize_config_dir\n"
+            f"with initialize_config_dir(config_dir={str(REPO_ROOT / 'configs')!r}, version_base=None):\n"
+            "    cfg = compose(config_name='zorro_ppo_trainer')\n"
+            "from verl.utils.import_utils import import_external_libs\n"
+            "import_external_libs(cfg.actor_rollout_ref.model.external_lib)\n"
+            "import verl.trainer.ppo.v1.trainer_base as tb\n"
+            "assert tb.PPOTrainer._balance_batch._zorro_hook\n"
+            "assert tb.PPOTrainer._compute_ref_log_prob._zorro_metrics_hook\n"
+            "print('ok')\n")
+    out = _fresh_python(code, VERL_USE_EXTERNAL_PLUGINS="none")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    code = ("import verl\n"
+            "from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig\n"
+            "ZorroFSDPEngineConfig(zorro={'enable': True})\n"
+            "print('ok')\n")
+    out = _fresh_python(code, VERL_USE_EXTERNAL_PLUGINS="none")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert "installing zorro's hooks from the zorro engine config" in out.stderr
+
+
+# ------------------------------------------------------------------------------- metrics of the log-prob passes
+def test_v1_real_trainer_routes_ref_pass_metrics_and_effective_mfu(monkeypatch):
+    """verl's V1 ``_compute_ref_log_prob`` drops what ``compute_ref_log_prob`` returns; the zorro metrics of that
+    pass reach the step's metrics as ``zorro/ref/*``, with verl's MFU scaled to the computed tokens."""
+    import verl.trainer.ppo.v1.trainer_base as tb
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from transfer_queue import KVBatchMeta
+
+    stored = {}
+    fake_tq = types.SimpleNamespace(
+        kv_batch_get=lambda keys, partition_id, select_fields: TensorDict(
+            {"log_probs": torch.zeros(len(keys), 3), "response_mask": torch.ones(len(keys), 3)},
+            batch_size=[len(keys)]),
+        kv_batch_put=lambda keys, partition_id, fields: stored.update(fields=fields))
+    monkeypatch.setattr(tb, "tq", fake_tq)
+    monkeypatch.setattr(tb, "response_from_nested", lambda x, mask: x)
+    worker_metrics = {"zorro/dedup_ratio": [2.0, 4.0], "zorro/computed_tokens": [100.0, 100.0],
+                      "zorro/prompt_tokens_saved": [100.0, 300.0], "mfu": 0.3, "loss": 0.0}
+
+    def compute_ref_log_prob(batch):
+        return KVBatchMeta(partition_id="train", keys=batch.keys, tags=batch.tags,
+                           extra_info={"metrics": worker_metrics})
+
+    me = types.SimpleNamespace(
+        config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"temperature": 1.0}}}), ref_in_actor=False,
+        ref_policy_wg=types.SimpleNamespace(compute_ref_log_prob=compute_ref_log_prob))
+    batch = _kv(["a_0_0", "a_1_0"], [4, 4])
+    metrics = {}
+    tb.PPOTrainer._compute_ref_log_prob(me, batch, metrics)
+    assert metrics["zorro/ref/dedup_ratio"] == pytest.approx(3.0)
+    assert metrics["zorro/ref/computed_tokens"] == pytest.approx(100.0)
+    assert metrics["zorro/effective_mfu/ref"] == pytest.approx(0.3 * 100 / 300)
+    assert me.ref_policy_wg.compute_ref_log_prob is compute_ref_log_prob  # the capture is undone
+    assert "ref_log_prob" in stored["fields"].keys()
+
+
+def test_v1_real_trainer_actor_update_effective_mfu():
+    import verl.trainer.ppo.v1.trainer_base as tb
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {
+        "rollout": {"n": 2, "temperature": 1.0},
+        "actor": {"ppo_mini_batch_size": 1, "calculate_entropy": False, "entropy_coeff": 0.0, "ppo_epochs": 1,
+                  "data_loader_seed": 0, "shuffle": False}}})
+    out = {"metrics": {"mfu": [0.4], "zorro/computed_tokens": [50.0], "zorro/prompt_tokens_saved": [150.0],
+                       "loss": [1.0]}}
+    me = types.SimpleNamespace(config=cfg, actor_rollout_wg=types.SimpleNamespace(update_actor=lambda b: out))
+    metrics = {}
+    tb.PPOTrainer._update_actor(me, _kv(["a_0_0", "a_1_0"], [4, 4]), metrics)
+    assert metrics["perf/mfu/actor"] == pytest.approx(0.4)
+    assert metrics["zorro/effective_mfu/actor"] == pytest.approx(0.4 * 50 / 200)
+
+
+def test_v1_real_trainer_warns_when_micro_batch_cuts_groups(caplog):
+    """``zorro.rollout_n`` sizes fixed micro-batches: a ``ppo_micro_batch_size_per_gpu`` that is not a multiple of
+    it cuts groups, warned once and counted."""
+    PPOTrainer, me = _v1_trainer(dp=1, mini=2, n=4, rollout_n=4)
+    me.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 6
+    metrics = {}
+    with caplog.at_level("WARNING"):
+        PPOTrainer._balance_batch(me, _kv([f"{u}_{s}_0" for u in "ab" for s in range(4)], [5] * 8), metrics)
+    assert metrics["zorro/balance_micro_batch_misaligned"] == 1
+    assert "ppo_micro_batch_size_per_gpu=6 is not a multiple of zorro.rollout_n=4" in caplog.text
+    me.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 8
+    ok = {}
+    PPOTrainer._balance_batch(me, _kv([f"{u}_{s}_0" for u in "ab" for s in range(4)], [5] * 8), ok)
+    assert "zorro/balance_micro_batch_misaligned" not in ok

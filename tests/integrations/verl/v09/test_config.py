@@ -73,6 +73,25 @@ def test_self_check_when_another_engine_is_registered():
     check_engine_registered()
 
 
+def test_self_check_names_strategy_and_device_when_verl_has_no_engine(monkeypatch):
+    """verl's EngineRegistry asserts on an unknown backend and raises ValueError for an unknown device: the check
+    turns both into a RuntimeError naming the strategy, the device and the fix."""
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.v09.registration import check_engine_registered
+
+    table = EngineRegistry._engines["language_model"]
+    monkeypatch.delitem(table, "fsdp")  # unknown backend: a bare AssertionError inside verl
+    with pytest.raises(RuntimeError, match=r"strategy 'fsdp' on device 'cpu'.*AssertionError.*strategy fsdp or fsdp2"):
+        check_engine_registered()
+    monkeypatch.undo()
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "tpu")  # a device no engine is registered for: ValueError inside verl
+    with pytest.raises(RuntimeError, match=r"strategy 'fsdp' on device 'tpu'.*VERL_ENGINE_DEVICE"):
+        check_engine_registered()
+    monkeypatch.undo()
+    check_engine_registered()
+
+
 def _fresh_python(code: str, **env) -> subprocess.CompletedProcess:
     from tests.support.verl_cpu_platform import worker_env
 

@@ -15,6 +15,7 @@ plugin) when the dataclass is built, so a typo stops the run in the driver. Impo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from verl.workers.config import FSDPEngineConfig
 
 from zorro_verl.integrations.verl.settings import ZorroSettings, settings_of
 
-__all__ = ["ZorroLegacyFSDPEngineConfig", "legacy_settings_of"]
+__all__ = ["ZorroLegacyFSDPEngineConfig", "legacy_settings_of", "refuse_engine_workers"]
 
 
 @dataclass
@@ -35,6 +36,43 @@ class ZorroLegacyFSDPEngineConfig(FSDPEngineConfig):
         super().__post_init__()
         # BaseConfig freezes set attributes; the validated settings are stored once, beside the raw mapping.
         object.__setattr__(self, "_zorro_settings", ZorroSettings.from_mapping(self.zorro))
+        if self._zorro_settings.enable:
+            refuse_engine_workers()
+
+
+_GUARD_FLAG = "_zorro_refuses_engine_workers"
+
+
+def refuse_engine_workers() -> None:
+    """Make verl 0.7's new engine workers refuse a zorro-enabled engine config (idempotent).
+
+    zorro's verl 0.7 integration is the legacy actor (``DataParallelPPOActor``, built by the legacy FSDP workers).
+    With ``trainer.use_legacy_worker_impl=disable`` verl 0.7 builds ``verl.workers.engine_workers`` instead, which
+    never constructs that actor and would train the stock way with zorro enabled. Those workers, and only they,
+    build every actor / ref / critic engine from a ``TrainingWorkerConfig(engine_config=...)``, in the worker
+    process, right after the engine config (this class) is built: its constructor raises there. Called by the
+    ``__post_init__`` of a zorro-enabled config, so it is in place whichever way the plugin was loaded.
+    """
+    from verl.workers.config import TrainingWorkerConfig
+
+    init = TrainingWorkerConfig.__init__
+    if getattr(init, _GUARD_FLAG, False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if settings_of(self.engine_config).enable:
+            raise RuntimeError(
+                "zorro is enabled (fsdp_config.zorro.enable=true) but verl 0.7 is building its new engine workers "
+                "(trainer.use_legacy_worker_impl=disable), which run the stock forward: zorro's verl 0.7 "
+                "integration replaces the legacy workers' DataParallelPPOActor. Set "
+                "trainer.use_legacy_worker_impl=auto (or enable), disable zorro "
+                "(actor_rollout_ref.actor.fsdp_config.zorro.enable=false and the same for ref), or use verl >= 0.9 "
+                "with the engine plugin (configs/zorro_ppo_trainer.yaml).")
+
+    setattr(__init__, _GUARD_FLAG, True)
+    TrainingWorkerConfig.__init__ = __init__
 
 
 def legacy_settings_of(actor_config) -> ZorroSettings:

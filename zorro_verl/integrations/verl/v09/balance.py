@@ -5,13 +5,18 @@ per group member and deduplication saves almost nothing on multi-GPU runs. With 
 ``zorro.group_balance: true`` (the default) the trainer instead bin-packs whole groups onto ranks by deduplicated
 token cost (:func:`~zorro_verl.packing.microbatch.balance_groups_across_ranks`); ranks still get equal row counts
 (verl dispatches equal chunks), so a group is split only when it cannot fit (counted in
-``zorro/balance_split_groups``). With zorro disabled or the key false, verl's own balancing runs unchanged.
+``zorro/balance_split_groups``). Each rank's rows are also packed into the mini-batches the worker will cut them
+into (``ppo_mini_batch_size * rollout.n / dp`` rows, in order), so whole groups fill mini-batches
+(``zorro/balance_minibatch_split_groups``; ``actor.shuffle=true`` defeats this and is warned about). Balancing never
+stops a run: an error inside it is warned once, counted in ``zorro/balance_fallbacks`` and verl's balancing runs.
+With zorro disabled or the key false, verl's own balancing runs unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import torch
 
@@ -19,17 +24,34 @@ from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks
 
-__all__ = ["group_balance", "install_v0_hook", "install_v1_hook", "trainer_zorro_settings", "v1_group_of_key"]
+__all__ = ["group_balance", "install_v0_hook", "install_v1_hook", "trainer_zorro_settings", "v1_group_of_key",
+           "v1_session_of_key"]
 
 logger = logging.getLogger(__name__)
 
+#: Warnings already given in this process (each reason once).
+_warned: set[str] = set()
 
-def group_balance(prompts: torch.Tensor, attention_mask: torch.Tensor, dp_size: int) -> DPBalance:
-    """Place whole groups on ranks.
+
+def _warn_once(reason: str, msg: str, *args, exc_info=None) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning(msg, *args, exc_info=exc_info)
+
+
+def _count(metrics: dict, key: str, n: float = 1) -> None:
+    metrics[key] = metrics.get(key, 0) + n
+
+
+def group_balance(prompts: torch.Tensor, attention_mask: torch.Tensor, dp_size: int,
+                  minibatches_per_rank: int = 1) -> DPBalance:
+    """Place whole groups on ranks (and on the ``minibatches_per_rank`` mini-batches of each rank).
 
     Args:
         prompts: ``[B, Pw]`` left-padded prompt ids; attention_mask: ``[B, Pw + R]`` (0 on both pads).
         dp_size: data-parallel ranks.
+        minibatches_per_rank: mini-batches the trainer cuts each rank's rows into (see
+            :func:`~zorro_verl.packing.microbatch.balance_groups_across_ranks`).
 
     Returns:
         :class:`DPBalance`; ``permutation()`` is the reorder index for ``batch.reorder``.
@@ -39,7 +61,7 @@ def group_balance(prompts: torch.Tensor, attention_mask: torch.Tensor, dp_size: 
     g = group_ids(prompts, pm)
     p = pm.sum(1)
     r = (attention_mask[:, pw:] != 0).sum(1)
-    return balance_groups_across_ranks(g, p, r, dp_size, equal_size=True)
+    return balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=minibatches_per_rank)
 
 
 def trainer_zorro_settings(config) -> ZorroSettings:
@@ -53,11 +75,84 @@ def _unsupported_keep_minibatch(settings: ZorroSettings, metrics: dict) -> None:
            "or on_unsupported=warn (verl's balancing then runs for such steps, counted in zorro/balance_fallbacks).")
     if settings.on_unsupported == "raise":
         raise ValueError(msg)
-    logger.warning(msg)
-    metrics["zorro/balance_fallbacks"] = metrics.get("zorro/balance_fallbacks", 0) + 1
+    _warn_once("keep_minibatch", msg)
+    _count(metrics, "zorro/balance_fallbacks")
 
 
-def _log_balance(metrics: dict, seqlens: list[int], bal: DPBalance, prefix: str) -> None:
+def minibatches_per_rank(config, batch_size: int, dp_size: int, metrics: dict) -> int:
+    """How many mini-batches the trainer will cut each rank's rows into, for :func:`group_balance`.
+
+    verl's trainers (V1 and ``RayPPOTrainer``) hand each rank ``B / dp`` rows and the worker's ``train_mini_batch``
+    cuts them, in order, into chunks of ``ppo_mini_batch_size * rollout.n / dp`` rows — shuffled first when
+    ``actor.shuffle`` is true. Returns 1 (rank-level balancing only) when the slots cannot be known: with
+    ``shuffle=true`` (warned once, counted in ``zorro/balance_shuffled``) or when the batch does not divide into
+    whole mini-batches (warned once, counted in ``zorro/balance_minibatch_misaligned``).
+    """
+    actor = config.actor_rollout_ref.actor
+    if bool(actor.get("shuffle", False)):
+        _warn_once("shuffle", "zorro: actor.shuffle=true shuffles each rank's rows before cutting mini-batches, so a "
+                   "prompt's rollouts land in different mini-batches and each pays its prompt again (lower "
+                   "zorro/dedup_ratio). Set actor_rollout_ref.actor.shuffle=false to keep groups in one mini-batch. "
+                   "Counted in zorro/balance_shuffled.")
+        _count(metrics, "zorro/balance_shuffled")
+        return 1
+    mini = actor.get("ppo_mini_batch_size", None)
+    n = config.actor_rollout_ref.get("rollout", {}).get("n", 1) or 1
+    if not mini:
+        return 1
+    global_mini = int(mini) * int(n)
+    if global_mini % dp_size or batch_size % global_mini or batch_size % dp_size:
+        _warn_once("misaligned", "zorro: the batch (%d rows) does not split into whole mini-batches of "
+                   "ppo_mini_batch_size * rollout.n = %d rows over %d DP ranks; balancing keeps groups per rank "
+                   "only, so groups may straddle mini-batch boundaries. Counted in "
+                   "zorro/balance_minibatch_misaligned.", batch_size, global_mini, dp_size)
+        _count(metrics, "zorro/balance_minibatch_misaligned")
+        return 1
+    return batch_size // global_mini
+
+
+def _balance_metrics(metrics: dict, bal: DPBalance, dp_size: int) -> None:
+    """zorro's balance metrics; warns once when a rank's rows mostly belong to groups split across ranks."""
+    metrics["zorro/balance_split_groups"] = bal.split_groups
+    metrics["zorro/balance_minibatch_split_groups"] = bal.minibatch_split_groups
+    metrics["zorro/balance_max_rank_cost"] = max(bal.costs) if bal.costs else 0
+    partial = sum(1 for rows, s in zip(bal.ranks, bal.split_rows) if rows and 2 * s > len(rows))
+    metrics["zorro/balance_partial_ranks"] = partial
+    if partial and dp_size > 1:
+        _warn_once("partial", "zorro: on %d of %d DP ranks most rows belong to prompt groups split across ranks, so "
+                   "deduplication saves little there (groups larger than a rank's share, or uneven group sizes). "
+                   "Use a batch of whole groups per rank (train_batch_size * rollout.n divisible by the DP size "
+                   "times rollout.n). Counted in zorro/balance_partial_ranks.", partial, dp_size)
+
+
+def _check_group_sizes(metrics: dict, sizes: list[int], rollout_n) -> None:
+    """Compare observed rollouts per prompt with ``zorro.rollout_n``; warn once and count differing groups."""
+    if not rollout_n:
+        return
+    partial = sum(1 for s in sizes if s != rollout_n)
+    metrics["zorro/balance_partial_groups"] = partial
+    if partial:
+        _warn_once("rollout_n", "zorro: %d of %d prompts have a number of rollouts other than zorro.rollout_n=%d "
+                   "(filtered or failed samples, or a rollout_n that does not match actor_rollout_ref.rollout.n); "
+                   "results are unaffected (groups are found from tokens). Counted in "
+                   "zorro/balance_partial_groups.", partial, len(sizes), rollout_n)
+
+
+def _check_micro_batch_size(metrics: dict, config, rollout_n) -> None:
+    """Fixed-size micro-batches hold whole groups only when ``ppo_micro_batch_size_per_gpu`` is a multiple of
+    ``zorro.rollout_n``; warn once and count (``zorro/balance_micro_batch_misaligned``) otherwise."""
+    actor = config.actor_rollout_ref.actor
+    mbs = actor.get("ppo_micro_batch_size_per_gpu", None)
+    if not rollout_n or not mbs or bool(actor.get("use_dynamic_bsz", False)) or int(mbs) % rollout_n == 0:
+        return
+    _warn_once("micro_batch", "zorro: ppo_micro_batch_size_per_gpu=%d is not a multiple of zorro.rollout_n=%d, so "
+               "fixed-size micro-batches cut prompt groups (each piece pays its prompt again; counted in "
+               "zorro/split_groups). Use a multiple of rollout_n, or use_dynamic_bsz=true. Counted in "
+               "zorro/balance_micro_batch_misaligned.", int(mbs), rollout_n)
+    metrics["zorro/balance_micro_batch_misaligned"] = 1
+
+
+def _log_balance(metrics: dict, seqlens: list[int], bal: DPBalance, prefix: str, dp_size: int) -> None:
     """verl's balance statistics over the reordered batch, plus zorro's."""
     from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
@@ -67,14 +162,14 @@ def _log_balance(metrics: dict, seqlens: list[int], bal: DPBalance, prefix: str)
         parts.append(list(range(start, start + len(rows))))
         start += len(rows)
     metrics.update(log_seqlen_unbalance(seqlen_list=[seqlens[i] for i in perm], partitions=parts, prefix=prefix))
-    metrics["zorro/balance_split_groups"] = bal.split_groups
-    metrics["zorro/balance_max_rank_cost"] = max(bal.costs) if bal.costs else 0
+    _balance_metrics(metrics, bal, dp_size)
 
 
 def _wrap_balance_batch(cls, balance) -> None:
     """Replace ``cls._balance_batch`` (once) by: the stock method unless zorro and ``group_balance`` are on (or
     ``keep_minibatch`` is asked, which group balancing does not support), else ``balance(self, batch, metrics,
-    logging_prefix)``."""
+    logging_prefix)``. Balancing never stops a run: an error inside it is warned once, counted in
+    ``zorro/balance_fallbacks`` and verl's balancing runs for that step."""
     orig = cls._balance_batch
     if getattr(orig, "_zorro_hook", False):
         return
@@ -87,40 +182,66 @@ def _wrap_balance_batch(cls, balance) -> None:
         if keep_minibatch:
             _unsupported_keep_minibatch(settings, metrics)
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-        return balance(self, batch, metrics, logging_prefix)
+        try:
+            return balance(self, batch, metrics, logging_prefix, settings)
+        except Exception as e:  # never stop training over a placement heuristic; loud and counted instead
+            _warn_once("error", "zorro: group-aware balancing failed (%s: %s); verl's balancing runs for such steps "
+                       "(counted in zorro/balance_fallbacks). Please report this.", type(e).__name__, e,
+                       exc_info=True)
+            _count(metrics, "zorro/balance_fallbacks")
+            return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
 
     _balance_batch._zorro_hook = True
     cls._balance_batch = _balance_batch
+    logger.warning("zorro: group-aware DP balancing installed in %s.%s", cls.__module__, cls.__qualname__)
 
 
 def install_v0_hook(module) -> None:
-    """Wrap ``verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch`` (``DataProto`` batches), once."""
+    """Wrap ``verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch`` (``DataProto`` batches), once.
 
-    def balance(self, batch, metrics, logging_prefix):
+    Groups come from the prompt tokens; rows are packed into (rank, mini-batch) slots (:func:`minibatches_per_rank`).
+    """
+
+    def balance(self, batch, metrics, logging_prefix, settings):
         dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
         am = batch.batch["attention_mask"]
-        bal = group_balance(batch.batch["prompts"], am, dp_size)
+        m = minibatches_per_rank(self.config, len(batch), dp_size, metrics)
+        bal = group_balance(batch.batch["prompts"], am, dp_size, minibatches_per_rank=m)
         seqlens = am.sum(-1).tolist()
+        uids = batch.non_tensor_batch.get("uid") if batch.non_tensor_batch else None
+        if uids is not None:
+            _check_group_sizes(metrics, list(Counter(str(u) for u in uids).values()), settings.rollout_n)
+        _check_micro_batch_size(metrics, self.config, settings.rollout_n)
         batch.reorder(torch.tensor(bal.permutation(), dtype=torch.long))
-        _log_balance(metrics, seqlens, bal, logging_prefix)
+        _log_balance(metrics, seqlens, bal, logging_prefix, dp_size)
 
     _wrap_balance_batch(module.RayPPOTrainer, balance)
 
 
 def v1_group_of_key(key: str) -> str:
-    """V1 trajectory keys are ``{uid}_{session_id}_{index}``: the group is the prompt ``uid``."""
+    """V1 trajectory keys are ``{uid}_{session_id}_{index}``: the prompt ``uid``."""
     parts = str(key).rsplit("_", 2)
     return parts[0] if len(parts) == 3 else str(key)
+
+
+def v1_session_of_key(key: str) -> str:
+    """V1 trajectory keys are ``{uid}_{session_id}_{index}``: ``{uid}_{session_id}`` (one rollout of the prompt)."""
+    parts = str(key).rsplit("_", 1)
+    return parts[0] if len(parts) == 2 and "_" in parts[0] else str(key)
 
 
 def install_v1_hook(module) -> None:
     """Wrap ``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch`` (``KVBatchMeta`` batches), once.
 
-    Groups come from the key's ``uid``; costs from the ``prompt_len`` / ``response_len`` tags. Padding rows added by
-    verl's upsampling are their own groups.
+    A group is the key's ``uid`` **and** the ``prompt_len`` tag: an agent loop may store several outputs of one
+    trajectory under one uid (``{uid}_{session}_{i}``), and output ``i > 0`` carries the accumulated conversation
+    as its prompt, a different prompt. (Tags hold no prompt tokens, so two later turns of one uid with equal prompt
+    lengths count as one group; that only skews the cost estimate — the engine finds the real groups from tokens.)
+    Costs come from the ``prompt_len`` / ``response_len`` tags; padding rows added by verl's upsampling are their
+    own groups. Rows are packed into (rank, mini-batch) slots (:func:`minibatches_per_rank`).
     """
 
-    def balance(self, batch, metrics, logging_prefix):
+    def balance(self, batch, metrics, logging_prefix, settings):
         worker_group = self.actor_rollout_wg
         if "actor" not in worker_group._dispatch_info:
             worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
@@ -131,13 +252,19 @@ def install_v1_hook(module) -> None:
         g = [labels.setdefault(v1_group_of_key(k), len(labels)) for k in batch.keys]
         p = [int(t.get("prompt_len", 0)) for t in batch.tags]
         r = [int(t.get("response_len", t["seq_len"] - t.get("prompt_len", 0))) for t in batch.tags]
+        sessions: dict[str, set] = {}
         # verl's synthetic padding rows (upsampling) are no-ops: each its own group
-        for i, t in enumerate(batch.tags):
+        for i, (k, t) in enumerate(zip(batch.keys, batch.tags)):
             if t.get("is_padding") or "prompt_len" not in t:
                 g[i] = len(labels) + i
-        bal = balance_groups_across_ranks(g, p, r, dp_size, equal_size=True)
+            else:
+                sessions.setdefault(v1_group_of_key(k), set()).add(v1_session_of_key(k))
+        _check_group_sizes(metrics, [len(s) for s in sessions.values()], settings.rollout_n)
+        _check_micro_batch_size(metrics, self.config, settings.rollout_n)
+        m = minibatches_per_rank(self.config, len(g), dp_size, metrics)
+        bal = balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=m)
         batch.reorder(bal.permutation())
-        _log_balance(metrics, [int(t["seq_len"]) for t in batch.tags], bal, logging_prefix)
+        _log_balance(metrics, [int(t["seq_len"]) for t in batch.tags], bal, logging_prefix, dp_size)
         return batch
 
     _wrap_balance_batch(module.PPOTrainer, balance)

@@ -33,6 +33,9 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics
 from zorro_verl.integrations.verl.settings import settings_of
+from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
+from zorro_verl.integrations.verl.v09.losses import loss_unsupported
+from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
 
@@ -117,8 +120,6 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     def _zorro_static_unsupported(self):
         if self.engine_config.ulysses_sequence_parallel_size > 1:
             return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
-        if getattr(self.engine_config, "use_fused_kernels", False):
-            return "fused kernels (set actor_rollout_ref.model.use_fused_kernels=false)"
         if getattr(self.model_config, "lora_rank", 0) > 0:
             return "LoRA (lora_rank > 0) is not verified with zorro"
         hf = getattr(self.model_config, "hf_config", None)
@@ -130,9 +131,13 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         get = tu.get_non_tensor_data
         if get(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
             return "pad_mode other than no_padding"
-        for key in ("use_fused_kernels", "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+        for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
             if get(data=data, key=key, default=False):
                 return f"{key}=True"
+        if (get(data=data, key="use_fused_kernels", default=False) and "temperature" in data.keys()
+                and isinstance(data["temperature"], torch.Tensor)):
+            # verl's fused path asserts one float temperature per batch
+            return "per-sample temperature tensors with use_fused_kernels=True (verl's fused kernels take one float)"
         if self.zorro.logits_optimization == "memory" and "temperature" in data.keys():
             t = data["temperature"]
             if isinstance(t, torch.Tensor) and t.numel() > 1 and not bool((t == t.reshape(-1)[0]).all()):
@@ -154,7 +159,27 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         super().initialize()
         self._zorro_stock_attn = getattr(self.module.config, "_attn_implementation", None)
         if self.zorro_active:
+            # settings refused once the model exists: at initialisation, never at the first step
+            reason = self._zorro_model_unsupported()
+            if reason is not None:
+                self._zorro_static_reason = reason
+                self._zorro_unsupported(reason)
+        if self.zorro_active:
             self._install()
+
+    def _zorro_model_unsupported(self):
+        """Static refusals that need the built model: the ``memory`` logits mode computes the head as
+        ``F.linear(hidden, weight, bias)`` and needs the head's output returned unchanged as the logits."""
+        if self.zorro.logits_optimization != "memory":
+            return None
+        try:
+            linear_head_params(self.module.get_output_embeddings())
+        except ValueError as e:
+            return f"logits_optimization=memory with this model's head ({e})"
+        cfg = getattr(self.module.config, "text_config", None) or self.module.config
+        if getattr(cfg, "final_logit_softcapping", None):
+            return "logits_optimization=memory with final_logit_softcapping (use 'none' or 'compute')"
+        return None
 
     def _install(self) -> None:
         # install_zorro's checks (layer types, hybrid delta-net wrappers); every forward then checks that each
@@ -180,11 +205,12 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        reason = self._zorro_static_reason or self._zorro_batch_unsupported(data)
-        if reason is None and not forward_only and self.zorro.logits_optimization == "memory":
-            # The chunked head recompute runs in backward, after FSDP2 may have resharded (freed) the root's
-            # parameters: not safe; memory mode serves the forward-only passes (old log-prob, ref).
-            reason = "logits_optimization=memory for training steps (it serves forward-only log-prob passes)"
+        # the loss settings travel with each call (the bound actor config), not in the engine config
+        reason = (self._zorro_static_reason or self._zorro_batch_unsupported(data)
+                  or loss_unsupported(loss_function, data))
+        if self._zorro_static_reason is None:
+            # The two paths issue different collectives: every DP rank must take the same one.
+            reason = self._zorro_agreed_reason(reason)
         if reason is not None:
             if self._zorro_static_reason is None:
                 self._zorro_unsupported(reason)
@@ -227,8 +253,21 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             # verl restores the order only for dynamic bsz; group-aware fixed micro-batches reorder rows too.
             out["model_output"] = {k: restore_dynamic_batch(v, mbs.batches) for k, v in out["model_output"].items()}
         self._add_metrics(out, dedup_metrics(mbs.ordinary_tokens, mbs.dedup_tokens, mbs.split_groups, 0))
+        # tokens actually run: with prompt_tokens_saved, the trainer scales verl's MFU to zorro/effective_mfu/<pass>
+        self._add_metrics(out, {"zorro/computed_tokens": float(mbs.dedup_tokens)})
         self.zorro_last_micro_batches = mbs
         return out
+
+    def _zorro_agreed_reason(self, reason):
+        """This rank's unsupported ``reason`` (or None) made the same decision on every DP rank: an all-reduce (MAX)
+        of the flag, so that if any rank's batch is unsupported all ranks raise, or all run the stock forward (the
+        zorro and stock paths issue different collectives; diverging would hang). One collective per call."""
+        flag = torch.tensor([0 if reason is None else 1], device=get_device_id())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group())
+        if reason is None and int(flag.item()):
+            return ("the batch of another data-parallel rank is unsupported (see that rank's message); all ranks "
+                    "take the same path")
+        return reason
 
     @staticmethod
     def _add_metrics(out, values: dict) -> None:
@@ -271,7 +310,8 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am)
 
         temperature = micro_batch["temperature"]
-        if not isinstance(temperature, torch.Tensor):
+        use_fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+        if not isinstance(temperature, torch.Tensor) and not use_fused:
             temperature = torch.full((plan.B,), float(temperature), device=ids_pad.device)
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
 
@@ -279,10 +319,14 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
                         else torch.autocast(device_type=device_name, dtype=autocast_dtype))
         with autocast_ctx:
-            logp, ent = zorro_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
-                                   calculate_entropy=calculate_entropy,
-                                   logits_optimization=self.zorro.logits_optimization,
-                                   chunk_size=self.logits_chunk_size)
+            if use_fused:  # verl's fused linear + log-prob kernel as the head (fused.py), one float temperature
+                logp, ent = zorro_fused_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
+                                             calculate_entropy=calculate_entropy)
+            else:
+                logp, ent = zorro_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
+                                       calculate_entropy=calculate_entropy,
+                                       logits_optimization=self.zorro.logits_optimization,
+                                       chunk_size=self.logits_chunk_size)
 
             offsets = micro_batch["input_ids"].offsets()
             # predict-next layout: the token at column j of row b's response is predicted at row position p_b-1+j

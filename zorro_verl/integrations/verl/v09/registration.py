@@ -10,7 +10,12 @@
   language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
   zorro-enabled config instead of silently running the stock forward;
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
-  (:mod:`.balance`, switchable by config).
+  (:mod:`.balance`, switchable by config), and the V1 trainer reports the zorro metrics of its log-prob passes
+  (:mod:`.trainer_metrics`).
+
+Besides the ``verl.plugins`` entry point (skipped when ``VERL_USE_EXTERNAL_PLUGINS`` excludes it), the preset loads
+the plugin through ``actor_rollout_ref.model.external_lib``, which verl imports unconditionally wherever it builds
+the model config — in the trainer process (the V1 trainer's tokenizer setup) and in every worker.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ import logging
 import os
 
 from zorro_verl.integrations.verl.settings import settings_of
-from zorro_verl.integrations.verl.v09 import balance
+from zorro_verl.integrations.verl.v09 import balance, trainer_metrics
 
-__all__ = ["install", "is_installed", "check_engine_registered", "PLUGIN_DISABLE_ENV"]
+__all__ = ["install", "is_installed", "check_engine_registered", "why_not_installed", "PLUGIN_DISABLE_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ def install() -> None:
     wrapt.register_post_import_hook(_register_engine, "verl.workers.engine")
     wrapt.register_post_import_hook(balance.install_v0_hook, "verl.trainer.ppo.ray_trainer")
     wrapt.register_post_import_hook(balance.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
+    wrapt.register_post_import_hook(trainer_metrics.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
     _installed = True
 
 
@@ -94,7 +100,16 @@ def _guarded(cls, backend: str):
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def _why_not_installed() -> str:
+def _engine_device() -> str:
+    """The device key verl's ``EngineRegistry`` looks engines up by (``VERL_ENGINE_DEVICE`` overrides it)."""
+    if os.environ.get("VERL_ENGINE_DEVICE"):
+        return os.environ["VERL_ENGINE_DEVICE"]
+    from verl.utils.device import get_device_name
+
+    return get_device_name()
+
+
+def why_not_installed() -> str:
     if os.environ.get(PLUGIN_DISABLE_ENV, "0") == "1":
         return f"{PLUGIN_DISABLE_ENV}=1 is set in this process"
     if not verl_is_09_or_newer():
@@ -111,17 +126,29 @@ def _why_not_installed() -> str:
 
 def check_engine_registered() -> None:
     """Raise ``RuntimeError`` saying why, unless the plugin is installed in this process and verl resolves the zorro
-    engine for ``fsdp`` and ``fsdp2``."""
+    engine for ``fsdp`` and ``fsdp2``.
+
+    When only ``VERL_USE_EXTERNAL_PLUGINS`` kept verl from loading the entry point, the config that enables zorro is
+    the explicit opt-in: the hooks are installed here (logged once) instead of refusing."""
+    if not _installed and why_not_installed().startswith("VERL_USE_EXTERNAL_PLUGINS="):
+        logger.warning("zorro: %s; installing zorro's hooks from the zorro engine config instead.",
+                       why_not_installed())
+        install()
     if not _installed:
-        raise RuntimeError(f"zorro is enabled in the config but its verl plugin is not loaded: {_why_not_installed()}.")
+        raise RuntimeError(f"zorro is enabled in the config but its verl plugin is not loaded: {why_not_installed()}.")
     from verl.workers.engine import EngineRegistry  # the import runs the post-import hook if it has not run yet
 
     for backend in _BACKENDS:
         try:
             cls = EngineRegistry.get_engine_cls("language_model", backend)
-        except ValueError as e:
-            raise RuntimeError(f"zorro is enabled but verl has no engine for backend {backend!r} on this device: "
-                               f"{e}") from e
+        except (ValueError, AssertionError) as e:
+            # verl asserts on an unknown model type / backend and raises ValueError for an unknown device
+            raise RuntimeError(
+                f"zorro is enabled but verl's EngineRegistry has no language_model engine for strategy {backend!r} "
+                f"on device {_engine_device()!r} ({type(e).__name__}: {e}). The zorro engine needs strategy fsdp or "
+                "fsdp2 on a device verl registers FSDP engines for (cuda, npu; cpu is added by zorro): check "
+                "actor_rollout_ref.actor.strategy, the VERL_ENGINE_DEVICE environment variable and that "
+                "verl.workers.engine imported cleanly, or disable zorro (fsdp_config.zorro.enable=false).") from e
         if not getattr(cls, "zorro_engine", False):  # ZorroFSDPEngineWithLMHead and its subclasses
             raise RuntimeError(
                 f"zorro is enabled in the config but verl builds {cls.__module__}.{cls.__qualname__} for strategy "

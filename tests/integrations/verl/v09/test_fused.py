@@ -1,0 +1,267 @@
+"""The zorro engine with verl's fused kernels (use_fused_kernels=true) vs verl 0.9.1's stock engine with and without
+them, on CPU (FSDP2, fp32, 1-rank gloo, verl's torch fused backend).
+
+Tolerances (docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; loss, grad norm and every gradient relative
+<= 1e-5 (fp32).
+
+verl patches the model *class's* forward for fused kernels (for the whole process); the engines without fused
+kernels run under :func:`_class_forward` with transformers' own forward restored, and the module restores it at the
+end so other test modules see an unpatched class.
+
+verl 0.9.1's own fused forward reads ``lm_head.weight`` without calling the head module, and FSDP2 wraps an untied
+head as its own unit, so on untied models verl's fused path fails (pinned by ``test_stock_fused_fails_on_untied_head``);
+there zorro, whose fused head runs as the head module's forward, is compared with the stock engine without fused
+kernels (the same math), and on tied models with both stock engines.
+"""
+
+import logging
+from contextlib import contextmanager, nullcontext
+from functools import partial
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
+
+ATOL = 1e-5
+RTOL = 1e-5
+FUSED_MODEL = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": "torch"}}
+FUSED_ENGINE = {"use_fused_kernels": True}  # verl's worker copies the model config's flag into the engine config
+
+
+def _model_class():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+@pytest.fixture(scope="module", autouse=True)
+def original_forward():
+    """transformers' own ``Qwen3ForCausalLM.forward``, restored after this module (verl patches the class)."""
+    cls = _model_class()
+    fwd = cls.__dict__["forward"]
+    assert not fwd.__module__.startswith("verl."), "the class was already patched by verl before this module"
+    yield fwd
+    cls.forward = fwd
+
+
+@contextmanager
+def _class_forward(fwd):
+    cls = _model_class()
+    saved = cls.__dict__["forward"]
+    cls.forward = fwd
+    try:
+        yield
+    finally:
+        cls.forward = saved
+
+
+@pytest.fixture(scope="module")
+def tied_ckpt(tmp_path_factory):
+    """The tiny fp32 Qwen3 of ``tiny_ckpt`` with tied input / output embeddings."""
+    from zorro_verl.testing import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_tied")
+    model = tiny_model("qwen3", dtype=torch.float32, seed=1, tie_word_embeddings=True)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _ckpt(request, tied):
+    return request.getfixturevalue("tied_ckpt" if tied else "tiny_ckpt")
+
+
+def _build(ckpt, kind, original_forward, **kw):
+    """``kind``: ``plain`` (stock, no fused kernels), ``fused`` (stock, fused) or ``zorro`` (zorro, fused)."""
+    from tests.support.verl_engines import build_engine
+
+    if kind == "plain":
+        with _class_forward(original_forward):
+            return build_engine(ckpt, zorro=False, **kw)
+    return build_engine(ckpt, zorro=kind == "zorro", model_overrides=FUSED_MODEL, engine_overrides=FUSED_ENGINE,
+                        **kw)
+
+
+def _batch(fused=True, **kw):
+    from verl.utils import tensordict_utils as tu
+
+    from tests.support.verl_engines import make_engine_batch
+
+    td = make_engine_batch(**kw)
+    tu.assign_non_tensor(td, use_fused_kernels=fused)
+    return td
+
+
+def _infer(engine, td):
+    with engine.eval_mode():
+        return engine.infer_batch(td.clone(), loss_function=None)
+
+
+def _resp(out, td, key):
+    from tests.support.verl_engines import response_values
+
+    return response_values(out["model_output"][key], td)
+
+
+@pytest.fixture(scope="module")
+def engines(request, original_forward):
+    """``{tied: (plain stock, fused stock or None (untied), fused zorro)}``, built on first use."""
+    cache = {}
+
+    def get(tied):
+        if tied not in cache:
+            ckpt = _ckpt(request, tied)
+            kinds = ("plain", "fused", "zorro") if tied else ("plain", "zorro")
+            built = {k: _build(ckpt, k, original_forward) for k in kinds}
+            cache[tied] = (built["plain"], built.get("fused"), built["zorro"])
+        return cache[tied]
+
+    return get
+
+
+@pytest.mark.parametrize("dynamic, rmpad, temperature, entropy, tied", [
+    (False, True, 1.0, True, False),
+    (False, False, 0.7, True, False),
+    (True, True, 0.7, False, False),
+    (True, False, 1.3, True, False),
+    (False, True, 0.8, True, True),
+    (True, True, 1.2, True, True),
+])
+def test_infer_matches_stock(engines, original_forward, monkeypatch, dynamic, rmpad, temperature, entropy, tied):
+    from verl.utils.experimental import torch_functional
+
+    plain, fused, zorro = engines(tied)
+    td = _batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3, shuffle=True,
+                temperature=temperature, calculate_entropy=entropy, use_dynamic_bsz=dynamic, micro_batch_size=3,
+                max_token_len=40, use_remove_padding=rmpad)
+    with _class_forward(original_forward):
+        ref = _infer(plain, _batch(fused=False, batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3,
+                                   shuffle=True, temperature=temperature, calculate_entropy=entropy,
+                                   use_dynamic_bsz=dynamic, micro_batch_size=3, max_token_len=40,
+                                   use_remove_padding=rmpad))
+    refs = {"plain": ref}
+    if fused is not None:
+        refs["fused"] = _infer(fused, td)
+    rows, apply = [], torch_functional.FusedLinearForPPOFunction.apply
+
+    def spy(hidden, *args):  # verl's fused kernel, on the response-predicting rows only
+        rows.append(hidden.shape[0])
+        return apply(hidden, *args)
+
+    monkeypatch.setattr(torch_functional.FusedLinearForPPOFunction, "apply", spy)
+    b = _infer(zorro, td)
+    monkeypatch.undo()
+    mask = td["response_mask"].bool()
+    assert sum(rows) == int(mask.sum())
+    lp_b = _resp(b, td, "log_probs")
+    for name, a in refs.items():
+        lp_a = _resp(a, td, "log_probs")
+        assert mask.sum() > 20 and lp_a[mask].abs().max() > 1.0  # a real comparison, not zeros
+        assert (lp_a - lp_b)[mask].abs().max().item() <= ATOL, name
+        if entropy:
+            e_a, e_b = _resp(a, td, "entropy"), _resp(b, td, "entropy")
+            assert (e_a - e_b)[mask].abs().max().item() <= ATOL, name
+            assert b["model_output"]["entropy"].dtype == a["model_output"]["entropy"].dtype
+        else:
+            assert "entropy" not in b["model_output"]
+    m = b["metrics"]
+    assert m["zorro/fallback_batches"] == [0.0]  # zorro ran, no stock fallback
+    assert m["zorro/dedup_ratio"][0] > 1.0 and m["zorro/prompt_tokens_saved"][0] > 0
+    # the step left the root module's forward as it found it (verl's patched class forward)
+    assert "forward" not in zorro.module.__dict__
+
+
+def _loss_fn():
+    """verl's ppo_loss with an entropy bonus, so the entropy's gradient path is part of the comparison."""
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=8,
+                          use_dynamic_bsz=False, loss_agg_mode="token-mean", use_kl_loss=False, entropy_coeff=0.05)
+    return partial(ppo_loss, cfg)
+
+
+@pytest.mark.parametrize("dynamic, ckpt_grad, tied, logits_mode", [
+    (False, False, True, "none"),
+    (True, True, True, "none"),
+    (False, False, False, "none"),
+    (True, False, False, "memory"),  # the fused head replaces the logits mode, also in training steps
+])
+def test_train_step_matches_stock(request, original_forward, dynamic, ckpt_grad, tied, logits_mode):
+    from tests.support.verl_engines import engine_grads
+    from zorro_verl.testing import grad_rel_error
+
+    ckpt = _ckpt(request, tied)
+    kw = dict(batch_size=10, num_prompts=3, prompt_len=7, response_len=6, seed=11, shuffle=True, temperature=0.9,
+              calculate_entropy=True, use_dynamic_bsz=dynamic, micro_batch_size=2, max_token_len=40)
+    outs, grads = {}, {}
+    kinds = ("plain", "fused", "zorro") if tied else ("plain", "zorro")
+    for kind in kinds:
+        settings = {"zorro_settings": {"logits_optimization": logits_mode}} if kind == "zorro" else {}
+        eng = _build(ckpt, kind, original_forward, gradient_checkpointing=ckpt_grad, **settings)
+        ctx = _class_forward(original_forward) if kind == "plain" else nullcontext()
+        with ctx, eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+            outs[kind] = eng.train_batch(_batch(fused=kind != "plain", **kw), loss_function=_loss_fn())
+        grads[kind] = engine_grads(eng)
+    z = outs["zorro"]
+    assert z["metrics"]["zorro/fallback_batches"] == [0.0]
+    loss_z, gn_z = sum(z["loss"]), float(z["metrics"]["grad_norm"])
+    for ref in kinds[:-1]:
+        loss, gn = sum(outs[ref]["loss"]), float(outs[ref]["metrics"]["grad_norm"])
+        assert abs(loss) > 1e-4 and gn > 1e-4
+        assert abs(loss - loss_z) <= RTOL * abs(loss), ref
+        assert abs(gn - gn_z) <= RTOL * gn, ref
+        # every parameter's (clipped) gradient, relative to the largest gradient entry
+        assert grad_rel_error(grads[ref], grads["zorro"]) <= RTOL, ref
+
+
+def test_per_sample_temperature_refused_as_verl(request, original_forward, engines, caplog):
+    """verl's fused path asserts a float temperature; zorro refuses the batch the same way (raise, or warn and run
+    the stock forward, which then fails as verl does)."""
+    _, fused, zorro = engines(True)
+    td = _batch(batch_size=8, num_prompts=2, seed=4)
+    del td["temperature"]
+    td["temperature"] = torch.linspace(0.5, 1.5, 8)  # one temperature per row
+    with pytest.raises(AssertionError, match="per sample temperature"):
+        _infer(fused, td)
+    with pytest.raises(ValueError, match="temperature"):
+        _infer(zorro, td)
+    warn = _build(request.getfixturevalue("tiny_ckpt"), "zorro", original_forward,
+                  zorro_settings={"on_unsupported": "warn"})
+    with caplog.at_level(logging.WARNING), pytest.raises(AssertionError, match="per sample temperature"):
+        _infer(warn, td)
+    assert sum("temperature" in r.getMessage() and "fused" in r.getMessage() for r in caplog.records) == 1
+    # a uniform float temperature runs zorro again
+    assert _infer(warn, _batch(batch_size=8, num_prompts=2, seed=4))["metrics"]["zorro/fallback_batches"] == [0.0]
+
+
+def test_sum_pi_squared_refused_as_verl(engines):
+    from verl.utils import tensordict_utils as tu
+
+    _, fused, zorro = engines(True)
+    td = _batch(batch_size=6, num_prompts=2, seed=2)
+    tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
+    with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):
+        _infer(fused, td)
+    with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
+        _infer(zorro, td)
+
+
+def test_unpatched_model_raises(tiny_ckpt, original_forward):
+    """use_fused_kernels without a fused backend: verl does not patch the model, and zorro says so."""
+    from tests.support.verl_engines import build_engine
+
+    with _class_forward(original_forward):
+        eng = build_engine(tiny_ckpt, zorro=True, engine_overrides=FUSED_ENGINE,
+                           model_overrides={"use_fused_kernels": True})
+        with pytest.raises(ValueError, match="impl_backend"):
+            _infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))
+
+
+def test_stock_fused_fails_on_untied_head(tiny_ckpt, original_forward):
+    """verl 0.9.1 fact: its fused forward multiplies by ``lm_head.weight`` outside the head module, which FSDP2
+    shards as its own unit when untied; zorro's fused head runs inside the head module (tested above)."""
+    eng = _build(tiny_ckpt, "fused", original_forward)
+    with pytest.raises(RuntimeError, match="DTensor"):
+        _infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))

@@ -1,0 +1,49 @@
+"""Switching zorro on for an existing verl command line with `key=value` overrides only (no config file of ours):
+the exact lines the README shows, composed with verl 0.9.1's own `ppo_trainer` config."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")
+
+
+def readme_overrides() -> list[str]:
+    """The override lines of the README's "overrides only" block (between its markers)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"<!-- zorro-overrides -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "README.md lost its overrides-only block"
+    return [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
+
+
+def test_readme_overrides_build_the_zorro_engine_for_actor_and_ref():
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.settings import settings_of
+
+    overrides = readme_overrides()
+    assert len(overrides) == 4
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides + [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.fsdp_config)
+    for engine_config in (actor.engine, ref):
+        s = settings_of(engine_config)
+        assert s.enable and s.attention_backend == "auto" and s.group_balance
+        cls = EngineRegistry.get_engine_cls("language_model", engine_config.strategy)
+        assert getattr(cls, "zorro_engine", False), cls
+    # without the overrides, verl's own config builds a stock engine config
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        plain = compose(config_name="ppo_trainer", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                                              "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                                                              "data.train_batch_size=8"])
+    assert not settings_of(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).engine).enable

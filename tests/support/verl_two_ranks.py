@@ -1,0 +1,98 @@
+"""One rank of the 2-process verl 0.9 engine check (tests/integrations/verl/v09/test_two_ranks.py): FSDP2 over gloo
+with a ``file://`` rendezvous, the CPU platform, an untied ``lm_head`` (verl wraps it as its own FSDP2 unit).
+
+Run as ``python -m tests.support.verl_two_ranks RANK WORLD INIT_FILE CKPT OUT_JSON``. Each rank compares the zorro
+engine (``logits_chunk_size = 4``; modes ``memory`` and ``compute``) with the stock engine on its own shard (rank 0:
+8 rows of 2 prompts, rank 1: 12 rows of 3 prompts; dynamic batch size, which stock verl equalises across ranks), in
+inference (log-probs, entropy) and training (loss, grad norm, gradients), then checks that a batch unsupported on
+rank 0 only makes *both* ranks run the stock forward (``on_unsupported = warn``). Results go to ``OUT_JSON``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+__all__ = ["run_rank"]
+
+
+def _rank_batch(rank: int):
+    from tests.support.verl_engines import make_engine_batch
+
+    if rank == 0:
+        return make_engine_batch(batch_size=8, num_prompts=2, prompt_len=7, response_len=6, seed=31, shuffle=True,
+                                 temperature=0.8, use_dynamic_bsz=True, max_token_len=40, global_batch_size=20)
+    return make_engine_batch(batch_size=12, num_prompts=3, prompt_len=6, response_len=7, seed=32, shuffle=True,
+                             temperature=0.8, use_dynamic_bsz=True, max_token_len=40, global_batch_size=20)
+
+
+def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      VERL_ENGINE_DEVICE="cpu", OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from tests.support.verl_cpu_platform import use_cpu_platform
+
+    use_cpu_platform()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from verl.utils import tensordict_utils as tu
+
+    from tests.support.verl_engines import build_engine, engine_grads, ppo_loss_fn, response_values
+    from zorro_verl.testing import grad_rel_error
+
+    td = _rank_batch(rank)
+    mask = td["response_mask"].bool()
+
+    def run(engine):
+        with engine.eval_mode():
+            inf = engine.infer_batch(td.clone(), loss_function=None)
+        with engine.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+            tr = engine.train_batch(td.clone(), loss_function=ppo_loss_fn())
+        return inf, tr, engine_grads(engine)
+
+    common = dict(use_dynamic_bsz=True, max_token_len=40)
+    inf_s, tr_s, g_s = run(build_engine(ckpt, zorro=False, **common))
+    res = {"rank": rank, "rows": int(mask.shape[0])}
+    for mode in ("memory", "compute"):
+        eng = build_engine(ckpt, zorro=True, zorro_settings={"logits_optimization": mode, "on_unsupported": "warn"},
+                           **common)
+        head = eng.module.get_output_embeddings()
+        eng.logits_chunk_size = 4
+        consensus = None
+        if mode == "memory":
+            # a batch only rank 0 cannot run with zorro: both ranks must take the stock path (no hang)
+            bad = td.clone()
+            if rank == 0:
+                tu.assign_non_tensor(bad, calculate_sum_pi_squared=True)
+            with eng.eval_mode():
+                consensus = eng.infer_batch(bad, loss_function=None)
+        inf_z, tr_z, g_z = run(eng)
+        r = {"head_is_own_unit": head is not eng.module and type(head).__name__.startswith("FSDP"),
+             "micro_batches": len(eng.zorro_last_micro_batches),
+             "max_rows_per_micro_batch": max(int(mask[mb].sum()) for mb in eng.zorro_last_micro_batches.batches),
+             "fallback": inf_z["metrics"]["zorro/fallback_batches"] + tr_z["metrics"]["zorro/fallback_batches"]}
+        for key in ("log_probs", "entropy"):
+            d = response_values(inf_s["model_output"][key], td) - response_values(inf_z["model_output"][key], td)
+            r[f"{key}_max_abs"] = d[mask].abs().max().item()
+        r["loss"] = (sum(tr_s["loss"]), sum(tr_z["loss"]))
+        r["grad_norm"] = (float(tr_s["metrics"]["grad_norm"]), float(tr_z["metrics"]["grad_norm"]))
+        r["grad_rel"] = grad_rel_error(g_s, g_z)
+        if consensus is not None:
+            r["consensus_fallback"] = consensus["metrics"]["zorro/fallback_batches"]
+            d = response_values(inf_s["model_output"]["log_probs"], td) - response_values(
+                consensus["model_output"]["log_probs"], td)
+            r["consensus_log_probs_max_abs"] = d[mask].abs().max().item()
+        res[mode] = r
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+if __name__ == "__main__":
+    rank_, world_, init_file_, ckpt_, out_ = sys.argv[1:6]
+    result = run_rank(int(rank_), int(world_), init_file_, ckpt_)
+    with open(out_, "w") as f:
+        json.dump(result, f)

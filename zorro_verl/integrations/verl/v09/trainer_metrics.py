@@ -1,0 +1,175 @@
+"""zorro metrics of every engine pass in the step's metrics of verl's V1 trainer (docs/DESIGN.md §8).
+
+The engine reports ``zorro/*`` metrics with every call (:mod:`.engine`). verl's V1 trainer
+(``verl.trainer.ppo.v1.trainer_base.PPOTrainer``) logs those of the actor update (as ``actor/zorro/...``) but drops
+everything that ``compute_log_prob`` / ``compute_ref_log_prob`` return. :func:`install_v1_hook` wraps the trainer's
+``_compute_old_log_prob`` / ``_compute_ref_log_prob`` so that, for the duration of the call, the worker group's
+method hands its output to zorro as well; the pass's ``zorro/<key>`` values reach the step's metrics as
+``zorro/old_log_prob/<key>`` and ``zorro/ref/<key>``.
+
+Effective MFU: verl's MFU counts the FLOPs of the ordinary batch (every prompt once per rollout), which overstates
+the work a deduplicated pass does. ``zorro/effective_mfu/<pass>`` is verl's MFU scaled by the fraction of tokens
+actually computed, ``computed / (computed + prompt_tokens_saved)`` (a token-proportional estimate: exact for the
+linear layers, which dominate; attention FLOPs shrink somewhat more). ``<pass>``: ``actor`` (from
+``perf/mfu/actor``), ``old_log_prob`` and ``ref`` (from the pass's own ``mfu``, which verl computes and drops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from numbers import Number
+from typing import Any
+
+__all__ = ["install_v1_hook", "pass_metrics", "output_metrics", "effective_mfu"]
+
+logger = logging.getLogger(__name__)
+
+#: trainer method -> (metric prefix, worker-group methods whose output carries the pass's metrics)
+_PASSES = {
+    "_compute_old_log_prob": ("old_log_prob", (("actor_rollout_wg", "compute_log_prob"),)),
+    "_compute_ref_log_prob": ("ref", (("ref_policy_wg", "compute_ref_log_prob"), ("actor_rollout_wg",
+                                                                                   "compute_log_prob"))),
+}
+
+
+def _numbers(v: Any) -> list[float]:
+    """Flatten a metric value (number, tensor, verl ``Metric``, nested lists of these) to floats."""
+    if isinstance(v, bool):
+        return [float(v)]
+    if isinstance(v, Number):
+        return [float(v)]
+    if hasattr(v, "aggregate"):  # verl.utils.metric.Metric
+        return _numbers(v.aggregate())
+    if hasattr(v, "tolist"):  # tensors, numpy arrays and scalars
+        return _numbers(v.tolist())
+    if isinstance(v, (list, tuple)):
+        return [x for item in v for x in _numbers(item)]
+    return []
+
+
+def _reduce(key: str, vals: list[float]) -> float:
+    """verl's ``reduce_metrics`` rule: max for keys naming max, min for min, else the mean."""
+    if "max" in key:
+        return max(vals)
+    if "min" in key:
+        return min(vals)
+    return sum(vals) / len(vals)
+
+
+def output_metrics(output: Any) -> dict:
+    """The ``metrics`` a worker call returned: ``KVBatchMeta.extra_info`` (transfer-queue mode), a ``TensorDict``'s
+    non-tensor ``metrics`` or a ``DataProto``'s ``meta_info``; ``{}`` when there are none."""
+    if output is None:
+        return {}
+    extra = getattr(output, "extra_info", None)
+    if isinstance(extra, dict) and isinstance(extra.get("metrics"), dict):
+        return extra["metrics"]
+    meta = getattr(output, "meta_info", None)
+    if isinstance(meta, dict) and isinstance(meta.get("metrics"), dict):
+        return meta["metrics"]
+    from verl.utils import tensordict_utils as tu
+
+    if isinstance(output, tu.TensorDict) and "metrics" in output.keys():
+        m = tu.get(output, "metrics")
+        return m if isinstance(m, dict) else {}
+    return {}
+
+
+def effective_mfu(mfu: float, computed_tokens: float, prompt_tokens_saved: float) -> float:
+    """``mfu`` scaled by the computed fraction of the ordinary tokens, ``computed / (computed + saved)``."""
+    ordinary = computed_tokens + prompt_tokens_saved
+    return mfu * computed_tokens / ordinary if ordinary > 0 else mfu
+
+
+def pass_metrics(metrics: dict, name: str) -> dict:
+    """``zorro/<key>`` of one pass's worker metrics -> ``zorro/<name>/<key>`` (reduced like verl does), plus
+    ``zorro/effective_mfu/<name>`` when the pass reported ``mfu`` and zorro's token counts."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(k, str) and k.startswith("zorro/"):
+            vals = _numbers(v)
+            if vals:
+                out[f"zorro/{name}/{k[len('zorro/'):]}"] = _reduce(k, vals)
+    mfu = _numbers(metrics.get("mfu"))
+    computed = out.get(f"zorro/{name}/computed_tokens")
+    saved = out.get(f"zorro/{name}/prompt_tokens_saved")
+    if mfu and computed is not None and saved is not None:
+        out[f"zorro/effective_mfu/{name}"] = effective_mfu(sum(mfu) / len(mfu), computed, saved)
+    return out
+
+
+@contextlib.contextmanager
+def _capture(trainer, targets, sink: list):
+    """While active, the worker-group methods ``targets`` (``(attribute of trainer, method)``) append their output
+    to ``sink``; restored afterwards."""
+    restore = []
+    try:
+        for wg_attr, method in targets:
+            wg = getattr(trainer, wg_attr, None)
+            orig = getattr(wg, method, None) if wg is not None else None
+            if orig is None or getattr(orig, "_zorro_capture", False):
+                continue
+
+            def call(*args, _orig=orig, **kwargs):
+                out = _orig(*args, **kwargs)
+                sink.append(out)
+                return out
+
+            call._zorro_capture = True
+            had = method in vars(wg)
+            setattr(wg, method, call)
+            restore.append((wg, method, orig, had))
+        yield
+    finally:
+        for wg, method, orig, had in reversed(restore):
+            if had:
+                setattr(wg, method, orig)
+            else:
+                delattr(wg, method)
+
+
+def _wrap_pass(cls, attr: str, name: str, targets) -> None:
+    orig = getattr(cls, attr)
+    if getattr(orig, "_zorro_metrics_hook", False):
+        return
+
+    @functools.wraps(orig)
+    def wrapped(self, batch, metrics, *args, **kwargs):
+        outputs: list = []
+        with _capture(self, targets, outputs):
+            result = orig(self, batch, metrics, *args, **kwargs)
+        for out in outputs:
+            metrics.update(pass_metrics(output_metrics(out), name))
+        return result
+
+    wrapped._zorro_metrics_hook = True
+    setattr(cls, attr, wrapped)
+
+
+def _wrap_update_actor(cls) -> None:
+    orig = cls._update_actor
+    if getattr(orig, "_zorro_metrics_hook", False):
+        return
+
+    @functools.wraps(orig)
+    def _update_actor(self, batch, metrics, *args, **kwargs):
+        result = orig(self, batch, metrics, *args, **kwargs)
+        mfu, computed = metrics.get("perf/mfu/actor"), metrics.get("actor/zorro/computed_tokens")
+        saved = metrics.get("actor/zorro/prompt_tokens_saved")
+        if mfu is not None and computed is not None and saved is not None:
+            metrics["zorro/effective_mfu/actor"] = effective_mfu(float(mfu), float(computed), float(saved))
+        return result
+
+    _update_actor._zorro_metrics_hook = True
+    cls._update_actor = _update_actor
+
+
+def install_v1_hook(module) -> None:
+    """Post-import hook of ``verl.trainer.ppo.v1.trainer_base``: route the log-prob passes' zorro metrics and add
+    the effective MFU (idempotent)."""
+    cls = module.PPOTrainer
+    for attr, (name, targets) in _PASSES.items():
+        _wrap_pass(cls, attr, name, targets)
+    _wrap_update_actor(cls)
