@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GRPO on verl 0.7.x's legacy workers (ray_trainer + fsdp_workers) with zorro's deduplicated actor and ref forward.
 # Needs what any verl 0.7 GRPO run needs (GPUs, a rollout engine, a model, parquet data); zorro adds one package:
-#   pip install -e /path/to/zorro_verl --no-deps      (into verl 0.7's environment)
+#   pip install zorro-verl --no-deps      (into verl 0.7's environment; or pip install -e /path/to/checkout --no-deps)
 # Everything after the script name is passed on as Hydra overrides.
 set -euo pipefail
-CONFIGS="$(cd "$(dirname "$0")/../configs" && pwd)"
+CONFIGS="${ZORRO_CONFIGS:-pkg://zorro_verl.configs}"  # the presets ship inside the installed package
 N="${ROLLOUT_N:-8}"
 
 # Loads the plugin at `import verl` in every process (the preset's actor_rollout_ref.model.external_lib does the

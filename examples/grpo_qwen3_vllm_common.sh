@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO of a Qwen3 model with vLLM rollouts on a Ray cluster (verl 0.9.x main_ppo), shared by the zorro run and its
-# baseline twin. Both use configs/zorro_ppo_trainer.yaml; the baseline adds exactly one override
+# baseline twin. Both use the zorro_ppo_trainer preset (shipped in the package); the baseline adds exactly one override
 # (actor_rollout_ref.actor.fsdp_config.zorro.enable=false), which makes every engine method verl's stock one.
 #
 # Needs: a GPU node (or a Ray cluster: `ray start --head` + `ray start --address=...` on the others), verl==0.9.1 with
@@ -11,7 +11,9 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-CONFIGS="${ZORRO_CONFIGS:-$(cd "$HERE/../configs" && pwd)}"
+# The presets ship inside the installed package (works from a checkout's editable install too); ZORRO_CONFIGS can
+# point at another folder.
+CONFIGS="${ZORRO_CONFIGS:-pkg://zorro_verl.configs}"
 MODEL="${MODEL:-Qwen/Qwen3-1.7B}"
 DATA_DIR="${DATA_DIR:-$HOME/data/gsm8k}"
 NGPUS="${NGPUS:-8}"

@@ -27,6 +27,7 @@ LAYERS = [
     ("zorro_verl.demo", "entry"),
     ("zorro_verl.cli", "entry"),
     ("zorro_verl.doctor", "entry"),
+    ("zorro_verl.configs", "data"),
     ("zorro_verl", "root"),
 ]
 CORE = {"packing", "logprob", "attention", "recurrent"}
@@ -41,6 +42,7 @@ ALLOWED = {
     "api": (CORE | {"transformers", "api"}, {"torch"}),
     "verl": (CORE | {"transformers", "verl", "integrations"}, {"torch", "verl", "wrapt", "omegaconf"}),
     "root": ({"api", "packing", "root"}, set()),
+    "data": (set(), set()),  # the Hydra presets: package data, no code
     "testing": (None, None),  # may use anything
     "bench": (None, None),
     "entry": (None, None),

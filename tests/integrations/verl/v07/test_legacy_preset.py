@@ -9,7 +9,7 @@ import pytest
 
 from tests.support import REPO_ROOT
 
-CONFIGS = str(REPO_ROOT / "configs")
+CONFIGS = str(REPO_ROOT / "zorro_verl" / "configs")  # the package's presets
 
 
 def _compose(*overrides):

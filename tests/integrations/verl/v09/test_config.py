@@ -7,10 +7,11 @@ import sys
 import pytest
 
 from tests.support import REPO_ROOT
+from zorro_verl.integrations.verl.presets import preset_dir
 
 pytestmark = pytest.mark.usefixtures("verl_cpu")
 
-CONFIGS = str(REPO_ROOT / "configs")
+CONFIGS = preset_dir()  # the package's presets (configs/ in the checkout links to them)
 
 
 def _compose(overrides=()):
@@ -182,3 +183,16 @@ def test_other_strategies_refuse_zorro():
     cfg = ZorroFSDPEngineConfig(strategy="fsdp_turbo", zorro={"enable": True})
     with pytest.raises(RuntimeError, match="fsdp_turbo"):
         turbo(model_config=None, engine_config=cfg, optimizer_config=None, checkpoint_config=None)
+
+
+def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
+    """verl's own entry point, run from an unrelated folder, composes the preset from the installed package
+    (`--config-path=pkg://zorro_verl.configs`) — the README's launch line; `--cfg job` prints it and exits."""
+    from zorro_verl.integrations.verl.presets import PRESET_SEARCH_PATH
+
+    out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={PRESET_SEARCH_PATH}",
+                          "--config-name=zorro_ppo_trainer", "--cfg", "job", "actor_rollout_ref.rollout.n=6"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "_target_: zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig" in out.stdout
+    assert "external_lib: zorro_verl.integrations.verl.v09.plugin" in out.stdout

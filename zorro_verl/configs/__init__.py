@@ -1,0 +1,2 @@
+"""The Hydra presets of zorro_verl, shipped as package data: `--config-path=pkg://zorro_verl.configs`
+`--config-name=zorro_ppo_trainer` (verl >= 0.9) or `zorro_legacy` (verl 0.7). Documented in configs/README.md."""
