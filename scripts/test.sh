@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up .venv (see setup_env.sh), run pytest, then the verl 0.7.1
-# legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2).
+# legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2), the built wheel installed
+# with verl in a fresh environment (.venv-wheel, see test_wheel.sh), then the end-to-end GRPO
+# runs (verl main_ppo + the CPU build of vLLM, zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
@@ -11,3 +13,12 @@ echo "[test] main suite took $(( $(date +%s) - start )) s"
 start=$(date +%s)
 bash scripts/test_verl07.sh
 echo "[test] verl 0.7.1 suite took $(( $(date +%s) - start )) s"
+start=$(date +%s)
+bash scripts/test_wheel.sh
+echo "[test] wheel install check took $(( $(date +%s) - start )) s"
+start=$(date +%s)
+bash scripts/setup_e2e_env.sh
+echo "[test] e2e environment took $(( $(date +%s) - start )) s"
+start=$(date +%s)
+.venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
+echo "[test] e2e main_ppo runs took $(( $(date +%s) - start )) s"

@@ -1,0 +1,299 @@
+"""Launch verl's ``main_ppo`` as a subprocess (time limit, own Ray temp dir, peak memory, cleanup) and read its step
+metrics from the console logger. Used by tests/e2e/test_main_ppo.py and scripts/gpu_e2e.sh."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["RunResult", "base_overrides", "run_main_ppo", "parse_step_metrics", "read_rollouts", "expected_dedup",
+           "rel_diff", "format_table", "REPO_ROOT", "ENGINE_LINE"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank (\d+)")
+# a run that logs one of these never finishes on its own (e.g. a failed weight sync leaves the trainer waiting):
+# it is stopped FATAL_GRACE_S seconds later instead of at its time limit
+FATAL = re.compile(r"Worker failed with error|EngineDeadError|Error executing job")
+FATAL_GRACE_S = 20.0
+_STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
+
+
+@dataclass
+class RunResult:
+    name: str
+    returncode: int
+    seconds: float
+    peak_rss_gb: float
+    log_path: Path
+    rollout_dir: Path
+    steps: dict = field(default_factory=dict)  # step -> {metric: float}
+    engine_ranks: set = field(default_factory=set)
+    timed_out: bool = False
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, seed: int = 7,
+                   dtype: str = "fp32", lr: float = 2e-3) -> list[str]:
+    """GRPO on the tiny assets: all prompts in one batch (train_batch_size = number of prompts), ``n`` rollouts
+    each, reference model + low-var KL loss, entropy bonus, FSDP2 actor/ref in ``dtype``, vLLM rollouts with
+    rollout log-probs (for verl's rollout-vs-actor metrics), console logger, rollout dump in ``out_dir``."""
+    b = assets["num_prompts"]
+    mp = f"{{param_dtype:{dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
+    return [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={assets['train']}",
+        f"data.val_files={assets['train']}",
+        f"data.train_batch_size={b}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        "data.dataloader_num_workers=0",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.model.path={assets['model']}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={b}",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.calculate_entropy=True",
+        f"actor_rollout_ref.actor.data_loader_seed={seed}",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+        f"actor_rollout_ref.actor.fsdp_config.model_dtype={dtype}",
+        f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={mp}",
+        f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
+        "actor_rollout_ref.ref.fsdp_config.strategy=fsdp2",
+        f"actor_rollout_ref.ref.fsdp_config.model_dtype={dtype}",
+        f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={mp}",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.max_model_len=128",
+        "actor_rollout_ref.rollout.max_num_seqs=32",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=2048",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+        f"reward.custom_reward_function.path={assets['reward']}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=100",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console]",
+        "trainer.project_name=zorro_e2e",
+        f"trainer.experiment_name={out_dir.name}",
+        f"trainer.default_local_dir={out_dir / 'ckpt'}",
+        f"trainer.rollout_data_dir={out_dir / 'rollouts'}",
+    ]
+
+
+def micro_batch_overrides(*, dynamic: bool, micro: int = 4, max_tokens: int = 512) -> list[str]:
+    a = "actor_rollout_ref"
+    if dynamic:
+        return [f"{a}.actor.use_dynamic_bsz=True", f"{a}.actor.ppo_max_token_len_per_gpu={max_tokens}",
+                f"{a}.ref.log_prob_use_dynamic_bsz=True", f"{a}.ref.log_prob_max_token_len_per_gpu={max_tokens}",
+                f"{a}.rollout.log_prob_use_dynamic_bsz=True",
+                f"{a}.rollout.log_prob_max_token_len_per_gpu={max_tokens}"]
+    return [f"{a}.actor.use_dynamic_bsz=False", f"{a}.actor.ppo_micro_batch_size_per_gpu={micro}",
+            f"{a}.ref.log_prob_micro_batch_size_per_gpu={micro}",
+            f"{a}.rollout.log_prob_micro_batch_size_per_gpu={micro}"]
+
+
+_WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")  # np.float64(0.5), tensor(0.5) (the V0 trainer logs numpy scalars)
+
+
+def _num(v: str):
+    v = v.strip()
+    m = _WRAPPED.match(v)
+    if m:
+        v = m.group(1).split(",")[0].strip()
+    try:
+        return float(v)
+    except ValueError:
+        pass
+    try:
+        x = ast.literal_eval(v)
+        return float(x) if isinstance(x, (int, float)) else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def parse_step_metrics(text: str) -> dict:
+    """``{step: {metric: value}}`` from verl's console logger lines (``step:N - key:value - ...``)."""
+    steps: dict[int, dict] = {}
+    for line in text.splitlines():
+        m = _STEP_LINE.search(line)
+        if not m:
+            continue
+        vals = {}
+        for part in m.group(2).split(" - "):
+            if ":" not in part:
+                continue
+            k, v = part.rsplit(":", 1)
+            x = _num(v)
+            if x is not None:
+                vals[k.strip()] = x
+        if vals:
+            steps.setdefault(int(m.group(1)), {}).update(vals)
+    return steps
+
+
+def read_rollouts(rollout_dir: Path, step: int) -> list[dict]:
+    """verl's rollout dump of ``step`` (JSONL: input, output, gts, score, uid), sorted by (input, output)."""
+    f = Path(rollout_dir) / f"{step}.jsonl"
+    rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    return sorted(rows, key=lambda r: (r.get("input", ""), r.get("output", ""), r.get("score", 0)))
+
+
+def expected_dedup(metrics: dict, n: int) -> float:
+    """dedup ratio ordinary tokens / deduplicated tokens of a batch whose prompts each have ``n`` rollouts and whose
+    groups stay whole in a micro-batch: ``(P + R) / (P / n + R)`` with ``P``, ``R`` the batch's mean prompt and
+    response lengths (verl's ``prompt_length/mean``, ``response_length/mean``)."""
+    p, r = metrics["prompt_length/mean"], metrics["response_length/mean"]
+    return (p + r) / (p / n + r)
+
+
+def rel_diff(a: float, b: float, floor: float = 1e-6) -> float:
+    """|a - b| / max(|a|, |b|, floor): relative, with an absolute floor for values that are ~0 by construction
+    (step-1 KL of an actor equal to its reference)."""
+    return abs(a - b) / max(abs(a), abs(b), floor)
+
+
+def _tree_rss(proc) -> int:
+    import psutil
+
+    total = 0
+    try:
+        procs = [proc] + proc.children(recursive=True)
+    except psutil.Error:
+        return 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _shm_entries() -> set:
+    try:
+        return {e for e in os.listdir("/dev/shm") if e.startswith(("psm_", "verl_weights_"))}
+    except OSError:
+        return set()
+
+
+def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, python: str = sys.executable,
+                 config_path: Path | None = None, config_name: str = "zorro_ppo_trainer",
+                 timeout_s: int = 420) -> RunResult:
+    """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` (time limit ``timeout_s``), in its own process
+    group and Ray temp dir; afterwards kill what is left of the group, remove the Ray temp dir and the vLLM
+    ``/dev/shm/psm_*`` segments that appeared during the run. Log in ``work/<name>.log``."""
+    import psutil
+
+    config_path = config_path or (REPO_ROOT / "configs")
+    out_dir = Path(work) / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(work) / f"{name}.log"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="zr", dir="/tmp"))  # short: Ray's socket paths are length-limited
+    cmd = [python, "-m", "verl.trainer.main_ppo", f"--config-path={config_path}", f"--config-name={config_name}",
+           *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_tmp}"]
+    full_env = {**os.environ, **env, "RAY_TMPDIR": str(ray_tmp)}
+    shm_before = _shm_entries()
+    peak = 0
+    t0 = time.time()
+    timed_out = False
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(out_dir),
+                                start_new_session=True)
+        ps = psutil.Process(proc.pid)
+        stop = threading.Event()
+
+        fatal_at = None
+
+        def sample():
+            nonlocal peak, fatal_at
+            pos = 0
+            while not stop.is_set():
+                peak = max(peak, _tree_rss(ps))
+                with open(log_path, errors="replace") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+                if fatal_at is None and FATAL.search(chunk):
+                    fatal_at = time.time()
+                if fatal_at is not None and time.time() - fatal_at > FATAL_GRACE_S:
+                    _kill_group(proc.pid)
+                    return
+                stop.wait(0.5)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = 124
+        finally:
+            stop.set()
+            th.join()
+            _kill_group(proc.pid)
+            if proc.poll() is None:
+                proc.wait(timeout=30)
+    seconds = time.time() - t0
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    for e in _shm_entries() - shm_before:
+        try:
+            os.unlink(os.path.join("/dev/shm", e))
+        except OSError:
+            pass
+    text = log_path.read_text(errors="replace")
+    return RunResult(name=name, returncode=rc, seconds=seconds, peak_rss_gb=peak / 2**30, log_path=log_path,
+                     rollout_dir=out_dir / "rollouts", steps=parse_step_metrics(text),
+                     engine_ranks={int(m) for m in ENGINE_LINE.findall(text)}, timed_out=timed_out)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGTERM, then SIGKILL, the run's process group (Ray's gcs/raylet/workers started by the driver)."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def format_table(rows: list[tuple], header: tuple) -> str:
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in cells]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""Run-time setup for verl's whole ``main_ppo`` loop on a CPU-only host with the CPU build of vLLM (tests/e2e only;
+it never ships with the package).
+
+Every process of such a run (the ``main_ppo`` driver, Ray's trainer, worker, TransferQueue, agent-loop, reward and
+vLLM-server actors) imports :mod:`tests.support.verl_cpu_e2e_plugin` at ``import verl``, because :func:`e2e_env`
+names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, which:
+
+* registers verl platform ``cpu`` (the device module of :mod:`tests.support.verl_cpu_platform`) with Ray resource
+  name ``"GPU"``: verl places its workers and the rollout server on Ray's ``GPU`` resource (Ray refuses a request
+  for ``"CPU"`` by that route), so the run starts Ray with *logical* GPUs (``+ray_kwargs.ray_init.num_gpus=N``);
+  IPC is reported unsupported, so verl syncs weights to vLLM through its shared-memory bucket path;
+* makes a process group requested as ``cpu:gloo,cpu:gloo`` (verl's ``"cpu:gloo,<device>:<backend>"`` with device
+  ``cpu``) plain ``gloo`` (torch refuses a device type listed twice);
+* turns off ``pin_memory`` in FSDP2's ``CPUOffloadPolicy`` (verl builds the reference model with
+  ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator);
+* lets the vLLM side of the shared-memory weight sync release its segment although tensors may still view it: on
+  CPU, ``tensor.to("cpu")`` returns the view itself, so a view can outlive the bucket and ``SharedMemory.close()``
+  raises ``BufferError`` ("cannot close exported pointers exist"); after a garbage collection the mapping is left
+  to the process's exit instead (the sender unlinks the segment);
+* keeps vLLM's CPU linear layers on ``torch.nn.functional.linear`` over their own weights: vLLM's CPU GEMM dispatch
+  (oneDNN) repacks each weight after loading and replaces the layer's parameter by an empty one without a
+  ``weight_loader``, so the trainer's weight sync into the running server fails with ``AttributeError``.
+
+:func:`install_seeded_rollout` (also installed by :func:`install`; on its own for GPU runs through
+:mod:`tests.support.verl_seeded_rollout_plugin`) makes rollouts reproducible across runs: each vLLM request gets a
+seed derived from its prompt tokens and how many requests with that prompt the server has seen (vLLM's shared
+sampler RNG otherwise depends on how requests happen to be batched). Siblings of a group get different seeds, and
+two runs with the same weights produce the same set of responses per prompt.
+
+The rest of the CPU setup is configuration, see :func:`cpu_overrides`. Refused when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["install", "install_seeded_rollout", "e2e_env", "cpu_overrides", "REPO_ROOT"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_installed = False
+
+
+def _platform_class():
+    from tests.support.verl_cpu_platform import _platform_class as base_class
+
+    base = base_class()
+
+    class PlatformCPUE2E(base):
+        """The CPU test platform, placed on Ray's logical ``GPU`` resource."""
+
+        def ray_resource_name(self) -> str:
+            return "GPU"
+
+    return PlatformCPUE2E
+
+
+def _patch_process_group() -> None:
+    import torch.distributed as dist
+
+    if getattr(dist.init_process_group, "_zorro_e2e", False):
+        return
+    orig = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        backend = kwargs.get("backend")
+        if isinstance(backend, str) and backend.replace(" ", "") == "cpu:gloo,cpu:gloo":
+            kwargs["backend"] = "gloo"
+        return orig(*args, **kwargs)
+
+    init_process_group._zorro_e2e = True
+    dist.init_process_group = init_process_group
+
+
+def _patch_offload_policy() -> None:
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:  # old torch: verl does not use FSDP2 there
+        return
+    if getattr(CPUOffloadPolicy.__init__, "_zorro_e2e", False):
+        return
+    orig = CPUOffloadPolicy.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self.pin_memory = False  # pinned host memory needs an accelerator
+
+    __init__._zorro_e2e = True
+    CPUOffloadPolicy.__init__ = __init__
+
+
+class _PostImportHook:
+    """Runs ``fn(module)`` right after the module ``name`` is first imported (a ``sys.meta_path`` finder)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.util
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, fn = spec.loader, self.fn
+        orig_exec = loader.exec_module
+
+        def exec_module(module):
+            orig_exec(module)
+            fn(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name: str, fn) -> None:
+    import sys
+
+    if name in sys.modules:
+        fn(sys.modules[name])
+    elif not any(isinstance(f, _PostImportHook) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(name, fn))
+
+
+def _patch_weight_receiver(module) -> None:
+    orig = getattr(module, "rebuild_shared_memory", None)
+    if orig is None or getattr(orig, "_zorro_e2e", False):
+        return
+    from multiprocessing import shared_memory
+
+    class _SharedMemory(shared_memory.SharedMemory):
+        def close(self):
+            try:
+                super().close()
+            except BufferError:
+                import gc
+
+                gc.collect()
+                try:
+                    super().close()
+                except BufferError:
+                    pass  # a view is still alive: the mapping goes with the process (the sender unlinks it)
+
+    def rebuild_shared_memory(*args, **kwargs):
+        tensor, shm = orig(*args, **kwargs)
+        shm.__class__ = _SharedMemory
+        return tensor, shm
+
+    rebuild_shared_memory._zorro_e2e = True
+    module.rebuild_shared_memory = rebuild_shared_memory
+
+
+def _patch_vllm_cpu_gemm(module) -> None:
+    orig = getattr(module, "dispatch_cpu_unquantized_gemm", None)
+    if orig is None or getattr(orig, "_zorro_e2e", False):
+        return
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        if getattr(layer.weight, "ndim", 2) != 2 or layer.weight.is_meta:
+            return orig(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear  # keep the weight (and its weight_loader) for weight syncs
+
+    dispatch_cpu_unquantized_gemm._zorro_e2e = True
+    module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
+def _patch_vllm_server(module) -> None:
+    cls = getattr(module, "vLLMHttpServer", None)
+    if cls is None or getattr(cls.generate, "_zorro_e2e", False):
+        return
+    import functools
+    import zlib
+
+    orig = cls.generate
+
+    @functools.wraps(orig)
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        seen = self.__dict__.setdefault("_zorro_seen", {})
+        ids = [int(t) for t in prompt_ids]
+        key = zlib.crc32(",".join(map(str, ids)).encode())
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        sampling_params = dict(sampling_params)
+        sampling_params.setdefault("seed", (int(self.config.seed) * 1_000_003 + key + 7919 * k) % (2**31 - 1))
+        return await orig(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+
+    generate._zorro_e2e = True
+    cls.generate = generate
+
+
+def install_seeded_rollout() -> None:
+    """Per-request vLLM seeds from (prompt tokens, occurrence count): reproducible rollouts across runs."""
+    _after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _patch_vllm_server)
+
+
+def install() -> None:
+    """Register and select the CPU platform, patch the process group and offload policy (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("zorro e2e CPU setup: CUDA is available on this host; refusing to run verl on the CPU.")
+    from verl.plugin.platform import PlatformRegistry, set_platform
+
+    cls = PlatformRegistry.get("cpu")
+    if cls is None or cls.__name__ != "PlatformCPUE2E":
+        cls = PlatformRegistry.register(platform="cpu")(_platform_class())
+    set_platform(cls())
+    _patch_process_group()
+    _patch_offload_policy()
+    _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
+    _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)
+    install_seeded_rollout()
+    _installed = True
+
+
+def e2e_env(n_threads: int = 1) -> dict:
+    """Environment of a ``main_ppo`` subprocess (inherited by its Ray cluster): this repository first on the path (so
+    ``tests`` is this repository's package, not the one verl's wheel installs), the plugin loaded at ``import verl``,
+    the CPU engine key, and vLLM's CPU settings (1 GiB KV cache, no thread binding)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + path if path else ""),
+        "VERL_USE_EXTERNAL_MODULES": "tests.support.verl_cpu_e2e_plugin",
+        "VERL_ENGINE_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(n_threads),
+        "MKL_NUM_THREADS": str(n_threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def cpu_overrides(n_workers: int) -> list[str]:
+    """Hydra overrides that make ``main_ppo`` run on the CPU: Ray with ``n_workers`` logical GPUs (and logical CPUs
+    enough for placement groups and TransferQueue actors), non-flash attention, vLLM without sleep mode and CUDA
+    graphs, a small shared-memory weight-sync bucket (the default makes a 2 GB ``/dev/shm`` segment), one
+    TransferQueue storage unit (the default eight hang a small Ray cluster)."""
+    return [
+        "trainer.device=cpu",
+        f"trainer.n_gpus_per_node={n_workers}",
+        "trainer.nnodes=1",
+        f"+ray_kwargs.ray_init.num_gpus={n_workers}",
+        "ray_kwargs.ray_init.num_cpus=16",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.free_cache_engine=False",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+
