@@ -52,3 +52,13 @@ def test_config_checks_in_process():
     s, detail = status(["actor_rollout_ref.actor.strategy=megatron"], "zorro (actor)")
     assert s == "FAIL" and "strategy 'megatron'" in detail
     assert status(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"], "zorro (actor)")[0] == "note"
+    s, detail = status(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "zorro (actor)")
+    assert s == "FAIL" and "Ulysses" in detail
+    s, detail = status(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                        "actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=warn"], "zorro (ref)")
+    assert s == "note" and "zorro/fallback_batches" in detail
+    norm = ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]
+    s, detail = status(norm, "zorro (actor)")  # the V1 trainer's nested response mask: refused, the fix named
+    assert s == "FAIL" and "loss_scale_factor" in detail
+    assert status(norm + ["actor_rollout_ref.actor.loss_scale_factor=64"], "zorro (actor)")[0] == "ok"
+    assert status(norm + ["trainer.use_v1=false"], "zorro (actor)")[0] == "ok"  # padded [B, R] mask: equal

@@ -11,6 +11,7 @@ Each line is ``ok`` (fine), ``note`` (works, but slower or unusual) or ``FAIL`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata as md
 import importlib.util
 import os
@@ -138,8 +139,10 @@ def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
     """Compose the zorro preset with ``overrides`` and validate what zorro checks at start."""
     from hydra import compose, initialize_config_dir
 
+    from zorro_verl.integrations.verl.common import setup_unsupported
     from zorro_verl.integrations.verl.presets import preset_dir
     from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
+    from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 
     try:
         with initialize_config_dir(config_dir=preset_dir(), version_base=None):
@@ -157,19 +160,35 @@ def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
         if not s.enable:
             out.append(Check(f"zorro ({role})", "note", "disabled (enable=false): verl's stock engine runs"))
             continue
-        problems = []
+        problems, notes = [], []
         try:
             backend = resolve_attention_backend(s.attention_backend, device.type)
         except ValueError as e:
             problems.append(str(e))
             backend = "?"
-        strategy = cfg.actor_rollout_ref[role].get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
+        node = cfg.actor_rollout_ref[role]
+        strategy = node.get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
         if strategy not in ("fsdp", "fsdp2"):
             problems.append(f"strategy {strategy!r}: the zorro engine supports fsdp / fsdp2")
+        reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1),
+                                   int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0))
+        if role == "actor" and reason is None:  # the actor's loss settings (the ref runs no loss)
+            padded = {"response_mask": torch.zeros(1, 1)}  # the V0 trainer's [B, R] response mask
+            reason = loss_unsupported(functools.partial(_no_loss, config=node),
+                                      None if cfg.trainer.get("use_v1", True) else padded)
+        if reason is not None:
+            (problems if s.on_unsupported == "raise" else notes).append(
+                f"{reason}" + ("" if s.on_unsupported == "raise" else " (on_unsupported=warn: the stock forward runs, "
+                                                                      "counted in zorro/fallback_batches)"))
         detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
                   f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
-        out.append(Check(f"zorro ({role})", "FAIL" if problems else "ok", "; ".join(problems) or detail))
+        status = "FAIL" if problems else "note" if notes else "ok"
+        out.append(Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail))
     return out
+
+
+def _no_loss(*args, config=None, **kwargs):
+    """Stands for verl's loss function: the loss check reads only the config bound to it."""
 
 
 def run_checks(overrides: list[str], device: torch.device, *, check_plugin: bool = True) -> list[Check]:
@@ -190,7 +209,8 @@ def format_report(checks: list[Check]) -> str:
     lines = [f"{c.name:<{w}}  {c.status:<4}  {c.detail}" for c in checks]
     fails = [c for c in checks if c.status == "FAIL"]
     lines.append("")
-    lines.append(f"result: {len(fails)} problem(s): a zorro-enabled run would fail at start" if fails
+    lines.append(f"result: {len(fails)} problem(s): a zorro-enabled run would stop (at start or at its first step)"
+                 if fails
                  else "result: ready (no problem a zorro-enabled run would stop at)")
     return "\n".join(lines)
 

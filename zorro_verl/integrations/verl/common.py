@@ -9,7 +9,7 @@ from typing import Optional
 from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.logprob import DEFAULT_CHUNK
 
-__all__ = ["ZorroActorMixin", "report_unsupported", "dedup_metrics", "METRIC_KEYS"]
+__all__ = ["ZorroActorMixin", "report_unsupported", "dedup_metrics", "setup_unsupported", "METRIC_KEYS"]
 
 #: The metrics every zorro actor reports (each step; lists of per-call values in verl 0.9).
 METRIC_KEYS = ("zorro/dedup_ratio", "zorro/prompt_tokens_saved", "zorro/split_groups", "zorro/fallback_batches")
@@ -24,6 +24,19 @@ def dedup_metrics(ordinary_tokens: int, dedup_tokens: int, split_groups: int, fa
         "zorro/split_groups": float(split_groups),
         "zorro/fallback_batches": float(fallback_batches),
     }
+
+
+def setup_unsupported(ulysses_sp: int = 1, lora_rank: int = 0, hf_config=None) -> Optional[str]:
+    """Why a run with these settings cannot use zorro's deduplicated forward (both verl generations; also read by
+    ``zorro-verl doctor`` from a composed config), or None: Ulysses sequence parallelism, LoRA, vision-language
+    models."""
+    if ulysses_sp > 1:
+        return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
+    if lora_rank > 0:
+        return "LoRA (lora_rank > 0) is not verified with zorro"
+    if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
+        return "vision-language models (3-D position ids / multimodal inputs)"
+    return None
 
 
 def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log: logging.Logger) -> None:

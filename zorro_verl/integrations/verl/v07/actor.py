@@ -58,7 +58,7 @@ from verl.utils.device import get_device_id
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
-from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics
+from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.v07.config import legacy_settings_of
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, restore_permutation
@@ -133,8 +133,10 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self) -> Optional[str]:
-        if self.ulysses_sequence_parallel_size > 1:
-            return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
+        reason = setup_unsupported(self.ulysses_sequence_parallel_size,
+                                   hf_config=getattr(self.actor_module, "config", None))
+        if reason is not None:
+            return reason
         if self.use_fused_kernels:
             return "fused kernels (set actor_rollout_ref.model.use_fused_kernels=false)"
         if self.use_prefix_grouper:
@@ -143,9 +145,6 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
             return "calculate_sum_pi_squared=True"
         if self.zorro.logits_optimization == "memory":
             return "logits_optimization=memory in the legacy actor (use none or compute)"
-        cfg = getattr(self.actor_module, "config", None)
-        if cfg is not None and getattr(cfg, "vision_config", None) is not None:
-            return "vision-language models (3-D position ids / multimodal inputs)"
         return None
 
     @staticmethod

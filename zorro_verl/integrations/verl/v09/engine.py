@@ -31,7 +31,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
-from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics
+from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.losses import loss_unsupported
@@ -118,14 +118,9 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self):
-        if self.engine_config.ulysses_sequence_parallel_size > 1:
-            return "Ulysses sequence parallel > 1 (set ulysses_sequence_parallel_size=1)"
-        if getattr(self.model_config, "lora_rank", 0) > 0:
-            return "LoRA (lora_rank > 0) is not verified with zorro"
-        hf = getattr(self.model_config, "hf_config", None)
-        if hf is not None and getattr(hf, "vision_config", None) is not None:
-            return "vision-language models (3-D position ids / multimodal inputs)"
-        return None
+        mc = self.model_config
+        return setup_unsupported(self.engine_config.ulysses_sequence_parallel_size, getattr(mc, "lora_rank", 0),
+                                 getattr(mc, "hf_config", None))
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
