@@ -4,6 +4,7 @@
 # Usage: bash scripts/test_verl07.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/new_torch_venv.sh
 VENV="${VENV_VERL07:-.venv-verl07}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.zorro-verl07-ready"
@@ -16,21 +17,7 @@ DEPS=("numpy<2" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers==${TRANSFORME
 
 if [[ ! -f "$STAMP" ]]; then
   start=$(date +%s)
-  python3.11 -m venv "$VENV"
-  # torch first (the CPU wheel on local disk): anything depending on torch must not pull a CUDA build. Unpacking
-  # it takes minutes on CI; when the main environment holds the same build, hard-link it instead (same files, no
-  # copy; pip then only adds torch's small dependencies).
-  SP="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  MAIN_SP="${MAIN_VENV:-.venv}/lib/python3.11/site-packages"
-  if [[ -d "$MAIN_SP/torch-2.13.0+cpu.dist-info" ]]; then
-    for d in torch torchgen functorch torch-2.13.0+cpu.dist-info; do
-      if [[ -e "$MAIN_SP/$d" ]] && ! cp -al "$MAIN_SP/$d" "$SP/" 2>/dev/null; then
-        rm -rf "$SP"/torch "$SP"/torchgen "$SP"/functorch "$SP"/torch-2.13.0+cpu.dist-info  # other filesystem
-        break
-      fi
-    done
-  fi
-  "$PY" -m pip install -q --no-compile torch==2.13.0
+  new_torch_venv "$VENV" "${MAIN_VENV:-.venv}"  # torch first: nothing below may pull a CUDA build
   "$PY" -m pip install -q --no-compile --no-deps verl==0.7.1
   constraints="$(mktemp)"
   printf 'torch==2.13.0\nnumpy<2\n' > "$constraints"

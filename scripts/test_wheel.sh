@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
+source scripts/new_torch_venv.sh
 VENV="${WHEEL_VENV:-$ROOT/.venv-wheel}"
 PY="$VENV/bin/python"
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
@@ -19,24 +20,13 @@ trap 'rm -rf "$DIST"' EXIT
 echo "[wheel] building the wheel"
 "$ROOT/.venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$DIST" "$ROOT"
 WHEEL="$(ls "$DIST"/zorro_verl-*.whl)"
-unzip -l "$WHEEL" | grep -q "zorro_verl/configs/zorro_ppo_trainer.yaml" \
+"$ROOT/.venv/bin/python" -c 'import sys, zipfile; sys.exit("zorro_verl/configs/zorro_ppo_trainer.yaml" not in
+zipfile.ZipFile(sys.argv[1]).namelist())' "$WHEEL" \
   || { echo "[wheel] FAIL: the wheel does not carry the presets (zorro_verl/configs/*.yaml)"; exit 1; }
 
 if [[ ! -x "$PY" ]]; then
   echo "[wheel] creating $VENV"
-  python3.11 -m venv "$VENV"
-  # torch first (the CPU wheel on local disk); hard-link the main environment's copy when it has the same build
-  SP="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  MAIN_SP="$ROOT/.venv/lib/python3.11/site-packages"
-  if [[ -d "$MAIN_SP/torch-2.13.0+cpu.dist-info" ]]; then
-    for d in torch torchgen functorch torch-2.13.0+cpu.dist-info; do
-      if [[ -e "$MAIN_SP/$d" ]] && ! cp -al "$MAIN_SP/$d" "$SP/" 2>/dev/null; then
-        rm -rf "$SP"/torch "$SP"/torchgen "$SP"/functorch "$SP"/torch-2.13.0+cpu.dist-info
-        break
-      fi
-    done
-  fi
-  "$PY" -m pip install -q --no-compile "torch==2.13.0"
+  new_torch_venv "$VENV" "$ROOT/.venv"  # torch first: nothing below may pull a CUDA build
 fi
 echo "[wheel] installing $(basename "$WHEEL")[verl]"
 "$PY" -m pip install -q --no-compile --force-reinstall --no-deps "$WHEEL"

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "response_values", "engine_grads", "rank_batches",
-           "ray_engine_worker_class"]
+__all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "infer", "output_values", "response_values",
+           "engine_grads", "rank_batches", "ray_engine_worker_class"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
@@ -93,6 +93,17 @@ def ppo_loss_fn(loss_agg_mode: str = "token-mean", *, use_kl_loss: bool = False,
                           kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
                           loss_scale_factor=loss_scale_factor, policy_loss=PolicyLossConfig(**(policy_loss or {})))
     return partial(ppo_loss, config=cfg)
+
+
+def infer(engine, td):
+    """The engine's inference pass (old log-prob / ref) on a copy of ``td``."""
+    with engine.eval_mode():
+        return engine.infer_batch(td.clone(), loss_function=None)
+
+
+def output_values(out, td, key: str) -> torch.Tensor:
+    """``[B, Rmax]`` values of ``out["model_output"][key]`` (zeros on pads)."""
+    return response_values(out["model_output"][key], td)
 
 
 def response_values(nested: torch.Tensor, td) -> torch.Tensor:

@@ -8,21 +8,12 @@ import logging
 import pytest
 import torch
 
+from tests.support.verl_engines import infer, output_values
+
 pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
 
 ATOL = 1e-5
 RTOL = 1e-5
-
-
-def _infer(engine, td):
-    with engine.eval_mode():
-        return engine.infer_batch(td.clone(), loss_function=None)
-
-
-def _resp(out, td, key):
-    from tests.support.verl_engines import response_values
-
-    return response_values(out["model_output"][key], td)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +38,13 @@ def test_infer_matches_stock(engines, dynamic, rmpad, temperature, entropy):
     td = make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3, shuffle=True,
                            temperature=temperature, calculate_entropy=entropy, use_dynamic_bsz=dynamic,
                            micro_batch_size=3, max_token_len=40, use_remove_padding=rmpad)
-    a, b = _infer(stock, td), _infer(zorro, td)
+    a, b = infer(stock, td), infer(zorro, td)
     mask = td["response_mask"].bool()
-    lp_a, lp_b = _resp(a, td, "log_probs"), _resp(b, td, "log_probs")
+    lp_a, lp_b = output_values(a, td, "log_probs"), output_values(b, td, "log_probs")
     assert mask.sum() > 20 and lp_a[mask].abs().max() > 1.0  # a real comparison, not zeros
     assert (lp_a - lp_b)[mask].abs().max().item() <= ATOL
     if entropy:
-        ea, eb = _resp(a, td, "entropy"), _resp(b, td, "entropy")
+        ea, eb = output_values(a, td, "entropy"), output_values(b, td, "entropy")
         assert (ea - eb)[mask].abs().max().item() <= ATOL
     else:
         assert "entropy" not in b["model_output"]
@@ -121,26 +112,26 @@ def test_unsupported_raise_and_warn(verl_cpu, tiny_ckpt, engines, caplog):
     td = make_engine_batch(batch_size=6, num_prompts=2, seed=2)
     tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
     with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
-        _infer(zorro, td)
+        infer(zorro, td)
     warn = build_engine(tiny_ckpt, zorro=True, zorro_settings={"on_unsupported": "warn"})
     with caplog.at_level(logging.WARNING):
-        out1 = _infer(warn, td)
-        out2 = _infer(warn, td)
+        out1 = infer(warn, td)
+        out2 = infer(warn, td)
     assert sum("calculate_sum_pi_squared" in r.getMessage() for r in caplog.records) == 1  # warned once
     assert out1["metrics"]["zorro/fallback_batches"] == [1.0] and out2["metrics"]["zorro/fallback_batches"] == [1.0]
-    ref = _infer(stock, td)
+    ref = infer(stock, td)
     mask = td["response_mask"].bool()
-    assert (_resp(ref, td, "log_probs") - _resp(out1, td, "log_probs"))[mask].abs().max().item() <= ATOL
+    assert (output_values(ref, td, "log_probs") - output_values(out1, td, "log_probs"))[mask].abs().max().item() <= ATOL
     # after the fallback the engine is back on zorro attention
     td2 = make_engine_batch(batch_size=6, num_prompts=2, seed=2)
-    assert _infer(warn, td2)["metrics"]["zorro/fallback_batches"] == [0.0]
+    assert infer(warn, td2)["metrics"]["zorro/fallback_batches"] == [0.0]
 
 
 def test_disabled_engine_is_stock(verl_cpu, tiny_ckpt):
     from tests.support.verl_engines import build_engine, make_engine_batch
 
     eng = build_engine(tiny_ckpt, zorro=True, zorro_settings={"enable": False})
-    out = _infer(eng, make_engine_batch(batch_size=4, num_prompts=2))
+    out = infer(eng, make_engine_batch(batch_size=4, num_prompts=2))
     assert not any(k.startswith("zorro/") for k in out["metrics"])
     assert eng.module.config._attn_implementation == "sdpa"
 
@@ -159,10 +150,10 @@ def test_per_sample_temperature(engines):
     td = make_engine_batch(batch_size=8, num_prompts=3, seed=9, micro_batch_size=2)
     del td["temperature"]
     td["temperature"] = torch.linspace(0.5, 1.5, 8)  # one temperature per row
-    a, b = _infer(stock, td), _infer(zorro, td)
+    a, b = infer(stock, td), infer(zorro, td)
     mask = td["response_mask"].bool()
     for key in ("log_probs", "entropy"):
-        assert (_resp(a, td, key) - _resp(b, td, key))[mask].abs().max().item() <= ATOL
+        assert (output_values(a, td, key) - output_values(b, td, key))[mask].abs().max().item() <= ATOL
 
 
 def test_empty_multimodal_field_is_text_only(engines):
@@ -174,10 +165,10 @@ def test_empty_multimodal_field_is_text_only(engines):
     _, zorro = engines
     td = make_engine_batch(batch_size=4, num_prompts=2, seed=4)
     tu.assign_non_tensor_stack(td, "multi_modal_inputs", [{} for _ in range(4)])
-    assert _infer(zorro, td)["metrics"]["zorro/fallback_batches"] == [0.0]
+    assert infer(zorro, td)["metrics"]["zorro/fallback_batches"] == [0.0]
     tu.assign_non_tensor_stack(td, "multi_modal_inputs", [{"pixel_values": torch.zeros(1, 3)} for _ in range(4)])
     with pytest.raises(ValueError, match="multimodal"):
-        _infer(zorro, td)
+        infer(zorro, td)
 
 
 def test_nested_prompts_responses_layout(engines):
@@ -189,14 +180,14 @@ def test_nested_prompts_responses_layout(engines):
     am, P = td["attention_mask"], td["prompts"].shape[1]
     prompts = [td["prompts"][i][am[i, :P].bool()] for i in range(8)]
     responses = [td["responses"][i][am[i, P:].bool()] for i in range(8)]
-    ref = _infer(stock, td)
+    ref = infer(stock, td)
     mask = td["response_mask"].bool()
-    want = _resp(ref, td, "log_probs")
+    want = output_values(ref, td, "log_probs")
     td2 = td.clone()
     del td2["prompts"], td2["responses"]
     td2["prompts"] = torch.nested.as_nested_tensor(prompts, layout=torch.jagged)
     td2["responses"] = torch.nested.as_nested_tensor(responses, layout=torch.jagged)
-    got = _resp(_infer(zorro, td2), td, "log_probs")
+    got = output_values(infer(zorro, td2), td, "log_probs")
     assert (want - got)[mask].abs().max().item() <= ATOL
 
 
@@ -208,8 +199,8 @@ def test_memory_mode_forward_only(verl_cpu, tiny_ckpt, engines):
     mem = build_engine(tiny_ckpt, zorro=True, zorro_settings={"logits_optimization": "memory"})
     td = make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3, temperature=0.7,
                            micro_batch_size=3)
-    a, b = _infer(stock, td), _infer(mem, td)
+    a, b = infer(stock, td), infer(mem, td)
     mask = td["response_mask"].bool()
     for key in ("log_probs", "entropy"):
-        assert (_resp(a, td, key) - _resp(b, td, key))[mask].abs().max().item() <= ATOL
+        assert (output_values(a, td, key) - output_values(b, td, key))[mask].abs().max().item() <= ATOL
     assert b["metrics"]["zorro/fallback_batches"] == [0.0]

@@ -21,6 +21,8 @@ from functools import partial
 import pytest
 import torch
 
+from tests.support.verl_engines import infer, output_values
+
 pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
 
 ATOL = 1e-5
@@ -93,17 +95,6 @@ def _batch(fused=True, **kw):
     return td
 
 
-def _infer(engine, td):
-    with engine.eval_mode():
-        return engine.infer_batch(td.clone(), loss_function=None)
-
-
-def _resp(out, td, key):
-    from tests.support.verl_engines import response_values
-
-    return response_values(out["model_output"][key], td)
-
-
 @pytest.fixture(scope="module")
 def engines(request, original_forward):
     """``{tied: (plain stock, fused stock or None (untied), fused zorro)}``, built on first use."""
@@ -136,13 +127,13 @@ def test_infer_matches_stock(engines, original_forward, monkeypatch, dynamic, rm
                 temperature=temperature, calculate_entropy=entropy, use_dynamic_bsz=dynamic, micro_batch_size=3,
                 max_token_len=40, use_remove_padding=rmpad)
     with _class_forward(original_forward):
-        ref = _infer(plain, _batch(fused=False, batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3,
+        ref = infer(plain, _batch(fused=False, batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3,
                                    shuffle=True, temperature=temperature, calculate_entropy=entropy,
                                    use_dynamic_bsz=dynamic, micro_batch_size=3, max_token_len=40,
                                    use_remove_padding=rmpad))
     refs = {"plain": ref}
     if fused is not None:
-        refs["fused"] = _infer(fused, td)
+        refs["fused"] = infer(fused, td)
     rows, apply = [], torch_functional.FusedLinearForPPOFunction.apply
 
     def spy(hidden, *args):  # verl's fused kernel, on the response-predicting rows only
@@ -150,17 +141,17 @@ def test_infer_matches_stock(engines, original_forward, monkeypatch, dynamic, rm
         return apply(hidden, *args)
 
     monkeypatch.setattr(torch_functional.FusedLinearForPPOFunction, "apply", spy)
-    b = _infer(zorro, td)
+    b = infer(zorro, td)
     monkeypatch.undo()
     mask = td["response_mask"].bool()
     assert sum(rows) == int(mask.sum())
-    lp_b = _resp(b, td, "log_probs")
+    lp_b = output_values(b, td, "log_probs")
     for name, a in refs.items():
-        lp_a = _resp(a, td, "log_probs")
+        lp_a = output_values(a, td, "log_probs")
         assert mask.sum() > 20 and lp_a[mask].abs().max() > 1.0  # a real comparison, not zeros
         assert (lp_a - lp_b)[mask].abs().max().item() <= ATOL, name
         if entropy:
-            e_a, e_b = _resp(a, td, "entropy"), _resp(b, td, "entropy")
+            e_a, e_b = output_values(a, td, "entropy"), output_values(b, td, "entropy")
             assert (e_a - e_b)[mask].abs().max().item() <= ATOL, name
             assert b["model_output"]["entropy"].dtype == a["model_output"]["entropy"].dtype
         else:
@@ -224,16 +215,16 @@ def test_per_sample_temperature_refused_as_verl(request, original_forward, engin
     del td["temperature"]
     td["temperature"] = torch.linspace(0.5, 1.5, 8)  # one temperature per row
     with pytest.raises(AssertionError, match="per sample temperature"):
-        _infer(fused, td)
+        infer(fused, td)
     with pytest.raises(ValueError, match="temperature"):
-        _infer(zorro, td)
+        infer(zorro, td)
     warn = _build(request.getfixturevalue("tiny_ckpt"), "zorro", original_forward,
                   zorro_settings={"on_unsupported": "warn"})
     with caplog.at_level(logging.WARNING), pytest.raises(AssertionError, match="per sample temperature"):
-        _infer(warn, td)
+        infer(warn, td)
     assert sum("temperature" in r.getMessage() and "fused" in r.getMessage() for r in caplog.records) == 1
     # a uniform float temperature runs zorro again
-    assert _infer(warn, _batch(batch_size=8, num_prompts=2, seed=4))["metrics"]["zorro/fallback_batches"] == [0.0]
+    assert infer(warn, _batch(batch_size=8, num_prompts=2, seed=4))["metrics"]["zorro/fallback_batches"] == [0.0]
 
 
 def test_sum_pi_squared_refused_as_verl(engines):
@@ -243,9 +234,9 @@ def test_sum_pi_squared_refused_as_verl(engines):
     td = _batch(batch_size=6, num_prompts=2, seed=2)
     tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
     with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):
-        _infer(fused, td)
+        infer(fused, td)
     with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
-        _infer(zorro, td)
+        infer(zorro, td)
 
 
 def test_unpatched_model_raises(tiny_ckpt, original_forward):
@@ -256,7 +247,7 @@ def test_unpatched_model_raises(tiny_ckpt, original_forward):
         eng = build_engine(tiny_ckpt, zorro=True, engine_overrides=FUSED_ENGINE,
                            model_overrides={"use_fused_kernels": True})
         with pytest.raises(ValueError, match="impl_backend"):
-            _infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))
+            infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))
 
 
 def test_stock_fused_fails_on_untied_head(tiny_ckpt, original_forward):
@@ -264,4 +255,4 @@ def test_stock_fused_fails_on_untied_head(tiny_ckpt, original_forward):
     shards as its own unit when untied; zorro's fused head runs inside the head module (tested above)."""
     eng = _build(tiny_ckpt, "fused", original_forward)
     with pytest.raises(RuntimeError, match="DTensor"):
-        _infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))
+        infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))
