@@ -55,8 +55,11 @@ with initialize_config_module(config_module="zorro_verl.configs", version_base=N
 actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # validates and checks the engine registration
 assert isinstance(actor.engine, ZorroFSDPEngineConfig) and settings_of(actor.engine).enable
 assert settings_of(actor.engine).rollout_n == 4
+# what verl's default (V1) main_ppo imports when it runs: the `verl` extra must have brought it
+import transfer_queue  # noqa: F401
+import verl.trainer.ppo.v1.trainer_base  # noqa: F401
 print(f"[wheel] ok: zorro_verl {zorro_verl.__version__} from the wheel; plugin loaded by import verl; preset "
-      "composed from the package and validated")
+      "composed from the package and validated; the V1 trainer and TransferQueue import")
 PY
 "$PY" -m verl.trainer.main_ppo --config-path=pkg://zorro_verl.configs --config-name=zorro_ppo_trainer --cfg job \
   > main_ppo_cfg.txt
