@@ -26,6 +26,7 @@ from zorro_verl.recurrent import packed_causal_conv, packed_gated_delta_rule
 
 __all__ = [
     "LINEAR_ATTENTION",
+    "text_config",
     "linear_attention_modules",
     "check_linear_attention_supported",
     "wrap_linear_attention",
@@ -46,7 +47,7 @@ _NO_FORWARD = object()  # marks "the instance had no forward of its own" for unw
 _warned_fallback: set = set()
 
 
-def _text_config(model):
+def text_config(model):
     cfg = model.config
     return getattr(cfg, "text_config", None) or cfg
 
@@ -56,7 +57,7 @@ def linear_attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
 
     Raises ``ValueError`` when such a layer has no ``linear_attn`` module (an unknown hybrid layout).
     """
-    types_ = getattr(_text_config(model), "layer_types", None) or []
+    types_ = getattr(text_config(model), "layer_types", None) or []
     if LINEAR_ATTENTION not in types_:
         return []
     layers = getattr(model.get_decoder(), "layers", None)

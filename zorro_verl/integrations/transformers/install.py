@@ -27,11 +27,6 @@ __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_c
 _HANDLED_LAYER_TYPES = ("full_attention", hybrid.LINEAR_ATTENTION)
 
 
-def _text_config(model):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
 def is_installed(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == ZORRO_ATTN_NAME
 
@@ -39,7 +34,7 @@ def is_installed(model) -> bool:
 def expected_layer_calls(model) -> tuple[int, int]:
     """``(attention layers, linear-attention layers)`` one forward must run through zorro: the ``full_attention``
     entries of ``config.layer_types`` when the config lists them (hybrid models), else ``num_hidden_layers``."""
-    cfg = _text_config(model)
+    cfg = hybrid.text_config(model)
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
         raise ValueError(f"model: cannot tell its decoder layer count (config.num_hidden_layers is {n!r}); zorro "
@@ -51,7 +46,7 @@ def expected_layer_calls(model) -> tuple[int, int]:
 
 def _check_layer_types(model) -> None:
     """Refuse (at install time) any layer type whose sequence mixing zorro does not handle."""
-    types = getattr(_text_config(model), "layer_types", None)
+    types = getattr(hybrid.text_config(model), "layer_types", None)
     if types:
         other = sorted({t for t in types if t not in _HANDLED_LAYER_TYPES})
         if other:

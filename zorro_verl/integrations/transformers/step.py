@@ -11,6 +11,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
+from zorro_verl.integrations.transformers.hybrid import text_config
 from zorro_verl.integrations.transformers.install import forward_packed
 from zorro_verl.logprob import (
     DEFAULT_CHUNK,
@@ -21,7 +22,7 @@ from zorro_verl.logprob import (
 )
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["zorro_step", "HeadFn"]
+__all__ = ["zorro_step", "HeadFn", "head_fn_unsupported"]
 
 #: ``(hidden [N, H], head module, targets [N] int64, temperature, calculate_entropy) -> (log_probs [N], entropy [N]
 #: | None)``
@@ -103,6 +104,16 @@ def _chunked_head(chunk_size: int) -> HeadFn:
     return head_fn
 
 
+def head_fn_unsupported(model):
+    """Why head functions (the ``memory`` mode, verl's fused kernels) cannot run on ``model``, or None: they return
+    the head's results as the logits, which a model that post-processes its logits would change."""
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    if cap:
+        return (f"this model soft-caps its logits after the head (final_logit_softcapping={cap}); the chunked / fused "
+                "head paths cannot reproduce that. Use logits_optimization='none' or 'compute'.")
+    return None
+
+
 def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, calculate_entropy: bool):
     """Run ``head_fn`` on the ``[N, H]`` response-predicting hidden states *as the head module's forward*.
 
@@ -114,9 +125,9 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
     """
     plan = ctx.plan
     head = model.get_output_embeddings()
-    if getattr(_text_config(model), "final_logit_softcapping", None):
-        raise ValueError("logits_optimization: this model soft-caps its logits after the head; the chunked / fused "
-                         "head paths cannot reproduce that. Use logits_optimization='none' or 'compute'.")
+    reason = head_fn_unsupported(model)
+    if reason is not None:
+        raise ValueError(f"logits_optimization: {reason}")
     returned = {}
 
     def forward(x):  # x: [1, N, H]
@@ -142,7 +153,3 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
                          "logits_optimization='none' or 'compute'.")
     return out[0, 0], (out[0, 1] if calculate_entropy else None)
 
-
-def _text_config(model):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg

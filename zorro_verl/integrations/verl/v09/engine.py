@@ -31,6 +31,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
+from zorro_verl.integrations.transformers.step import head_fn_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
@@ -171,10 +172,8 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             linear_head_params(self.module.get_output_embeddings())
         except ValueError as e:
             return f"logits_optimization=memory with this model's head ({e})"
-        cfg = getattr(self.module.config, "text_config", None) or self.module.config
-        if getattr(cfg, "final_logit_softcapping", None):
-            return "logits_optimization=memory with final_logit_softcapping (use 'none' or 'compute')"
-        return None
+        reason = head_fn_unsupported(self.module)
+        return None if reason is None else f"logits_optimization=memory: {reason}"
 
     def _install(self) -> None:
         # install_zorro's checks (layer types, hybrid delta-net wrappers); every forward then checks that each
