@@ -42,13 +42,26 @@ def _run(backend, plan, q, k, v, w, scaling):
     return (out, *grads)
 
 
+def _tree_batch():
+    """Agentic shape for the prefix-tree plan: a shared system prompt over 3 questions x 3 samples, plus a 3-turn
+    trajectory emitted as 3 samples (nested prompts)."""
+    from zorro_verl.testing import batch_from_rows, multi_turn_rows, shared_system_rows
+
+    rows = shared_system_rows(3, 3, system_len=120, question_len=24, response_len=40, seed=3)
+    turns, masks = multi_turn_rows(3, first_prompt_len=64, turn_len=24, observation_len=16, seed=4)
+    b = batch_from_rows(rows + turns, response_masks=[[1] * len(r) for _, r in rows] + masks)
+    return {k: v.cuda() for k, v in b.items()}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (16, 8, 128)])
-def test_attention_bf16_vs_fp64_relative_rule(backend, hq, hkv, d):
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_attention_bf16_vs_fp64_relative_rule(backend, hq, hkv, d, sharing):
     from zorro_verl.packing import build_plan
 
-    b = _batch()
-    plan = build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1])
+    b = _batch() if sharing == "prompt" else _tree_batch()
+    plan = build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1], sharing=sharing)
+    assert sharing == "prompt" or plan.tree.levels >= 3
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda h: torch.randn(1, h, plan.T, d, device="cuda", dtype=torch.float64, generator=g)  # noqa: E731
     q64, k64, v64 = mk(hq), mk(hkv), mk(hkv)
@@ -66,16 +79,21 @@ def test_attention_bf16_vs_fp64_relative_rule(backend, hq, hkv, d):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_model_logprobs_and_grads_bf16_vs_fp64(backend):
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_model_logprobs_and_grads_bf16_vs_fp64(backend, sharing):
     """Tiny Qwen3 on CUDA: zorro bf16 (backend) vs fp64 per-row oracle, against the ordinary bf16 forward's error."""
     from zorro_verl.integrations.transformers import install_zorro, uninstall_zorro, zorro_step
     from zorro_verl.packing import build_plan
     from zorro_verl.testing import create_dummy_batch, grads_of, ordinary_logprobs, tiny_model
 
     b = create_dummy_batch(6, 2, 40, 16, device="cuda", add_padding=True, shuffle=True, seed=1, vocab_size=100)
+    if sharing == "prefix":
+        b = _tree_batch()
+        b["input_ids"] = b["input_ids"] % 100  # the tiny model's vocabulary
     ids, am = b["input_ids"], b["attention_mask"]
+    R = b["responses"].shape[1]
     m64 = tiny_model("qwen3", layers=2, hidden=128, heads=4, dtype=torch.float64).cuda()
-    lp64, _ = ordinary_logprobs(m64, ids, am, 16)
+    lp64, _ = ordinary_logprobs(m64, ids, am, R)
     lp64.sum().backward()
     g64 = grads_of(m64)
 
@@ -83,13 +101,13 @@ def test_model_logprobs_and_grads_bf16_vs_fp64(backend):
         return max(_rel(g[n], g64[n]) for n in g64)
 
     m16 = tiny_model("qwen3", layers=2, hidden=128, heads=4, dtype=torch.bfloat16).cuda()
-    lp_o, _ = ordinary_logprobs(m16, ids, am, 16)
+    lp_o, _ = ordinary_logprobs(m16, ids, am, R)
     lp_o.sum().backward()
     e_lp_base, e_g_base = _rel(lp_o, lp64), grads_err(grads_of(m16))
     m16.zero_grad(set_to_none=True)
     install_zorro(m16)
     try:
-        plan = build_plan(ids, am, 16)
+        plan = build_plan(ids, am, R, sharing=sharing)
         lp, _ = zorro_step(m16, plan, backend=backend)
         lp.sum().backward()
     finally:

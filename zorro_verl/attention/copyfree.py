@@ -49,6 +49,9 @@ def copyfree_index(plan: ZorroPlan) -> dict:
       group has a response token (then part A reads the prompt call's K/V as they are).
     """
 
+    if plan.tree is not None:
+        return plan.memo.get("flash_copyfree", lambda: _tree_index(plan))
+
     def build():
         v = varlen_index(plan)  # the prompt call and part B are the gather design's calls
         dev = plan.device
@@ -70,6 +73,69 @@ def copyfree_index(plan: ZorroPlan) -> dict:
         }
 
     return plan.memo.get("flash_copyfree", build)
+
+
+def _tree_index(plan: ZorroPlan) -> dict:
+    """Copy-free index set of a tree plan. ``self``: every node against itself, causal, over the packed row as it
+    is (nodes are contiguous: ``cu_self [M+1] int32``). ``levels``: per node depth ``d`` that has descendants, one
+    non-causal call — queries the subtree below each depth-``d`` node (contiguous in DFS order), keys the node's own
+    tokens — as ``(q_index, k_index, cu_q, cu_k, max_q, max_k)``. A token at depth ``k`` thus gets ``k + 1``
+    partial results (its ancestors' and its own), merged by log-sum-exp; each key token is read by one level only,
+    so nothing is copied per descendant."""
+    tree = plan.tree
+    levels = []
+    for d, (n, ktok, qtok, max_k, max_q) in enumerate(tree.level_counts):
+        if n == 0 or qtok == 0:
+            continue
+        has = (tree.node_depth == d) & (tree.node_sub_end > tree.node_start + tree.node_len)  # [M]
+        nodes = torch.argsort((~has).to(torch.int8), stable=True)[:n]  # those n nodes, packed order; no host sync
+        start, ln = tree.node_start[nodes], tree.node_len[nodes]
+        below = tree.node_sub_end[nodes] - start - ln
+        levels.append((segments_to_tokens(start + ln, below, qtok), segments_to_tokens(start, ln, ktok),
+                       cu_seqlens(below), cu_seqlens(ln), max_q, max_k))
+    return {"cu_self": cu_seqlens(tree.node_len), "max_self": max(tree.max_root_len, tree.max_child_len),
+            "levels": levels}
+
+
+class _TreeCopyFree(torch.autograd.Function):
+    """Tree plans: ``q [T, Hq, D], k/v [T, Hkv, D]`` -> ``out [T, Hq, D]``; the self call plus one call per
+    ancestor level merged by log-sum-exp, backward with the merged ``o`` / ``lse`` for every part."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ix: dict, scale: float, prims: VarlenPrimitives):
+        cu, mx = ix["cu_self"], ix["max_self"]
+        o, lse, st = prims.fwd(q, k, v, cu, cu, mx, mx, scale, True)  # [T, Hq, D], [Hq, T]
+        states = [st]
+        for qi, ki, cu_q, cu_k, max_q, max_k in ix["levels"]:
+            o_l, lse_l, st_l = prims.fwd(q.index_select(0, qi), k.index_select(0, ki), v.index_select(0, ki), cu_q,
+                                         cu_k, max_q, max_k, scale, False)
+            o_m, lse_m = merge_attention(o.index_select(0, qi), lse.index_select(1, qi), o_l, lse_l)
+            o.index_copy_(0, qi, o_m)
+            lse.index_copy_(1, qi, lse_m)
+            states.append(st_l)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.ix, ctx.scale, ctx.prims, ctx.states = ix, scale, prims, states
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o, lse = ctx.saved_tensors
+        ix, scale, prims, states = ctx.ix, ctx.scale, ctx.prims, ctx.states
+        cu, mx = ix["cu_self"], ix["max_self"]
+        dq, dk, dv = prims.bwd(dout, q, k, v, o, lse, states[0], cu, cu, mx, mx, scale, True)
+        if not ix["levels"]:
+            return dq, dk, dv, None, None, None
+        acc = lse.dtype  # sum the parts in fp32 (fp64 for fp64)
+        dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
+        for (qi, ki, cu_q, cu_k, max_q, max_k), st in zip(ix["levels"], states[1:]):
+            # every part sees the merged o/lse: its kernel's P is the merged softmax restricted to its keys
+            dql, dkl, dvl = prims.bwd(dout.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
+                                      v.index_select(0, ki), o.index_select(0, qi), lse.index_select(1, qi), st,
+                                      cu_q, cu_k, max_q, max_k, scale, False)
+            dq.index_add_(0, qi, dql.to(acc))
+            dk.index_add_(0, ki, dkl.to(acc))
+            dv.index_add_(0, ki, dvl.to(acc))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
@@ -158,6 +224,8 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
         prims = flash_primitives()
     ix = copyfree_index(plan)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    if plan.tree is not None:  # the self call reads the packed row as it is: kernels want contiguous rows
+        return _TreeCopyFree.apply(q.contiguous(), k.contiguous(), v.contiguous(), ix, scaling, prims).unsqueeze(0)
     out = _CopyFreeAttention.apply(q, k, v, ix, plan.N, scaling, prims)  # [T, Hq, D]
     return out.unsqueeze(0)
 

@@ -3,6 +3,8 @@ plan (docs/DESIGN.md §2).
 
 ``mask(q, kv) = kv <= q  &  group[q] == group[kv]  &  (is_prompt[kv] | segment[q] == segment[kv])``
 
+(prefix-tree plans: ``kv <= q & q < sub_end[kv]``, the packed end of the subtree of ``kv``'s node).
+
 (for a response query every prompt key of its group precedes it, so ``kv <= q`` keeps "all of the prompt").
 On CUDA the kernel is compiled once per process; on CPU flex runs its unfused forward only (no backward there,
 so ``available`` is False on CPU; the forward still runs for tests).
@@ -25,6 +27,13 @@ def block_mask_for(plan: ZorroPlan):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
+        if plan.tree is not None:  # DFS layout: a key's node subtree is [its start, sub_end): kv visible to those q
+            sub_end = plan.tree.node_sub_end[plan.tree.token_node]  # [T]
+
+            def tree_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx < sub_end[kv_idx])
+
+            return create_block_mask(tree_mod, None, None, plan.T, plan.T, device=plan.device)
         group, seg, is_prompt = plan.token_layout()
 
         def mask_mod(b, h, q_idx, kv_idx):

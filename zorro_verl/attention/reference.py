@@ -113,7 +113,12 @@ def reference_index(plan: ZorroPlan) -> dict:
       the same with pads -> ``T`` (their gradients are dropped); ``p_pad``, ``r_pad``: the pad flags;
     * ``response_mask [B, 1, Rmax, Pmax + Rmax] bool``: key ``j < P_g`` of the prompt slot, or own key ``k <= q``;
     * ``out_index [T]``: position of each packed token in ``cat(prompt slots, response query slots)``.
+
+    A prefix-tree plan (``plan.tree``) gets the same index set over its nodes: roots take the prompt blocks, every
+    other node a response block whose keys are ``[its ancestor chain ; itself]`` (``dims`` gives the block sizes).
     """
+    if plan.tree is not None:
+        return plan.memo.get("reference", lambda: _tree_index(plan))
 
     def build():
         dev = plan.device
@@ -144,11 +149,46 @@ def reference_index(plan: ZorroPlan) -> dict:
     return plan.memo.get("reference", build)
 
 
+def _tree_index(plan: ZorroPlan) -> dict:
+    """:func:`reference_index` of a tree plan: prompt blocks = roots ``[nR, Lr]``, response blocks = the other
+    nodes ``[C, Lc]`` with keys ``[C, A + Lc]`` = ``[ancestor chain (A = longest chain) ; itself]``."""
+    from zorro_verl.packing.tree import tree_chains
+
+    tree, ch = plan.tree, tree_chains(plan)
+    dev, T = plan.device, plan.T
+    nR, C, Lr, Lc, A = tree.num_roots, tree.num_children, tree.max_root_len, tree.max_child_len, tree.max_anc_len
+    ar_p = torch.arange(Lr, device=dev)
+    ar_r = torch.arange(Lc, device=dev)
+    p_valid = ar_p[None, :] < tree.node_len[tree.roots][:, None]  # [nR, Lr]
+    r_valid = ar_r[None, :] < tree.node_len[tree.children][:, None]  # [C, Lc]
+    pi = torch.where(p_valid, tree.node_start[tree.roots][:, None] + ar_p[None, :], 0)
+    ri = torch.where(r_valid, tree.node_start[tree.children][:, None] + ar_r[None, :], 0)
+    slots = torch.arange(nR * Lr + C * Lc, device=dev)
+    out_index = scatter_valid(T, torch.cat([pi.flatten(), ri.flatten()]),
+                              torch.cat([p_valid.flatten(), r_valid.flatten()]), slots)
+    kv_src = torch.cat([ch["chain"], ri], 1).flatten()  # [C*(A+Lc)]
+    kv_valid = torch.cat([ch["chain_valid"], r_valid], 1).flatten()
+    key_own = (ar_r[None, :] <= ar_r[:, None])[None].expand(C, Lc, Lc)  # [C, Lc(q), Lc(k)]
+    key_chain = ch["chain_valid"][:, None, :].expand(C, Lc, A)
+    p_src, r_src = pi.flatten(), ri.flatten()
+    p_valid, r_valid = p_valid.flatten(), r_valid.flatten()
+    return {
+        "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": ~p_valid,
+        "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": ~r_valid,
+        "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T),
+        "response_mask": torch.cat([key_chain, key_own], dim=2)[:, None],  # [C, 1, Lc, A+Lc]
+        "out_index": out_index, "dims": (nR, Lr, C, Lc, A + Lc),
+    }
+
+
 def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float, math: str = "sdpa") -> torch.Tensor:
     """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
     lay = reference_index(plan)
     G, B, T, Pm, Rm = plan.G, plan.B, plan.T, plan.max_prompt_len, plan.max_response_len
+    Km = Pm + Rm  # keys of a response block
+    if "dims" in lay:  # a tree plan: roots / other nodes (see _tree_index)
+        G, Pm, B, Rm, Km = lay["dims"]
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[3]
     rows = lambda x: _tokens_first(x).reshape(T, -1)  # noqa: E731  [1, H, T, D] -> [T, H*D] (a view if possible)
     p_src, p_dst, r_src, r_dst = lay["p_src"], lay["p_dst"], lay["r_src"], lay["r_dst"]
@@ -160,11 +200,11 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
     out_p = dense_attention(blk(qp, G, Pm, Hq), blk(kp, G, Pm, Hkv), blk(vp, G, Pm, Hkv), scaling, causal=True,
                             math=math)  # [G, Hq, Pmax, D]
     out_p = out_p.transpose(1, 2).reshape(G * Pm, Hq * D)
-    if plan.N > 0:
-        out_r = dense_attention(blk(qr, B, Rm, Hq), blk(kr, B, Pm + Rm, Hkv), blk(vr, B, Pm + Rm, Hkv), scaling,
+    if B * Rm > 0:
+        out_r = dense_attention(blk(qr, B, Rm, Hq), blk(kr, B, Km, Hkv), blk(vr, B, Km, Hkv), scaling,
                                 mask=lay["response_mask"], math=math)  # [B, Hq, Rmax, D]
         out_r = out_r.transpose(1, 2).reshape(B * Rm, Hq * D)
-    else:  # no response token anywhere: the response blocks are empty (Rmax = 0)
+    else:  # no response token anywhere (tree: no non-root node): the response blocks are empty
         out_r = qr
     out = _FromBlocks.apply(out_p, out_r, lay["out_index"], p_src, r_src, lay["p_pad"], lay["r_pad"])  # [T, Hq*D]
     return out.view(1, T, Hq, D)

@@ -22,10 +22,13 @@ def row_index(plan: ZorroPlan) -> dict:
     * ``row_index [B, Lmax]``: packed position of token ``l`` of row ``b``'s full sequence ``[prompt | response]``
       (0 on pads; right padded so an ordinary causal mask never lets a valid query see a pad);
     * ``out_index [T]``: for each packed token its place in ``[B * Lmax]`` (prompt tokens read from the group's
-      first row).
+      first row). Tree plans: row ``b``'s token at depth ``l`` is read along its root path; a packed token is read
+    from its node's representative row.
     """
 
     def build():
+        if plan.tree is not None:
+            return _tree_build()
         dev = plan.device
         Lm = plan.max_row_len
         ar = torch.arange(Lm, device=dev)[None, :]  # [1, Lmax]
@@ -41,6 +44,17 @@ def row_index(plan: ZorroPlan) -> dict:
         take = valid & ((ar >= p) | rep[:, None])
         out_index = scatter_valid(plan.T, idx, take, flat)
         return {"row_index": idx, "out_index": out_index}
+
+    def _tree_build():
+        from zorro_verl.packing.tree import path_index
+
+        tree, Lm = plan.tree, plan.max_row_len
+        ar = torch.arange(Lm, device=plan.device)[None, :]
+        L = (plan.row_prompt_lens + plan.response_lens)[:, None]  # [B, 1]
+        valid = ar < L
+        idx = path_index(tree, tree.row_node, torch.minimum(ar, L - 1).expand(plan.B, Lm))
+        out_index = tree.node_rep_row[tree.token_node] * Lm + plan.position_ids  # [T]
+        return {"row_index": torch.where(valid, idx, 0), "out_index": out_index}
 
     return plan.memo.get("standard", build)
 

@@ -41,9 +41,13 @@ def varlen_index(plan: ZorroPlan) -> dict:
       ``resp_q_index [N]`` (packed order), ``resp_kv_index [K]``, ``cu_seqlens_q [Bnz+1] int32``,
       ``cu_seqlens_k [Bnz+1] int32``, ``max_seqlen_q``, ``max_seqlen_k`` (ints);
     * ``out_index [T]``: each packed token's place in ``cat(out_call1 [Np], out_call2 [N])``.
+
+    Tree plans: call 1 runs the roots, call 2 every other node against ``[its ancestor chain ; itself]``.
     """
 
     def build():
+        if plan.tree is not None:
+            return _tree_build()
         dev = plan.device
         prompt_tok = segments_to_tokens(plan.prompt_start, plan.prompt_lens, plan.num_prompt_tokens)
         rows = plan.nonempty_rows()  # [Bnz] packed order
@@ -69,6 +73,29 @@ def varlen_index(plan: ZorroPlan) -> dict:
             "out_index": out_index,
         }
 
+    def _tree_build():
+        from zorro_verl.packing.tree import tree_chains
+
+        tree, ch = plan.tree, tree_chains(plan)
+        dev = plan.device
+        kids = tree.children
+        out_index = torch.empty(plan.T, dtype=torch.long, device=dev)
+        out_index[ch["root_tokens"]] = torch.arange(tree.root_tokens, device=dev)
+        out_index[ch["child_tokens"]] = tree.root_tokens + torch.arange(tree.child_tokens, device=dev)
+        return {
+            "prompt_token_index": ch["root_tokens"],
+            "cu_seqlens_prompt": cu_seqlens(tree.node_len[tree.roots]),
+            "max_seqlen_prompt": tree.max_root_len,
+            "resp_q_index": ch["child_tokens"],
+            "resp_kv_index": ch["kv_index"],
+            "cu_seqlens_q": cu_seqlens(tree.node_len[kids]),
+            "cu_seqlens_k": cu_seqlens(tree.node_pos0[kids] + tree.node_len[kids]),
+            "max_seqlen_q": tree.max_child_len,
+            "max_seqlen_k": tree.max_path_len,
+            "out_index": out_index,
+            "tree": True,
+        }
+
     return plan.memo.get("flash", build)
 
 
@@ -88,7 +115,7 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
     cu_p = idx["cu_seqlens_prompt"]
     mp = idx["max_seqlen_prompt"]
     parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims)]
-    if plan.N > 0:
+    if (plan.tree.child_tokens if "tree" in idx else plan.N) > 0:
         qi, kvi = idx["resp_q_index"], idx["resp_kv_index"]
         parts.append(varlen_attention(q[qi], k[kvi], v[kvi], idx["cu_seqlens_q"], idx["cu_seqlens_k"],
                                       idx["max_seqlen_q"], idx["max_seqlen_k"], scaling, True, prims))

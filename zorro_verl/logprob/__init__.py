@@ -82,12 +82,15 @@ def _chunk_stats(z_raw: torch.Tensor, targets: torch.Tensor, temperature: float,
 
 def _chunk_grad(z_raw: torch.Tensor, targets: torch.Tensor, temperature: float, lse: torch.Tensor,
                 s: Optional[torch.Tensor], g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
-                owned: bool = False) -> torch.Tensor:
+                owned: bool = False, pairs: Optional[tuple] = None) -> torch.Tensor:
     """Gradient w.r.t. one chunk of logits ``z_raw [c, V]`` (returned in ``z_raw``'s dtype) of
     ``sum(g_lp * log_probs) + sum(g_ent * entropy)``, from the forward's ``lse [c]`` and ``s [c]``:
     ``d logp / dz = onehot(target) - p``, ``d entropy / dz = -p * (z - s)``, ``p = exp(z - lse)``; divided by the
     temperature and cast back as autograd does through the reference's division and upcast. ``owned``: ``z_raw`` is
-    a temporary of the caller and may be overwritten (two ``[c, V]`` fp32 temporaries instead of three)."""
+    a temporary of the caller and may be overwritten (two ``[c, V]`` fp32 temporaries instead of three).
+    ``pairs = (rows [n], cols [n], g [n])``: rows shared by several outputs (:class:`_SharedLogitsLogprob`): ``g_lp``
+    is then each row's summed gradient and the one-hot part is scattered at ``(rows, cols)`` instead of the
+    targets."""
     z = z_raw.to(_softmax_dtype(z_raw.dtype))
     if temperature != 1.0:
         z = z / temperature
@@ -104,7 +107,9 @@ def _chunk_grad(z_raw: torch.Tensor, targets: torch.Tensor, temperature: float, 
         grad = p.mul_(g_lp[:, None]).neg_()
     else:
         grad = p.zero_()
-    if g_lp is not None:
+    if pairs is not None:
+        grad.index_put_(pairs[:2], pairs[2].to(grad.dtype), accumulate=True)
+    elif g_lp is not None:
         grad.scatter_add_(-1, targets[:, None], g_lp[:, None].to(grad.dtype))
     if temperature != 1.0:
         grad.div_(temperature)
@@ -158,6 +163,58 @@ class _LogitsLogprob(torch.autograd.Function):
             else:
                 grad[a:b] = g
         return grad, None, None, None, None
+
+
+class _SharedLogitsLogprob(torch.autograd.Function):
+    """:class:`_LogitsLogprob` for logits shared by several outputs (a prefix tree's shared tokens): ``logits
+    [Nh, V]`` (one row per distinct position), ``index [N]`` (each output's row), ``targets [N]`` (each output's own
+    token) -> ``(log_probs [N], entropy [N])``. The softmax statistics are computed once per row; an output's
+    log-prob is ``z[index, target] / temperature - lse[index]``, the same operations as the reference. Backward:
+    ``dz[u] = -p_u * (sum_{i -> u} g_lp_i + g_ent_u (z - s_u)) + sum_{i -> u} g_lp_i onehot(target_i)``."""
+
+    @staticmethod
+    def forward(ctx, logits, index, targets, temperature, calculate_entropy, chunk):
+        n = logits.shape[0]
+        sd = _softmax_dtype(logits.dtype)
+        lse = logits.new_empty(n, dtype=sd)
+        s = logits.new_empty(n, dtype=sd) if calculate_entropy else None
+        dummy = torch.zeros(n, dtype=torch.long, device=logits.device)
+        for a, b in _chunks(n, chunk):
+            _, _, lse_c, s_c = _chunk_stats(logits[a:b], dummy[a:b], temperature, calculate_entropy)
+            lse[a:b] = lse_c
+            if calculate_entropy:
+                s[a:b] = s_c
+        z_t = logits[index, targets].to(sd)  # [N]
+        if temperature != 1.0:
+            z_t = z_t / temperature
+        logp = z_t - lse[index]
+        ent = (lse - s)[index] if calculate_entropy else logits.new_empty(0, dtype=sd)
+        ctx.save_for_backward(logits, index, targets, lse, s)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if not calculate_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, index, targets, lse, s = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        n, sd = logits.shape[0], lse.dtype
+        g_row = None if g_lp is None else torch.zeros(n, dtype=sd, device=logits.device).index_add_(
+            0, index, g_lp.to(sd))  # [Nh] summed over the outputs of each row
+        g_ent_row = None if (s is None or g_ent is None) else torch.zeros(n, dtype=sd, device=logits.device) \
+            .index_add_(0, index, g_ent.to(sd))
+        grad = torch.empty_like(logits)
+        for a, b in _chunks(n, ctx.chunk):
+            pairs = None
+            if g_lp is not None:  # one-hot parts of the outputs whose row lies in this chunk (others add 0 at row 0)
+                sel = (index >= a) & (index < b)
+                pairs = (torch.where(sel, index - a, 0), targets, torch.where(sel, g_lp.to(sd), 0))
+            grad[a:b] = _chunk_grad(logits[a:b], targets, ctx.temperature, lse[a:b],
+                                    None if s is None else s[a:b], None if g_row is None else g_row[a:b],
+                                    None if g_ent_row is None else g_ent_row[a:b], pairs=pairs)
+        return grad, None, None, None, None, None
 
 
 def _autocast_state(device_type: str):
@@ -272,9 +329,12 @@ def _check_call(temperature, chunk_size) -> float:
 
 def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                     calculate_entropy: bool = False, logits_optimization: str = "none",
-                    chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    chunk_size: int = DEFAULT_CHUNK,
+                    index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropy) from already materialised ``logits [N, V]`` (modes ``none`` and ``compute``; the
     ``memory`` mode never materialises them: use :func:`response_logprobs`). ``targets [N] int64``.
+    ``index [N] int64``: the logits are ``[Nh, V]``, one row per distinct position, and output ``i`` reads row
+    ``index[i]`` (a prefix tree's shared tokens: the softmax statistics run once per row).
     Returns ``(log_probs [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits)."""
     mode = check_logits_optimization(logits_optimization)
     temperature = _check_call(temperature, chunk_size)
@@ -282,6 +342,9 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
         raise ValueError("logits_optimization: 'memory' never materialises the logits; call response_logprobs with "
                          "the hidden states and the lm_head module.")
     chunk = chunk_size if mode == "compute" else max(1, logits.shape[0])
+    if index is not None:
+        logp, ent = _SharedLogitsLogprob.apply(logits, index, targets, temperature, calculate_entropy, chunk)
+        return logp, (ent if calculate_entropy else None)
     logp, ent = _LogitsLogprob.apply(logits, targets, temperature, calculate_entropy, chunk)
     return logp, (ent if calculate_entropy else None)
 

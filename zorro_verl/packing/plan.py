@@ -36,8 +36,17 @@ import torch
 
 from zorro_verl.packing.grouping import group_ids
 from zorro_verl.packing.segments import excl_cumsum, segments_to_tokens
+from zorro_verl.packing.tree import (
+    DEFAULT_MIN_SHARED_LEN,
+    PrefixTree,
+    check_min_shared_len,
+    check_sharing,
+    path_index,
+    sorted_sequences,
+    trie_nodes,
+)
 
-__all__ = ["ZorroPlan", "PlanMemo", "build_plan"]
+__all__ = ["ZorroPlan", "PlanMemo", "build_plan", "build_tree_plan"]
 
 
 class PlanMemo:
@@ -117,6 +126,13 @@ class ZorroPlan:
     out_col: torch.Tensor
     source_index: torch.Tensor
     memo: PlanMemo = field(default_factory=PlanMemo, repr=False, compare=False)
+    #: The prefix tree (:class:`~zorro_verl.packing.tree.PrefixTree`) of a ``sharing="prefix"`` plan; None for the
+    #: prompt plan. Every backend branches on it.
+    tree: Optional[object] = field(default=None, repr=False, compare=False)
+    #: Tree plans: ``head_index [Nh]`` the distinct packed positions of ``logit_index`` (the LM head runs there
+    #: once) and ``head_inverse [N]`` each output's row in it. None for the prompt plan (``logit_index`` itself).
+    head_index: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    head_inverse: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -150,6 +166,11 @@ class ZorroPlan:
             ar = torch.arange(self.S, device=dev)[None, :]
             p = self.row_prompt_lens[:, None]
             r = self.response_lens[:, None]
+            if self.tree is not None:  # a row's token at depth t lies on its root path
+                depth = ar - (Pw - p)  # [B, S]
+                valid = (depth >= 0) & (depth < p + r)
+                idx = path_index(self.tree, self.tree.row_node, depth.clamp(min=0).minimum(p + r - 1))
+                return torch.where(valid, idx, -1)
             in_prompt = (ar >= Pw - p) & (ar < Pw)
             in_resp = (ar >= Pw) & (ar < Pw + r)
             pidx = self.prompt_start[self.row_group][:, None] + ar - (Pw - p)
@@ -311,6 +332,8 @@ def build_plan(
     response_width: int,
     *,
     position_ids: Optional[torch.Tensor] = None,
+    sharing: str = "prompt",
+    min_shared_len: Optional[int] = None,
 ) -> ZorroPlan:
     """Group rows by their valid prompt tokens and build every core index of the deduplicated forward.
 
@@ -320,6 +343,10 @@ def build_plan(
         response_width: ``R``, the padded response width (``responses.shape[1]`` in verl); ``0 <= R < S``.
         position_ids: optional ``[B, S] int64``; if given, must equal verl's convention on valid tokens
             (``0..P-1`` over the prompt, continuing over the response), since the packed row recomputes them.
+        sharing: ``"prompt"`` (rows with identical prompts share them) or ``"prefix"`` (every common prefix: the
+            prefix-tree plan of :func:`~zorro_verl.packing.tree.build_tree_plan`, ``plan.tree`` set).
+        min_shared_len: ``sharing="prefix"`` only: tokens a shared tree node must add over its parent (default
+            :data:`~zorro_verl.packing.tree.DEFAULT_MIN_SHARED_LEN`).
 
     Returns:
         A :class:`ZorroPlan`. Groups are numbered by first appearance; rows need not be adjacent.
@@ -327,6 +354,12 @@ def build_plan(
     Raises:
         ValueError / TypeError naming the field, the expectation, what was got and the fix.
     """
+    if check_sharing(sharing) == "prefix":
+        return build_tree_plan(input_ids, attention_mask, response_width, position_ids=position_ids,
+                               min_shared_len=DEFAULT_MIN_SHARED_LEN if min_shared_len is None else min_shared_len)
+    if min_shared_len is not None:
+        raise ValueError(f"min_shared_len: only used with sharing='prefix', got {min_shared_len!r} with "
+                         "sharing='prompt'. Drop it or pass sharing='prefix'.")
     _check_inputs(input_ids, attention_mask, response_width, position_ids)
     input_ids = input_ids.long()
     B, S = input_ids.shape
@@ -389,4 +422,119 @@ def build_plan(
         response_lens=r_len, row_prompt_lens=p_len, prompt_start=prompt_start, response_start=response_start,
         logit_index=logit_index, target_ids=input_ids[out_row, Pw + out_col], out_row=out_row, out_col=out_col,
         source_index=source_index,
+    )
+
+
+def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], response_width: int, *,
+                    position_ids: Optional[torch.Tensor] = None, min_shared_len: int = DEFAULT_MIN_SHARED_LEN):
+    """The prefix-tree :class:`~zorro_verl.packing.ZorroPlan` (``plan.tree`` set). Arguments as
+    build_plan (which calls this for ``sharing="prefix"``), plus ``min_shared_len``.
+
+    Fields of the plan for a tree: ``G`` / ``row_group`` / ``group_sizes`` / ``group_rep_row`` count trie
+    **clusters** (roots: rows sharing anything); ``prompt_start`` / ``prompt_lens`` are the roots' packed offsets
+    and lengths; ``response_start`` is -1 (a row's response may span several nodes). Everything else keeps its
+    meaning; every backend reads ``plan.tree``.
+    """
+    check_min_shared_len(min_shared_len)
+    _check_inputs(input_ids, attention_mask, response_width, position_ids)
+    input_ids = input_ids.long()
+    B, S = input_ids.shape
+    dev = input_ids.device
+    R = response_width
+    Pw = S - R
+    am = torch.ones(B, S, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask != 0
+    p_len, r_len = am[:, :Pw].sum(1), am[:, Pw:].sum(1)  # [B]
+    inv, lens, lcp, first = sorted_sequences(input_ids, am, Pw)
+    U = lens.numel()
+
+    # ---- the host read: layout checks, sizes and the sorted sequences' neighbour LCPs
+    checks = torch.stack([*_layout_violations(am, attention_mask, position_ids, Pw), r_len.sum(),
+                          (r_len > 0).sum(), (p_len + r_len).sum(), (p_len + r_len).max(), r_len.max()])
+    host = torch.cat([checks, lens, lcp, inv, p_len]).tolist()
+    *chk, N, Bnz, ordinary, Lmax, Rmax = host[:10]
+    _raise_layout(*chk, B=B, Pw=Pw)
+    lens_h, lcp_h = host[10:10 + U], host[10 + U:10 + 2 * U - 1]
+    plens_h: list = [set() for _ in range(U)]  # prompt lengths of the rows holding each sequence
+    for u, pl in zip(host[9 + 2 * U:9 + 2 * U + B], host[9 + 2 * U + B:]):
+        plens_h[u].add(pl)
+    nodes, end_node = trie_nodes(lcp_h, lens_h, plens_h, min_shared_len)
+
+    # ---- node tables (host lists of O(B) ints -> device)
+    M = len(nodes)
+    pos0 = [n[0] for n in nodes]
+    nlen = [n[1] for n in nodes]
+    parent = [n[2] for n in nodes]
+    depth = [n[3] for n in nodes]
+    start = [0] * M
+    acc = 0
+    for i in range(M):
+        start[i] = acc
+        acc += nlen[i]
+    T = acc
+    sub = list(nlen)
+    for i in range(M - 1, -1, -1):  # DFS pre-order: children come after their parent
+        if parent[i] >= 0:
+            sub[parent[i]] += sub[i]
+    levels = max(depth) + 1
+    anc = []
+    for i in range(M):
+        row = (anc[parent[i]][:depth[i]] if parent[i] >= 0 else []) + [i]
+        anc.append(row + [-1] * (levels - len(row)))
+    level_counts = []
+    for lv in range(levels):
+        ids = [i for i in range(M) if depth[i] == lv and sub[i] > nlen[i]]
+        level_counts.append((len(ids), sum(nlen[i] for i in ids), sum(sub[i] - nlen[i] for i in ids),
+                             max((nlen[i] for i in ids), default=0), max((sub[i] - nlen[i] for i in ids), default=0)))
+    roots_h = [i for i in range(M) if parent[i] < 0]
+    kids_h = [i for i in range(M) if parent[i] >= 0]
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    node_start, node_len, node_pos0, node_parent = t(start), t(nlen), t(pos0), t(parent)
+    node_anc = t(anc).view(M, levels)
+    node_rep_row = first[t([n[4] for n in nodes])]
+    roots, kids = t(roots_h), t(kids_h)
+    row_node = t(end_node)[inv]  # [B]
+    token_node = torch.repeat_interleave(torch.arange(M, device=dev), node_len, output_size=T)  # [T]
+    local = torch.arange(T, device=dev) - node_start[token_node]
+    tree = PrefixTree(
+        M=M, levels=levels, num_roots=len(roots_h), num_children=len(kids_h),
+        root_tokens=sum(nlen[i] for i in roots_h), child_tokens=sum(nlen[i] for i in kids_h),
+        max_root_len=max(nlen[i] for i in roots_h), max_child_len=max((nlen[i] for i in kids_h), default=0),
+        max_anc_len=max((pos0[i] for i in kids_h), default=0),
+        max_path_len=max((pos0[i] + nlen[i] for i in kids_h), default=0),
+        kv_total=sum(pos0[i] + nlen[i] for i in kids_h), level_counts=tuple(level_counts),
+        node_start=node_start, node_len=node_len, node_pos0=node_pos0, node_parent=node_parent,
+        node_depth=t(depth), node_sub_end=node_start + t(sub), node_anc=node_anc, node_rep_row=node_rep_row,
+        roots=roots, children=kids, row_node=row_node, token_node=token_node,
+    )
+
+    # ---- packed tokens: each node is read from one row passing through it (the verl layout is contiguous over a
+    # row's valid tokens: column Pw - p + depth)
+    rep = node_rep_row[token_node]
+    depth_tok = node_pos0[token_node] + local  # [T] = position
+    source_index = rep * S + Pw - p_len[rep] + depth_tok
+
+    # ---- response-predicting rows, original row order; the head runs once per distinct packed position
+    out_row = torch.repeat_interleave(torch.arange(B, device=dev), r_len, output_size=N)  # [N]
+    out_col = torch.arange(N, device=dev) - excl_cumsum(r_len)[out_row]
+    logit_index = path_index(tree, row_node[out_row], (p_len[out_row] + out_col - 1)[:, None])[:, 0]  # [N]
+    head_index, head_inverse = torch.unique(logit_index, return_inverse=True)  # [Nh], [N]
+
+    # ---- cluster view (the roots) for metrics and callers that count groups
+    root_of_row = node_anc[row_node, 0]  # [B] node id of each row's root
+    root_rank = torch.full((M,), -1, dtype=torch.long, device=dev)
+    root_rank[roots] = torch.arange(len(roots_h), device=dev)
+    row_group = root_rank[root_of_row]
+    G = len(roots_h)
+    group_sizes = torch.bincount(row_group, minlength=G)
+    group_rep_row = node_rep_row[roots]
+    return ZorroPlan(
+        B=B, S=S, R=R, G=G, T=T, N=N, max_prompt_len=tree.max_root_len, max_response_len=Rmax, max_row_len=Lmax,
+        num_prompt_tokens=tree.root_tokens, num_nonempty_responses=Bnz, ordinary_tokens=ordinary,
+        kv_total=tree.kv_total, group_counts=(0, 0, 0, 0),
+        input_ids=input_ids.reshape(-1)[source_index], position_ids=depth_tok,
+        row_group=row_group, group_rep_row=group_rep_row, group_sizes=group_sizes, prompt_lens=node_len[roots],
+        response_lens=r_len, row_prompt_lens=p_len, prompt_start=node_start[roots],
+        response_start=torch.full((B,), -1, dtype=torch.long, device=dev),
+        logit_index=logit_index, target_ids=input_ids[out_row, Pw + out_col], out_row=out_row, out_col=out_col,
+        source_index=source_index, tree=tree, head_index=head_index, head_inverse=head_inverse,
     )

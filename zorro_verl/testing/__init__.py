@@ -1,7 +1,9 @@
 """Test and demo helpers, one job per module. Importing this package imports torch only (transformers is imported
 inside the functions that build models).
 
-* :mod:`~zorro_verl.testing.batches` — :func:`create_dummy_batch`, GRPO-shaped batches in verl's layout.
+* :mod:`~zorro_verl.testing.batches` — :func:`create_dummy_batch`, GRPO-shaped batches in verl's layout;
+  :func:`batch_from_rows` from explicit rows, and agentic shapes (:func:`shared_system_rows`,
+  :func:`multi_turn_rows`).
 * :mod:`~zorro_verl.testing.models` — tiny models built offline from a config (:func:`tiny_model`,
   :func:`tiny_hybrid_model` and their configs).
 * :mod:`~zorro_verl.testing.fp64` — per-instance swaps that keep fp64 end to end (:func:`exact_fp64_norms`,
@@ -11,7 +13,7 @@ inside the functions that build models).
 * :mod:`~zorro_verl.testing.compare` — gradient collection and error measures.
 """
 
-from zorro_verl.testing.batches import create_dummy_batch
+from zorro_verl.testing.batches import batch_from_rows, create_dummy_batch, multi_turn_rows, shared_system_rows
 from zorro_verl.testing.compare import grad_rel_error, grads_of, max_rel_grad_error
 from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_norms
 from zorro_verl.testing.models import (
@@ -26,6 +28,9 @@ from zorro_verl.testing.oracles import dense_attention_oracle, dense_mask, ordin
 
 __all__ = [
     "create_dummy_batch",
+    "batch_from_rows",
+    "shared_system_rows",
+    "multi_turn_rows",
     "tiny_config",
     "tiny_model",
     "HYBRID_KINDS",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-__all__ = ["create_dummy_batch"]
+__all__ = ["create_dummy_batch", "batch_from_rows", "shared_system_rows", "multi_turn_rows"]
 
 
 def create_dummy_batch(
@@ -85,3 +87,75 @@ def create_dummy_batch(
         perm = torch.randperm(B, generator=gen)
         batch = {k: v[perm] for k, v in batch.items()}
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def batch_from_rows(rows: list, *, response_masks: Optional[list] = None, include_training_fields: bool = False,
+                    seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A batch in verl's layout from explicit rows ``[(prompt_tokens, response_tokens), ...]`` (lists of ints).
+
+    ``response_masks``: per row a 0/1 list as long as its response (0 = context not trained, e.g. tool output);
+    default all ones. Prompts are left padded to the longest prompt, responses right padded to the longest response
+    (at least 1 column). Returns the fields of :func:`create_dummy_batch`."""
+    B = len(rows)
+    if B == 0:
+        raise ValueError("rows: expected at least one (prompt, response) pair, got none.")
+    Pw = max(len(p) for p, _ in rows)
+    R = max(1, max(len(r) for _, r in rows))
+    if min(len(p) for p, _ in rows) < 1:
+        raise ValueError("rows: every prompt needs at least one token.")
+    input_ids = torch.zeros(B, Pw + R, dtype=torch.long)
+    attention_mask = torch.zeros(B, Pw + R, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    for b, (p, r) in enumerate(rows):
+        input_ids[b, Pw - len(p):Pw] = torch.tensor(p, dtype=torch.long)
+        attention_mask[b, Pw - len(p):Pw + len(r)] = 1
+        if r:
+            input_ids[b, Pw:Pw + len(r)] = torch.tensor(r, dtype=torch.long)
+            m = response_masks[b] if response_masks is not None else [1] * len(r)
+            if len(m) != len(r):
+                raise ValueError(f"response_masks[{b}]: expected {len(r)} entries (its response), got {len(m)}.")
+            response_mask[b, :len(r)] = torch.tensor(m, dtype=torch.long)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0) * attention_mask
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+             "responses": input_ids[:, Pw:].clone(), "response_mask": response_mask}
+    if include_training_fields:
+        gen = torch.Generator().manual_seed(seed)
+        m = attention_mask[:, Pw:].float()
+        batch["old_log_probs"] = (-torch.rand(B, R, generator=gen) * 2 - 0.1) * m
+        batch["advantages"] = torch.randn(B, R, generator=gen) * m
+        batch["ref_log_prob"] = (-torch.rand(B, R, generator=gen) * 2 - 0.1) * m
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def shared_system_rows(num_questions: int, samples: int, system_len: int, question_len: int, response_len: int,
+                       *, vocab_size: int = 1000, seed: int = 0) -> list:
+    """Agentic RL shape: ``num_questions x samples`` rows ``(system prompt + question_q, response)``, one system
+    prompt (tool specifications) shared by every question. Rows as :func:`batch_from_rows` takes them."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randint(1, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    system = rnd(system_len)
+    rows = []
+    for _ in range(num_questions):
+        prompt = system + rnd(question_len)
+        rows += [(prompt, rnd(response_len)) for _ in range(samples)]
+    return rows
+
+
+def multi_turn_rows(turns: int, first_prompt_len: int, turn_len: int, observation_len: int, *,
+                    trajectories: int = 1, vocab_size: int = 1000, seed: int = 0):
+    """verl's multi-output agent loop: each trajectory of ``turns`` turns emitted as ``turns`` samples, output
+    ``i > 0`` carrying the accumulated conversation (earlier turns and tool observations) as its prompt and the
+    ``i``-th assistant turn as its response. Returns ``(rows, response_masks)``; a response ends with the next
+    tool observation (``observation_len`` tokens, masked out of the loss) except the last turn's."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randint(1, vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    rows, masks = [], []
+    for _ in range(trajectories):
+        context = rnd(first_prompt_len)
+        for i in range(turns):
+            answer = rnd(turn_len)
+            obs = rnd(observation_len) if i + 1 < turns else []
+            rows.append((list(context), answer + obs))
+            masks.append([1] * len(answer) + [0] * len(obs))
+            context = context + answer + obs
+    return rows, masks

@@ -70,6 +70,8 @@ def dense_mask(plan) -> torch.Tensor:
     Raises:
         ValueError: the prompt and response segments do not tile ``[0, T)`` exactly once.
     """
+    if getattr(plan, "tree", None) is not None:
+        return _tree_dense_mask(plan)
     T, G, B = int(plan.T), int(plan.G), int(plan.B)
     dev = plan.prompt_start.device
     # Segments 0..G-1 are the prompts, G..G+B-1 the responses (of rows 0..B-1).
@@ -94,6 +96,28 @@ def dense_mask(plan) -> torch.Tensor:
     same_group = group[:, None] == group[None, :]
     visible = is_prompt[None, :] | (seg[:, None] == seg[None, :])  # key is a prompt token, or in q's own segment
     return causal & same_group & visible
+
+
+def _tree_dense_mask(plan) -> torch.Tensor:
+    """:func:`dense_mask` of a prefix-tree plan from its ancestor table: ``mask[q, k]`` iff ``k``'s node is an
+    ancestor of ``q``'s node, or the same node and ``k <= q``. The nodes must tile ``[0, T)`` exactly once."""
+    tree, T = plan.tree, int(plan.T)
+    dev = tree.node_start.device
+    starts, lens = tree.node_start.long(), tree.node_len.long()
+    total = int(lens.sum())
+    seg_of = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens, output_size=total)
+    tok = starts[seg_of] + torch.arange(total, device=dev) - _excl_cumsum(lens)[seg_of]
+    if total != T or bool((torch.bincount(tok, minlength=T) != 1).any()):
+        raise ValueError(f"plan: expected its tree nodes to tile the packed row [0, T={T}) exactly once, got {total} "
+                         "node tokens. Pass a plan from zorro_verl.packing.build_plan(..., sharing='prefix').")
+    node = torch.empty(T, dtype=torch.long, device=dev)
+    node[tok] = seg_of
+    depth = tree.node_depth[node]  # [T]
+    anc_q = tree.node_anc[node]  # [T, levels]: q's ancestor at each depth
+    is_anc = anc_q.gather(1, depth[None, :].expand(T, T)) == node[None, :]  # [q, k]: k's node on q's path
+    ar = torch.arange(T, device=dev)
+    same = node[:, None] == node[None, :]
+    return is_anc & (~same | (ar[None, :] <= ar[:, None]))
 
 
 def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -83,11 +83,18 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
         head_fn = _chunked_head(chunk_size)
     if head_fn is not None:
         return _head_step(model, ctx, head_fn, temperature, calculate_entropy)
-    logits = forward_packed(model, ctx, logits_to_keep=plan.logit_index).logits[0]  # [N, V]
+    if plan.head_index is not None:  # a prefix tree: the head runs once per distinct position [Nh]
+        logits = forward_packed(model, ctx, logits_to_keep=plan.head_index).logits[0]  # [Nh, V]
+        index = plan.head_inverse
+        if divisors is not None:  # rows sharing a position may have different temperatures: one logit row each
+            logits, index = logits[index], None
+    else:
+        logits = forward_packed(model, ctx, logits_to_keep=plan.logit_index).logits[0]  # [N, V]
+        index = None
     if divisors is not None:  # same op and dtype as verl's per-sample temperature scaling
         logits = logits / divisors.clamp(min=1e-8).to(logits.dtype)[:, None]
     return logits_logprobs(logits, plan.target_ids, temperature=temperature, calculate_entropy=calculate_entropy,
-                           logits_optimization=mode, chunk_size=chunk_size)
+                           logits_optimization=mode, chunk_size=chunk_size, index=index)
 
 
 def _chunked_head(chunk_size: int) -> HeadFn:
@@ -130,8 +137,9 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
         raise ValueError(f"logits_optimization: {reason}")
     returned = {}
 
-    def forward(x):  # x: [1, N, H]
-        logp, ent = head_fn(x[0], head, plan.target_ids, temperature, calculate_entropy)
+    def forward(x):  # x: [1, N, H] ([1, Nh, H] for a prefix tree: its distinct positions, expanded per output here)
+        h = x[0] if plan.head_index is None else x[0][plan.head_inverse]
+        logp, ent = head_fn(h, head, plan.target_ids, temperature, calculate_entropy)
         # a fresh tensor, not a view: FSDP2 registers its pre-backward hook on the module's output
         out = torch.cat([logp[None, None], (ent if ent is not None else torch.zeros_like(logp))[None, None]], 1)
         returned["out"] = out
@@ -141,7 +149,8 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
     saved = head.__dict__.get("forward")
     head.forward = forward
     try:
-        out = forward_packed(model, ctx, logits_to_keep=plan.logit_index).logits
+        keep = plan.logit_index if plan.head_index is None else plan.head_index
+        out = forward_packed(model, ctx, logits_to_keep=keep).logits
     finally:
         if had_own:
             head.forward = saved

@@ -1,0 +1,71 @@
+"""Every backend on prefix-tree plans vs the dense-mask oracle (fp64): outputs and q/k/v gradients over random
+tries; the flash backends through the plain-torch varlen primitives (the copy-free path merges k + 1 partial
+results per token by log-sum-exp); flex forward on CPU."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from tests.attention.test_backends import _qkv
+from tests.packing.test_tree import tree_rows
+from zorro_verl.attention import attend
+from zorro_verl.attention.copyfree import attend_copyfree, copyfree_index
+from zorro_verl.attention.primitives import torch_primitives
+from zorro_verl.attention.varlen import attend_varlen
+from zorro_verl.packing import build_plan
+from zorro_verl.testing import batch_from_rows, dense_attention_oracle, multi_turn_rows
+
+TOL = 1e-12  # fp64: the same math up to summation order
+PRIMS = torch_primitives()
+VARIANTS = {
+    "sdpa": lambda plan, *a: attend(plan, "sdpa", *a),
+    "eager": lambda plan, *a: attend(plan, "eager", *a),
+    "standard": lambda plan, *a: attend(plan, "standard", *a),
+    "flash_copyfree": lambda plan, *a: attend_copyfree(plan, *a, prims=PRIMS),
+    "flash": lambda plan, *a: attend_varlen(plan, *a, prims=PRIMS),
+}
+
+
+def _tree_plan(rows, min_shared=1):
+    b = batch_from_rows(rows)
+    return build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1], sharing="prefix",
+                      min_shared_len=min_shared)
+
+
+def _check_all(plan, hq=4, hkv=2, seed=0):
+    q, k, v = _qkv(plan, hq, hkv, seed=seed)
+    ref = dense_attention_oracle(plan, q, k, v, 0.3)
+    w = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for name, fn in VARIANTS.items():
+        out = fn(plan, q, k, v, 0.3)
+        assert out.shape == ref.shape, name
+        assert (out - ref).abs().max().item() <= TOL, name
+        for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), g_ref):
+            assert (a - b).abs().max().item() <= TOL, name
+    flex = attend(plan, "flex", q.detach(), k.detach(), v.detach(), 0.3)
+    assert (flex - ref).abs().max().item() <= TOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(tree_rows())
+def test_backends_over_random_tries(case):
+    rows, _, min_shared = case
+    _check_all(_tree_plan(rows, min_shared))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1)])
+def test_deep_multi_turn_tree(hq, hkv):
+    rows, _ = multi_turn_rows(4, first_prompt_len=5, turn_len=3, observation_len=2, trajectories=2, vocab_size=50)
+    plan = _tree_plan(rows)
+    assert plan.tree.levels >= 4
+    # copy-free: one non-causal call per ancestor level, each key token read by one level only
+    ix = copyfree_index(plan)
+    assert len(ix["levels"]) == plan.tree.levels - 1
+    assert sum(lv[1].numel() for lv in ix["levels"]) <= plan.T
+    _check_all(plan, hq, hkv)
+
+
+def test_single_node_and_no_sharing():
+    _check_all(_tree_plan([([3, 4, 5], [6, 7])]))  # one row: one root, no child
+    _check_all(_tree_plan([([1, 2], [3]), ([4, 5], [6])]))  # nothing shared: roots only
