@@ -55,17 +55,23 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
 def make_engine_batch(*, batch_size: int = 8, num_prompts: int = 3, prompt_len: int = 6, response_len: int = 5,
                       vocab: int = 128, seed: int = 0, shuffle: bool = True, temperature: float = 1.0,
                       calculate_entropy: bool = True, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
-                      max_token_len: int = 64, use_remove_padding: bool = True, global_batch_size=None):
-    """A jagged verl batch (TensorDict) with training fields, built like verl's trainer does."""
+                      max_token_len: int = 64, use_remove_padding: bool = True, global_batch_size=None,
+                      base: Optional[dict] = None):
+    """A jagged verl batch (TensorDict) with training fields, built like verl's trainer does; ``base``: a padded
+    batch with training fields to use instead of a dummy GRPO batch (e.g. ``zorro_verl.testing.batch_from_rows``)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     from zorro_verl.testing import create_dummy_batch
 
-    b = create_dummy_batch(batch_size=batch_size, num_unique_prompts=num_prompts, prompt_len=prompt_len,
-                           response_len=response_len, device="cpu", include_training_fields=True, add_padding=True,
-                           vocab_size=vocab, seed=seed, shuffle=shuffle)
-    P = prompt_len
+    if base is None:
+        b = create_dummy_batch(batch_size=batch_size, num_unique_prompts=num_prompts, prompt_len=prompt_len,
+                               response_len=response_len, device="cpu", include_training_fields=True,
+                               add_padding=True, vocab_size=vocab, seed=seed, shuffle=shuffle)
+        P = prompt_len
+    else:
+        b, P = base, base["input_ids"].shape[1] - base["responses"].shape[1]
+        batch_size = b["input_ids"].shape[0]
     fields = dict(b)
     fields["prompts"] = b["input_ids"][:, :P]
     td = tu.get_tensordict(fields)

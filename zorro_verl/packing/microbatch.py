@@ -180,7 +180,8 @@ def _split_unit_by_tokens(u: GroupUnit, r: list[int], max_tokens: int) -> list[G
 
 
 def dynamic_microbatches(row_group: IntSeq, prompt_lens: IntSeq, response_lens: IntSeq, max_token_len: int,
-                         min_num_micro_batches: int = 1, *, split_oversized_groups: bool = True) -> MicroBatches:
+                         min_num_micro_batches: int = 1, *, split_oversized_groups: bool = True,
+                         split_response_lens: IntSeq | None = None) -> MicroBatches:
     """Micro-batches whose deduplicated token cost is at most ``max_token_len``, groups kept whole where they fit.
 
     Units (whole groups; a group costing more than the budget is cut into pieces that fit, counted as split) are
@@ -188,14 +189,20 @@ def dynamic_microbatches(row_group: IntSeq, prompt_lens: IntSeq, response_lens: 
     more), :func:`split_to_count` splits the largest micro-batches until the count is reached. The budget is never
     exceeded — unless ``split_oversized_groups=False`` (the standalone API's soft budget): then a group costing
     more than the budget gets a micro-batch of its own, whole, since cutting it would recompute its prompt.
+
+    ``split_response_lens [B]``: what each row costs beyond the shared prompt in a *piece* of a cut group, when that
+    is more than its share in the whole group (prefix trees: a cluster's inner nodes are paid by one row each in
+    ``response_lens``, by every row of a piece here; :func:`~zorro_verl.packing.tree.tree_row_costs`); default
+    ``response_lens``.
     """
     if isinstance(max_token_len, bool) or not isinstance(max_token_len, int) or max_token_len < 1:
         raise ValueError(f"max_token_len: expected a positive int, got {max_token_len!r}.")
     g, p, r = _inputs(row_group, prompt_lens, response_lens)
+    r_split = r if split_response_lens is None else _inputs(row_group, prompt_lens, split_response_lens)[2]
     units: list[GroupUnit] = []
     for u in _units(g, p, r):
         oversized = u.cost > max_token_len and split_oversized_groups
-        units.extend(_split_unit_by_tokens(u, r, max_token_len) if oversized else [u])
+        units.extend(_split_unit_by_tokens(u, r_split, max_token_len) if oversized else [u])
     order = sorted(range(len(units)), key=lambda i: (-units[i].cost, units[i].rows[0]))  # stable FFD
     bins: list[list[int]] = []
     loads: list[int] = []

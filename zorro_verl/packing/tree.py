@@ -224,3 +224,50 @@ def tree_chains(plan) -> dict:
         }
 
     return plan.memo.get("tree_chains", build)
+
+
+def tree_row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
+                   min_shared_len: int = DEFAULT_MIN_SHARED_LEN) -> dict:
+    """Per-row costs of the prefix tree for micro-batching and DP balancing (one host read; the trie the plan of
+    these rows would build). Rows of one **cluster** (trie root) share at least its root; inside a cluster, each
+    node is paid by the first row (in sorted order) that passes through it.
+
+    ``input_ids [B, S]``, ``attention_mask [B, S]`` (verl layout) -> host lists ``[B]``: ``cluster`` (ids by first
+    appearance), ``root_len`` (its cluster root's tokens), ``own`` (tokens of the nodes below the root this row pays:
+    ``root + sum(own)`` over a whole cluster is the tree's token count), ``below_root`` (``p + r - root_len``, what a
+    row costs in a piece of a cut cluster, where inner nodes may be paid again), ``length`` (``p + r``).
+    """
+    check_min_shared_len(min_shared_len)
+    B, S = input_ids.shape
+    Pw = S - response_width
+    am = attention_mask != 0
+    p_len = am[:, :Pw].sum(1)
+    inv, lens, lcp, first = sorted_sequences(input_ids.long(), am, Pw)
+    U = lens.numel()
+    host = torch.cat([lens, lcp, inv, p_len, first]).tolist()
+    lens_h, lcp_h = host[:U], host[U:2 * U - 1]
+    inv_h, pl_h, first_h = host[2 * U - 1:2 * U - 1 + B], host[2 * U - 1 + B:2 * U - 1 + 2 * B], host[-U:]
+    plens: list = [set() for _ in range(U)]
+    for u, pl in zip(inv_h, pl_h):
+        plens[u].add(pl)
+    nodes, end_node = trie_nodes(lcp_h, lens_h, plens, min_shared_len)
+    root = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        root[i] = i if n[2] < 0 else root[n[2]]
+    own_seq = [0] * U  # tokens of non-root nodes first reached by sequence u (the interval's first sequence)
+    for n in nodes:
+        if n[2] >= 0:
+            own_seq[n[4]] += n[1]
+    cluster_of_root: dict = {}
+    cluster, root_len, own, below, length = [], [], [], [], []
+    paid: set = set()
+    for b in range(B):
+        u = inv_h[b]
+        r = root[end_node[u]]
+        cluster.append(cluster_of_root.setdefault(r, len(cluster_of_root)))
+        root_len.append(nodes[r][1])
+        own.append(own_seq[u] if u not in paid and first_h[u] == b else 0)  # identical rows: paid once
+        paid.add(u)
+        length.append(lens_h[u])
+        below.append(lens_h[u] - nodes[r][1])
+    return {"cluster": cluster, "root_len": root_len, "own": own, "below_root": below, "length": length}

@@ -8,7 +8,11 @@ from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attenti
 def test_settings_defaults_and_mapping():
     s = ZorroSettings.from_mapping({})
     assert s.to_dict() == {"enable": False, "rollout_n": None, "logits_optimization": "none",
-                           "attention_backend": "auto", "on_unsupported": "raise", "group_balance": True}
+                           "attention_backend": "auto", "on_unsupported": "raise", "group_balance": True,
+                           "sharing": "prompt", "min_shared_len": 64}
+    assert s.plan_kwargs() == {"sharing": "prompt"}
+    t = ZorroSettings.from_mapping({"sharing": "prefix", "min_shared_len": 16})
+    assert t.plan_kwargs() == {"sharing": "prefix", "min_shared_len": 16}
     s = ZorroSettings.from_mapping({"_target_": "x.Y", "enable": True, "rollout_n": 8,
                                     "logits_optimization": "memory", "on_unsupported": "warn"})
     assert s.enable and s.rollout_n == 8 and s.logits_optimization == "memory" and s.on_unsupported == "warn"
@@ -23,6 +27,9 @@ def test_settings_defaults_and_mapping():
     ({"attention_backend": "flash_attention_2"}, "zorro.attention_backend"),
     ({"on_unsupported": "ignore"}, "zorro.on_unsupported"),
     ({"group_balance": 1}, "zorro.group_balance"),
+    ({"sharing": "tree"}, "zorro.sharing"),
+    ({"min_shared_len": 0}, "zorro.min_shared_len"),
+    ({"min_shared_len": "64"}, "zorro.min_shared_len"),
 ])
 def test_settings_reject(bad, key):
     with pytest.raises(ValueError, match=key):

@@ -16,6 +16,10 @@ Keys (documented for users in ``configs/README.md``):
 * ``on_unsupported`` (``raise|warn``): what to do with a setting zorro cannot run exactly; ``warn`` falls back to
   the stock forward for that batch, warns once and counts it in ``zorro/fallback_batches``.
 * ``group_balance`` (bool, True): group-aware DP balancing in the trainer.
+* ``sharing`` (``prompt|prefix``, ``prompt``): share identical prompts, or every common prefix (the prefix tree:
+  shared system prompts, earlier turns of multi-turn samples, shared response starts).
+* ``min_shared_len`` (int >= 1, 64): ``sharing=prefix`` only: tokens a shared tree node must add over its parent
+  (shorter common prefixes, e.g. a chat-template header, are recomputed instead of fragmenting the batch).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Optional
 
 from zorro_verl.attention import BACKEND_NAMES, flash_available, get_backend
 from zorro_verl.logprob import LOGITS_MODES
+from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, SHARING_MODES
 
 __all__ = ["ZorroSettings", "settings_of", "SETTING_KEYS", "ATTENTION_BACKEND_CHOICES", "ON_UNSUPPORTED",
            "resolve_attention_backend"]
@@ -35,7 +40,7 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
 ON_UNSUPPORTED = ("raise", "warn")
 SETTING_KEYS = ("enable", "rollout_n", "logits_optimization", "attention_backend", "on_unsupported",
-                "group_balance")
+                "group_balance", "sharing", "min_shared_len")
 #: Keys that may appear in a Hydra node beside the settings and are ignored here (Hydra's own).
 _IGNORED_KEYS = ("_target_",)
 
@@ -81,7 +86,8 @@ class ZorroSettings:
     __slots__ = SETTING_KEYS
 
     def __init__(self, enable: bool = False, rollout_n: Optional[int] = None, logits_optimization: str = "none",
-                 attention_backend: str = "auto", on_unsupported: str = "raise", group_balance: bool = True):
+                 attention_backend: str = "auto", on_unsupported: str = "raise", group_balance: bool = True,
+                 sharing: str = "prompt", min_shared_len: int = DEFAULT_MIN_SHARED_LEN):
         self.enable = _as_bool("enable", enable)
         if rollout_n is not None:
             if isinstance(rollout_n, bool) or not isinstance(rollout_n, int) or rollout_n < 1:
@@ -92,6 +98,17 @@ class ZorroSettings:
         self.attention_backend = _as_choice("attention_backend", attention_backend, ATTENTION_BACKEND_CHOICES)
         self.on_unsupported = _as_choice("on_unsupported", on_unsupported, ON_UNSUPPORTED)
         self.group_balance = _as_bool("group_balance", group_balance)
+        self.sharing = _as_choice("sharing", sharing, SHARING_MODES)
+        if isinstance(min_shared_len, bool) or not isinstance(min_shared_len, int) or min_shared_len < 1:
+            raise ValueError(f"zorro.min_shared_len: expected an int >= 1 (tokens a shared prefix-tree node must "
+                             f"add), got {min_shared_len!r}.")
+        self.min_shared_len = min_shared_len
+
+    def plan_kwargs(self) -> dict:
+        """The ``build_plan`` keywords of these settings (``sharing``, and ``min_shared_len`` for prefix trees)."""
+        if self.sharing == "prefix":
+            return {"sharing": "prefix", "min_shared_len": self.min_shared_len}
+        return {"sharing": "prompt"}
 
     @classmethod
     def from_mapping(cls, cfg: Any) -> ZorroSettings:

@@ -39,6 +39,7 @@ from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
+from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["ZorroFSDPEngineWithLMHead", "row_lengths", "row_group_ids"]
 
@@ -223,6 +224,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
 
         mbs = self.zorro_micro_batches(data)
         micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]
+        self._zorro_tree_stats = [0, 0]  # prefix sharing: tokens run by the plans, deepest tree
 
         output_lst = []
         ctx = torch.no_grad() if forward_only else nullcontext()
@@ -246,9 +248,13 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             # verl restores the order only for dynamic bsz; group-aware fixed micro-batches reorder rows too.
             out["model_output"] = {k: restore_dynamic_batch(v, mbs.batches) for k, v in out["model_output"].items()}
-        self._add_metrics(out, dedup_metrics(mbs.ordinary_tokens, mbs.dedup_tokens, mbs.split_groups, 0))
+        ordinary, computed = mbs.ordinary_tokens, mbs.dedup_tokens
+        if self.zorro.sharing == "prefix":  # the trees' own counts (micro-batch costs are the packing estimate)
+            ordinary, (computed, depth) = getattr(mbs, "zorro_ordinary_tokens", ordinary), self._zorro_tree_stats
+            self._add_metrics(out, {"zorro/tree_depth": float(depth)})
+        self._add_metrics(out, dedup_metrics(ordinary, computed, mbs.split_groups, 0))
         # tokens actually run: with prompt_tokens_saved, the trainer scales verl's MFU to zorro/effective_mfu/<pass>
-        self._add_metrics(out, {"zorro/computed_tokens": float(mbs.dedup_tokens)})
+        self._add_metrics(out, {"zorro/computed_tokens": float(computed)})
         self.zorro_last_micro_batches = mbs
         return out
 
@@ -274,11 +280,20 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     def zorro_micro_batches(self, data):
         """Group-aware micro-batches of ``data`` (row index lists), the same count on every DP rank."""
         p, r = row_lengths(data)
-        g = row_group_ids(data, p)
+        r_split = None
+        if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
+            ids_pad, row, col = _to_verl_padded(data["input_ids"], p, r, int(p.max()), int(r.max()))
+            am = torch.zeros_like(ids_pad)
+            am[row, col] = 1
+            tc = tree_row_costs(ids_pad, am, int(r.max()), self.zorro.min_shared_len)
+            g, p, r, r_split = tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
+            ordinary = sum(tc["length"])
+        else:
+            g = row_group_ids(data, p)
         sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             max_tok = int(tu.get(data, "max_token_len_per_gpu")) * sp
-            mbs = dynamic_microbatches(g, p, r, max_tok)
+            mbs = dynamic_microbatches(g, p, r, max_tok, split_response_lens=r_split)
         else:
             mbs = fixed_size_microbatches(g, p, r, int(tu.get(data, "micro_batch_size_per_gpu")))
         # FSDP collectives need the same number of forward/backward calls on every DP rank.
@@ -287,6 +302,8 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         count = int(count.item())
         if count > len(mbs):
             mbs = split_to_count(mbs, count, g, p, r)
+        if self.zorro.sharing == "prefix":
+            mbs.zorro_ordinary_tokens = ordinary
         return mbs
 
     # ------------------------------------------------------------------ micro-batch
@@ -301,7 +318,10 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         am = torch.zeros_like(ids_pad)
         am[row, col] = 1
         pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0]
-        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am)
+        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am, **self.zorro.plan_kwargs())
+        if plan.tree is not None and getattr(self, "_zorro_tree_stats", None) is not None:
+            self._zorro_tree_stats[0] += plan.T
+            self._zorro_tree_stats[1] = max(self._zorro_tree_stats[1], plan.tree.levels)
 
         temperature = micro_batch["temperature"]
         use_fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
