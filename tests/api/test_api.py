@@ -315,3 +315,47 @@ def test_actor_attention_backend_keyword_selects_any_registered_backend(model_di
             assert (actor.forward(b).logprobs - lp_ref).abs().max().item() <= 1e-9
     wrapped = DeduplicatedActor.from_model(tiny_model("qwen3"), attention_backend="standard")
     assert wrapped.backend == "standard"
+
+
+@pytest.mark.parametrize("max_tok", [4096, 40])
+def test_actor_prefix_sharing_matches_ordinary(model_dir, max_tok):
+    """``sharing="prefix"`` (keyword only): an agentic batch (shared system prompt, multi-turn samples with masked
+    tool tokens) matches the ordinary forward and training step; a small budget chunks by whole trie clusters."""
+    from zorro_verl.testing import batch_from_rows, multi_turn_rows, shared_system_rows
+
+    actor = _actor(model_dir, attn_implementation="sdpa", max_token_len=max_tok, sharing="prefix", min_shared_len=3)
+    ref = tiny_model("qwen3")
+    rows = shared_system_rows(2, 3, system_len=8, question_len=3, response_len=4, vocab_size=128, seed=5)
+    turns, masks = multi_turn_rows(3, first_prompt_len=4, turn_len=3, observation_len=2, vocab_size=128, seed=6)
+    b = batch_from_rows(rows + turns, response_masks=[[1] * 4] * len(rows) + masks, include_training_fields=True)
+    R = b["responses"].shape[1]
+    actor.eval()
+    with torch.no_grad():
+        out = actor.forward(b, temperature=0.8, calculate_entropy=True)
+        lp_ref, ent_ref = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], R, temperature=0.8,
+                                            calculate_entropy=True)
+    assert out.plan.tree is not None
+    assert (out.logprobs - lp_ref).abs().max().item() <= 1e-9
+    assert (out.entropy - ent_ref).abs().max().item() <= 1e-9
+    actor.train()
+    ref.train()
+    metrics = actor.compute_policy_loss_and_backward(b, temperature=0.8)
+    lp_t, _ = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], R, temperature=0.8)
+    valid = b["attention_mask"][:, -R:].bool()
+    sel = b["response_mask"][valid].bool()
+    pick = lambda k: b[k][valid][sel]  # noqa: E731
+    loss, _ = packed_ppo_policy_loss(lp_t[sel], pick("old_log_probs"), pick("advantages"), pick("ref_log_prob"))
+    loss.backward()
+    assert abs(metrics["actor/policy_loss"] - loss.item()) <= 1e-9
+    assert metrics["zorro/tree_depth"] >= 3 and metrics["zorro/dedup_ratio"] > 1.5
+    err, name = max_rel_grad_error(grads_of(ref), grads_of(actor.model))
+    assert err <= 1e-8, name
+
+
+def test_actor_sharing_arguments(model_dir):
+    with pytest.raises(ValueError, match="sharing: expected one of"):
+        DeduplicatedActor(model_dir, device="cpu", sharing="tree")
+    with pytest.raises(ValueError, match="only used with sharing='prefix'"):
+        DeduplicatedActor(model_dir, device="cpu", min_shared_len=8)
+    with pytest.raises(ValueError, match="min_shared_len"):
+        DeduplicatedActor.from_model(tiny_model("qwen3"), sharing="prefix", min_shared_len=0)

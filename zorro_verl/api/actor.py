@@ -19,6 +19,7 @@ from zorro_verl.attention import BACKEND_NAMES, get_backend
 from zorro_verl.integrations.transformers import install_zorro, is_installed, load_causal_lm, zorro_step
 from zorro_verl.logprob import check_logits_optimization
 from zorro_verl.packing import ZorroPlan, build_plan
+from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, check_min_shared_len, check_sharing, tree_row_costs
 from zorro_verl.packing.microbatch import dynamic_microbatches
 
 __all__ = ["DeduplicatedActor", "Qwen3ModelOncePatcher", "ModelOutput", "backend_for"]
@@ -105,11 +106,12 @@ class Qwen3ModelOncePatcher:
     """
 
     def __init__(self, model, response_len: int, rollout_n: int, temperature: float, *, backend: str = "sdpa",
-                 logits_optimization: str = "none"):
+                 logits_optimization: str = "none", sharing: str = "prompt", min_shared_len: Optional[int] = None):
         self.model = model
         self.set_defaults(response_len, rollout_n, temperature)
         self.backend = get_backend(backend).name
         self.logits_optimization = check_logits_optimization(logits_optimization)
+        self.plan_kwargs = _plan_kwargs(sharing, min_shared_len)
         install_zorro(model)
 
     def set_defaults(self, response_len: int, rollout_n: int, temperature: float) -> None:
@@ -128,7 +130,7 @@ class Qwen3ModelOncePatcher:
     def plan(self, micro_batch: Dict[str, torch.Tensor]) -> ZorroPlan:
         """Build the micro-batch's plan (the only host syncs of the step happen here)."""
         ids, mask, R = _check_batch(micro_batch)
-        return build_plan(ids, mask, R, position_ids=micro_batch.get("position_ids"))
+        return build_plan(ids, mask, R, position_ids=micro_batch.get("position_ids"), **self.plan_kwargs)
 
     def forward(self, micro_batch: Dict[str, torch.Tensor], temperature: Optional[float] = None,
                 calculate_entropy: bool = False) -> ModelOutput:
@@ -139,12 +141,27 @@ class Qwen3ModelOncePatcher:
         return ModelOutput(lp, ent, plan)
 
     def stats(self, plan: ZorroPlan) -> Dict[str, float]:
-        """Dedup metrics of one plan: ratio of ordinary to packed tokens, prompt tokens saved, split groups."""
-        return {
+        """Dedup metrics of one plan: ratio of ordinary to packed tokens, prompt tokens saved, split groups (prefix
+        trees: clusters), and for prefix trees ``zorro/tree_depth`` (node levels of the deepest path)."""
+        out = {
             "zorro/dedup_ratio": plan.ordinary_tokens / max(plan.T, 1),
             "zorro/prompt_tokens_saved": float(plan.ordinary_tokens - plan.T),
             "zorro/split_groups": float((plan.group_sizes < self.rollout_n).sum()),
         }
+        if plan.tree is not None:
+            out["zorro/tree_depth"] = float(plan.tree.levels)
+        return out
+
+
+def _plan_kwargs(sharing: str, min_shared_len: Optional[int]) -> dict:
+    """Validated ``build_plan`` keywords of the API's ``sharing`` / ``min_shared_len``."""
+    if check_sharing(sharing) == "prefix":
+        return {"sharing": "prefix", "min_shared_len": check_min_shared_len(
+            DEFAULT_MIN_SHARED_LEN if min_shared_len is None else min_shared_len)}
+    if min_shared_len is not None:
+        raise ValueError(f"min_shared_len: only used with sharing='prefix', got {min_shared_len!r} with "
+                         "sharing='prompt'. Drop it or pass sharing='prefix'.")
+    return {"sharing": "prompt"}
 
 
 class DeduplicatedActor:
@@ -165,6 +182,10 @@ class DeduplicatedActor:
         dtype: parameter dtype.
         attention_backend: (keyword only, beyond the reference signature) any registered attention backend, e.g.
             ``flash_copyfree``; overrides ``attn_implementation`` / ``use_split_attention``.
+        sharing: (keyword only, beyond the reference signature) ``"prompt"`` (rows with identical prompts share
+            them) or ``"prefix"`` (every common prefix: the prefix tree, docs/DESIGN.md §1).
+        min_shared_len: (keyword only) ``sharing="prefix"``: tokens a shared tree node must add over its parent
+            (default 64).
     """
 
     def __init__(
@@ -179,8 +200,11 @@ class DeduplicatedActor:
         dtype: torch.dtype = torch.bfloat16,
         *,
         attention_backend: Optional[str] = None,
+        sharing: str = "prompt",
+        min_shared_len: Optional[int] = None,
     ):
         check_logits_optimization(logits_optimization)
+        self.plan_kwargs = _plan_kwargs(sharing, min_shared_len)
         if not isinstance(use_split_attention, bool):
             raise TypeError(f"use_split_attention: expected a bool, got {type(use_split_attention).__name__}.")
         self.backend = backend_for(attn_implementation, use_split_attention, attention_backend)
@@ -211,10 +235,12 @@ class DeduplicatedActor:
     @classmethod
     def from_model(cls, model, *, logits_optimization: str = "none", use_split_attention: bool = True,
                    attn_implementation: str = "sdpa", world_size: int = 1, max_token_len: int = 4096,
-                   attention_backend: Optional[str] = None) -> "DeduplicatedActor":
+                   attention_backend: Optional[str] = None, sharing: str = "prompt",
+                   min_shared_len: Optional[int] = None) -> "DeduplicatedActor":
         """Wrap an already built ``*ForCausalLM`` (e.g. from a config) instead of loading one."""
         check_logits_optimization(logits_optimization)
         self = cls.__new__(cls)
+        self.plan_kwargs = _plan_kwargs(sharing, min_shared_len)
         self.backend = backend_for(attn_implementation, use_split_attention, attention_backend)
         self._setup(model, next(model.parameters()).device, logits_optimization, world_size, max_token_len)
         return self
@@ -234,7 +260,8 @@ class DeduplicatedActor:
         """Install the deduplicated forward (once); later calls update the defaults and return the same patcher."""
         if self._patcher is None:
             self._patcher = Qwen3ModelOncePatcher(self.model, response_len, rollout_n, temperature,
-                                                  backend=self.backend, logits_optimization=self.logits_optimization)
+                                                  backend=self.backend, logits_optimization=self.logits_optimization,
+                                                  **self.plan_kwargs)
         else:
             self._patcher.set_defaults(response_len, rollout_n, temperature)
         return self._patcher
@@ -250,10 +277,18 @@ class DeduplicatedActor:
             self.patch(micro_batch["responses"].shape[1], 1, temperature)
         return self._patcher
 
-    def _chunks(self, plan: ZorroPlan) -> list:
-        """Row-index chunks of whole groups whose packed length fits ``max_token_len`` (``[None]``: one chunk)."""
+    def _chunks(self, plan: ZorroPlan, micro_batch) -> list:
+        """Row-index chunks of whole groups (prefix trees: clusters) whose packed length fits ``max_token_len``
+        (``[None]``: one chunk)."""
         if plan.T <= self.max_token_len or plan.G == 1:
             return [None]
+        if plan.tree is not None:
+            ids, mask, R = _check_batch(micro_batch)
+            tc = tree_row_costs(ids, mask if mask is not None else torch.ones_like(ids), R,
+                                self.plan_kwargs["min_shared_len"])
+            mbs = dynamic_microbatches(tc["cluster"], tc["root_len"], tc["own"], self.max_token_len,
+                                       split_oversized_groups=False)
+            return [torch.tensor(rows, device=plan.device) for rows in mbs.batches]
         mbs = dynamic_microbatches(plan.row_group, plan.row_prompt_lens, plan.response_lens, self.max_token_len,
                                    split_oversized_groups=False)
         return [torch.tensor(rows, device=plan.device) for rows in mbs.batches]
@@ -268,7 +303,7 @@ class DeduplicatedActor:
         _check_batch(micro_batch)
         patcher = self._ensure_patched(micro_batch, temperature)
         plan = patcher.plan(micro_batch)
-        chunks = self._chunks(plan)
+        chunks = self._chunks(plan, micro_batch)
         if chunks == [None]:
             lp, ent = zorro_step(self.model, plan, backend=self.backend, temperature=temperature,
                                  calculate_entropy=calculate_entropy, logits_optimization=self.logits_optimization)

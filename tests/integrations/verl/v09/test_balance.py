@@ -328,3 +328,37 @@ def test_v1_real_trainer_warns_when_micro_batch_cuts_groups(caplog):
     ok = {}
     PPOTrainer._balance_batch(me, _kv([f"{u}_{s}_0" for u in "ab" for s in range(4)], [5] * 8), ok)
     assert "zorro/balance_micro_batch_misaligned" not in ok
+
+
+def test_tree_balance_keeps_clusters_whole_and_counts_shared_tokens_once():
+    """sharing=prefix: rows sharing a system prompt (different questions) form one cluster; clusters stay whole on
+    a rank and a rank's cost is its prefix trees' tokens."""
+    from zorro_verl.integrations.verl.v09.balance import tree_balance
+    from zorro_verl.packing import build_plan
+    from zorro_verl.testing import batch_from_rows, shared_system_rows
+
+    rows = []
+    for seed in range(4):  # 4 clusters (different system prompts), 2 questions x 2 samples each
+        rows += shared_system_rows(2, 2, system_len=12, question_len=3, response_len=4, vocab_size=100, seed=seed)
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    b = batch_from_rows([rows[i] for i in perm])
+    R = b["responses"].shape[1]
+    bal = tree_balance(b["input_ids"], b["attention_mask"], R, 2, min_shared_len=4)
+    assert [len(r) for r in bal.ranks] == [8, 8] and bal.split_groups == 0
+    for rank_rows, cost in zip(bal.ranks, bal.costs):
+        sub = {k: v[rank_rows] for k, v in b.items()}
+        plan = build_plan(sub["input_ids"], sub["attention_mask"], R, sharing="prefix", min_shared_len=4)
+        assert plan.G == 2 and plan.T == cost  # two whole clusters; the cost is the tree's token count
+
+
+def test_v1_tree_costs_nest_multi_output_sessions():
+    from zorro_verl.integrations.verl.v09.balance import v1_tree_costs
+
+    # uid a: one session with 3 nested outputs (prompt 10, each turn +5); uid b: two sessions of one output each
+    keys = ["a_0_0", "a_0_1", "a_0_2", "b_0_0", "b_1_0", "pad"]
+    tags = [{"prompt_len": 10, "seq_len": 15}, {"prompt_len": 15, "seq_len": 20}, {"prompt_len": 20, "seq_len": 25},
+            {"prompt_len": 8, "seq_len": 12}, {"prompt_len": 8, "seq_len": 11}, {"is_padding": True, "seq_len": 1}]
+    g, p, r = v1_tree_costs(keys, tags)
+    assert g[:3] == [0, 0, 0] and g[3:5] == [1, 1] and g[5] not in g[:5]
+    assert p[:5] == [10, 10, 10, 8, 8]
+    assert r[:5] == [0, 0, 15, 4, 3]  # the longest output of a session pays it; the others are inside it

@@ -145,6 +145,9 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
             return "calculate_sum_pi_squared=True"
         if self.zorro.logits_optimization == "memory":
             return "logits_optimization=memory in the legacy actor (use none or compute)"
+        if self.zorro.sharing == "prefix":
+            return ("sharing=prefix (prefix trees) in the legacy actor: it is available in the verl >= 0.9 engine; "
+                    "use sharing=prompt with verl 0.7")
         return None
 
     @staticmethod

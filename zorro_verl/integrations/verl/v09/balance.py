@@ -9,7 +9,8 @@ token cost (:func:`~zorro_verl.packing.microbatch.balance_groups_across_ranks`);
 into (``ppo_mini_batch_size * rollout.n / dp`` rows, in order), so whole groups fill mini-batches
 (``zorro/balance_minibatch_split_groups``; ``actor.shuffle=true`` defeats this and is warned about). Balancing never
 stops a run: an error inside it is warned once, counted in ``zorro/balance_fallbacks`` and verl's balancing runs.
-With zorro disabled or the key false, verl's own balancing runs unchanged.
+With zorro disabled or the key false, verl's own balancing runs unchanged. With ``zorro.sharing: prefix`` the units
+are trie clusters (rows sharing anything) costed by their prefix tree (:func:`tree_balance`, :func:`v1_tree_costs`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks
+from zorro_verl.packing.tree import tree_row_costs
 
-__all__ = ["group_balance", "install_v0_hook", "install_v1_hook", "trainer_zorro_settings", "v1_group_of_key",
+__all__ = ["group_balance", "tree_balance", "v1_tree_costs", "install_v0_hook", "install_v1_hook", "trainer_zorro_settings", "v1_group_of_key",
            "v1_session_of_key"]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,47 @@ def group_balance(prompts: torch.Tensor, attention_mask: torch.Tensor, dp_size: 
     p = pm.sum(1)
     r = (attention_mask[:, pw:] != 0).sum(1)
     return balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=minibatches_per_rank)
+
+
+def tree_balance(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, dp_size: int,
+                 minibatches_per_rank: int = 1, min_shared_len: int = 64) -> DPBalance:
+    """:func:`group_balance` for ``sharing=prefix``: whole trie clusters (rows sharing anything) on ranks, each
+    costing its prefix tree's tokens (:func:`~zorro_verl.packing.tree.tree_row_costs`: the root once, every inner
+    node once). ``input_ids [B, Pw + R]``, ``attention_mask [B, Pw + R]`` in verl's layout."""
+    tc = tree_row_costs(input_ids, attention_mask, response_width, min_shared_len)
+    return balance_groups_across_ranks(tc["cluster"], tc["root_len"], tc["own"], dp_size, equal_size=True,
+                                       minibatches_per_rank=minibatches_per_rank)
+
+
+def v1_tree_costs(keys: list, tags: list) -> tuple[list, list, list]:
+    """V1 tags (no tokens) under ``sharing=prefix``: every output of one ``uid`` shares its first prompt (the
+    cluster's root, the shortest ``prompt_len`` of the uid), and the outputs of one session are nested (output
+    ``i > 0`` carries the conversation so far), so a session costs its longest output beyond the root, paid by
+    that output. Returns ``(cluster, root_len, own)`` per row (padding rows: their own clusters)."""
+    labels: dict[str, int] = {}
+    g = [labels.setdefault(v1_group_of_key(k), len(labels)) for k in keys]
+    seq = [int(t.get("seq_len", 0)) for t in tags]
+    real = [not t.get("is_padding") and "prompt_len" in t for t in tags]
+    root: dict[int, int] = {}
+    longest: dict[str, int] = {}
+    for i, (k, t) in enumerate(zip(keys, tags)):
+        if real[i]:
+            root[g[i]] = min(root.get(g[i], 1 << 62), int(t["prompt_len"]))
+            s = v1_session_of_key(k)
+            if s not in longest or seq[i] > seq[longest[s]]:
+                longest[s] = i
+    payer = set(longest.values())
+    cluster, root_len, own = [], [], []
+    for i in range(len(keys)):
+        if not real[i]:
+            cluster.append(len(labels) + i)
+            root_len.append(int(tags[i].get("prompt_len", 0)))
+            own.append(max(0, seq[i] - root_len[-1]))
+            continue
+        cluster.append(g[i])
+        root_len.append(root[g[i]])
+        own.append(seq[i] - root[g[i]] if i in payer else 0)
+    return cluster, root_len, own
 
 
 def trainer_zorro_settings(config) -> ZorroSettings:
@@ -206,7 +249,11 @@ def install_v0_hook(module) -> None:
         dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
         am = batch.batch["attention_mask"]
         m = minibatches_per_rank(self.config, len(batch), dp_size, metrics)
-        bal = group_balance(batch.batch["prompts"], am, dp_size, minibatches_per_rank=m)
+        if settings.sharing == "prefix":
+            bal = tree_balance(batch.batch["input_ids"], am, batch.batch["responses"].shape[1], dp_size,
+                               minibatches_per_rank=m, min_shared_len=settings.min_shared_len)
+        else:
+            bal = group_balance(batch.batch["prompts"], am, dp_size, minibatches_per_rank=m)
         seqlens = am.sum(-1).tolist()
         uids = batch.non_tensor_batch.get("uid") if batch.non_tensor_batch else None
         if uids is not None:
@@ -262,6 +309,8 @@ def install_v1_hook(module) -> None:
         _check_group_sizes(metrics, [len(s) for s in sessions.values()], settings.rollout_n)
         _check_micro_batch_size(metrics, self.config, settings.rollout_n)
         m = minibatches_per_rank(self.config, len(g), dp_size, metrics)
+        if settings.sharing == "prefix":  # a uid's outputs form one trie cluster
+            g, p, r = v1_tree_costs(list(batch.keys), list(batch.tags))
         bal = balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=m)
         batch.reorder(bal.permutation())
         _log_balance(metrics, [int(t["seq_len"]) for t in batch.tags], bal, logging_prefix, dp_size)
