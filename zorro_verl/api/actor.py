@@ -19,8 +19,8 @@ from zorro_verl.attention import BACKEND_NAMES, get_backend
 from zorro_verl.integrations.transformers import install_zorro, is_installed, load_causal_lm, zorro_step
 from zorro_verl.logprob import check_logits_optimization
 from zorro_verl.packing import ZorroPlan, build_plan
-from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, check_min_shared_len, check_sharing, tree_row_costs
 from zorro_verl.packing.microbatch import dynamic_microbatches
+from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, check_min_shared_len, check_sharing, tree_row_costs
 
 __all__ = ["DeduplicatedActor", "Qwen3ModelOncePatcher", "ModelOutput", "backend_for"]
 
