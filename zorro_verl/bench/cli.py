@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                         "override single fields")
     p.add_argument("--quick", action="store_true", help="alias of --preset cpu-quick (< 3 min on a 2-core host, "
                                                         "with target checks)")
+    p.add_argument("--tree", action="store_true",
+                   help="run the prefix-tree benchmark (agentic batches: ordinary vs prompt sharing vs "
+                        "sharing=prefix, CPU quick set with its targets) instead of the model-level one")
     p.add_argument("--ops", action="store_true",
                    help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "
                         "instead of the model-level one; backends: --backends or every available one")
@@ -129,6 +132,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.ops and args.plot:
         raise ValueError("--plot: plots the model-level fwd_bwd rows; the op-level run (--ops) has none.")
     t0 = time.perf_counter()
+    if args.tree:
+        from zorro_verl.bench.tree import check_tree_targets, format_tree_table, run_tree_bench
+
+        rows = run_tree_bench(modes=modes, model_shape=s.model, dtype=DTYPES[s.dtype], device=s.device,
+                              warmup=args.warmup, reps=args.reps, clock=s.clock)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        print()
+        print(format_tree_table(rows))
+        checks = check_tree_targets(rows) if torch.device(s.device).type == "cpu" else []
+        for line in checks:
+            print(line)
+        print(f"total {time.perf_counter() - t0:.0f} s; prefix-tree benchmark; device: "
+              f"{rows[0]['device'] if rows else s.device}")
+        return 1 if any(c.startswith("FAIL") for c in checks) else 0
     if args.ops:
         from zorro_verl.bench.ops import run_ops
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flop_model", "attention_pairs", "linear_flops_per_token", "mlp_flops_per_token",
+__all__ = ["flop_model", "tree_flop_model", "attention_pairs", "linear_flops_per_token", "mlp_flops_per_token",
            "linear_attention_flops_per_token"]
 
 #: Model types whose full-attention q_proj also produces a per-head output gate (twice the query width).
@@ -100,3 +100,22 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
         zorro += L_lin * lin_layer * z_tokens
     return {"baseline": base + head, "baseline_full": base + 2 * H * V * base_tokens, "zorro": zorro + head,
             "baseline_tokens": base_tokens, "zorro_tokens": z_tokens, "N": N}
+
+
+def tree_flop_model(cfg, plan) -> dict:
+    """Forward FLOPs of zorro's forward over a prefix-tree plan (``plan.tree`` set), in the terms of
+    :func:`flop_model`: every node's tokens once; a node's queries attend to its ancestors' keys and causally to
+    its own (``len * pos0 + len (len + 1) / 2`` pairs); the LM head on the distinct predicting rows (``Nh``).
+    Returns ``zorro``, ``zorro_tokens``, ``pairs`` and ``head_rows`` (ints)."""
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    if "linear_attention" in types:
+        raise ValueError("tree_flop_model: prefix trees are not available for hybrid linear-attention models.")
+    L = len(types)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    t = plan.tree
+    ln, pos0 = t.node_len.cpu(), t.node_pos0.cpu()
+    pairs = int((ln * pos0 + ln * (ln + 1) // 2).sum())
+    head_rows = int(plan.head_index.numel())
+    z = L * (linear_flops_per_token(cfg) * plan.T + 4 * cfg.num_attention_heads * D * pairs) + 2 * H * V * head_rows
+    return {"zorro": z, "zorro_tokens": plan.T, "pairs": pairs, "head_rows": head_rows}

@@ -26,7 +26,8 @@ from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks
 from zorro_verl.packing.tree import tree_row_costs
 
-__all__ = ["group_balance", "tree_balance", "v1_tree_costs", "install_v0_hook", "install_v1_hook", "trainer_zorro_settings", "v1_group_of_key",
+__all__ = ["group_balance", "tree_balance", "v1_tree_costs", "install_v0_hook", "install_v1_hook",
+           "trainer_zorro_settings", "v1_group_of_key",
            "v1_session_of_key"]
 
 logger = logging.getLogger(__name__)
