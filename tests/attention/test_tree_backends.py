@@ -54,16 +54,39 @@ def test_backends_over_random_tries(case):
     _check_all(_tree_plan(rows, min_shared))
 
 
+def branching_rows(depth=3, width=2, turn=3, seed=0):
+    """A tree rollout: from one prompt, every turn branches into ``width`` continuations, each stored as a sample
+    (its prompt the path so far, its response the next turn): a trie of ``depth`` + 1 node levels."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda: torch.randint(1, 50, (turn,), generator=g).tolist()  # noqa: E731
+    rows, frontier = [], [rnd()]
+    for _ in range(depth):
+        nxt = []
+        for ctx in frontier:
+            for _ in range(width):
+                t = rnd()
+                rows.append((ctx, t))
+                nxt.append(ctx + t)
+        frontier = nxt
+    return rows
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1)])
-def test_deep_multi_turn_tree(hq, hkv):
-    rows, _ = multi_turn_rows(4, first_prompt_len=5, turn_len=3, observation_len=2, trajectories=2, vocab_size=50)
-    plan = _tree_plan(rows)
-    assert plan.tree.levels >= 4
+def test_deep_branching_tree(hq, hkv):
+    plan = _tree_plan(branching_rows())
+    assert plan.tree.levels == 4
     # copy-free: one non-causal call per ancestor level, each key token read by one level only
     ix = copyfree_index(plan)
     assert len(ix["levels"]) == plan.tree.levels - 1
     assert sum(lv[1].numel() for lv in ix["levels"]) <= plan.T
     _check_all(plan, hq, hkv)
+
+
+def test_multi_turn_samples_are_one_node_per_trajectory():
+    rows, _ = multi_turn_rows(4, first_prompt_len=5, turn_len=3, observation_len=2, trajectories=2, vocab_size=50)
+    plan = _tree_plan(rows)
+    assert plan.tree.M == 2 and plan.tree.levels == 1  # each sample is a prefix of the next: one chain, merged
+    _check_all(plan)
 
 
 def test_single_node_and_no_sharing():

@@ -40,13 +40,14 @@ def test_hand_written_trie():
             ([7, 7, 7, 1, 1], [2, 2])]
     _, p = _plan(rows, min_shared=2)
     t = p.tree
-    # nodes (DFS): n0=[7 7 7] -> n1=[1 1] -> n2=[2 2] -> n3=[9];  n1 -> n4=[3];  n0 -> n5=[4 5 5]
+    # nodes (DFS): n0=[7 7 7] -> n1=[1 1] -> n2=[2 2 9] (row 0 ends inside it: rows need no node boundary);
+    # n1 -> n3=[3];  n0 -> n4=[4 5 5]
     assert p.input_ids.tolist() == [7, 7, 7, 1, 1, 2, 2, 9, 3, 4, 5, 5]
     assert p.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 3, 4, 5]
-    assert t.node_start.tolist() == [0, 3, 5, 7, 8, 9] and t.node_len.tolist() == [3, 2, 2, 1, 1, 3]
-    assert t.node_parent.tolist() == [-1, 0, 1, 2, 1, 0] and t.node_pos0.tolist() == [0, 3, 5, 7, 5, 3]
-    assert t.node_sub_end.tolist() == [12, 9, 8, 8, 9, 12] and t.levels == 4
-    assert t.row_node.tolist() == [2, 4, 5, 3, 2]  # rows 0 and 4 are identical; row 0 is a prefix of row 3
+    assert t.node_start.tolist() == [0, 3, 5, 8, 9] and t.node_len.tolist() == [3, 2, 3, 1, 3]
+    assert t.node_parent.tolist() == [-1, 0, 1, 1, 0] and t.node_pos0.tolist() == [0, 3, 5, 5, 3]
+    assert t.node_sub_end.tolist() == [12, 9, 8, 9, 12] and t.levels == 3
+    assert t.row_node.tolist() == [2, 3, 4, 2, 2]  # rows 0 and 4 are identical; row 0 is a prefix of row 3
     assert p.logit_index.tolist() == [4, 5, 4, 9, 10, 4, 5, 6, 4, 5]
     assert p.target_ids.tolist() == [2, 2, 3, 5, 5, 2, 2, 9, 2, 2]
     assert p.head_index.tolist() == [4, 5, 6, 9, 10]  # 10 outputs, 5 distinct predicting positions

@@ -136,17 +136,24 @@ def reference_index(plan: ZorroPlan) -> dict:
                                   torch.cat([p_valid.flatten(), r_valid.flatten()]), slots)
         kv_src = torch.cat([pi[plan.row_group], ri], 1).flatten()  # [B*(Pmax+Rmax)]
         kv_valid = torch.cat([p_valid[plan.row_group], r_valid], 1).flatten()
-        p_src, r_src = pi.flatten(), ri.flatten()
-        p_valid, r_valid = p_valid.flatten(), r_valid.flatten()
         return {
-            "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": ~p_valid,
-            "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": ~r_valid,
-            "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T),
+            **_slots(T, pi, ri, p_valid, r_valid, kv_src, kv_valid),
             "response_mask": torch.cat([key_prompt, key_own], dim=2)[:, None],  # [B, 1, Rmax, Pmax+Rmax]
             "out_index": out_index,
         }
 
     return plan.memo.get("reference", build)
+
+
+def _slots(T: int, pi, ri, p_valid, r_valid, kv_src, kv_valid) -> dict:
+    """The slot fields of :func:`reference_index` from the padded blocks' packed indices ``pi`` / ``ri`` (and their
+    valid flags) and the response key blocks' ``kv_src`` / ``kv_valid`` (flat): sources, destinations (pads ->
+    ``T``, gradients dropped) and pad flags."""
+    p_src, r_src = pi.flatten(), ri.flatten()
+    p_valid, r_valid = p_valid.flatten(), r_valid.flatten()
+    return {"p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": ~p_valid,
+            "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": ~r_valid,
+            "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T)}
 
 
 def _tree_index(plan: ZorroPlan) -> dict:
@@ -170,12 +177,8 @@ def _tree_index(plan: ZorroPlan) -> dict:
     kv_valid = torch.cat([ch["chain_valid"], r_valid], 1).flatten()
     key_own = (ar_r[None, :] <= ar_r[:, None])[None].expand(C, Lc, Lc)  # [C, Lc(q), Lc(k)]
     key_chain = ch["chain_valid"][:, None, :].expand(C, Lc, A)
-    p_src, r_src = pi.flatten(), ri.flatten()
-    p_valid, r_valid = p_valid.flatten(), r_valid.flatten()
     return {
-        "p_src": p_src, "p_dst": torch.where(p_valid, p_src, T), "p_pad": ~p_valid,
-        "r_src": r_src, "r_dst": torch.where(r_valid, r_src, T), "r_pad": ~r_valid,
-        "kv_src": kv_src, "kv_dst": torch.where(kv_valid, kv_src, T),
+        **_slots(T, pi, ri, p_valid, r_valid, kv_src, kv_valid),
         "response_mask": torch.cat([key_chain, key_own], dim=2)[:, None],  # [C, 1, Lc, A+Lc]
         "out_index": out_index, "dims": (nR, Lr, C, Lc, A + Lc),
     }

@@ -308,6 +308,16 @@ def _raise_layout(bad_vals: int, b_pad_p: int, b_pad_r: int, b_empty: int, b_pos
                          "change results. Pass position_ids=None or the standard ones.")
 
 
+def _prepare(input_ids, attention_mask, response_width, position_ids):
+    """Checked inputs of both plan builders: ``(input_ids [B, S] int64, am [B, S] bool, p_len [B], r_len [B])``."""
+    _check_inputs(input_ids, attention_mask, response_width, position_ids)
+    input_ids = input_ids.long()
+    B, S = input_ids.shape
+    Pw = S - response_width
+    am = torch.ones(B, S, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask != 0
+    return input_ids, am, am[:, :Pw].sum(1), am[:, Pw:].sum(1)
+
+
 def _segment_layout(row_group: torch.Tensor, G: int, prompt_lens: torch.Tensor, r_len: torch.Tensor):
     """Segments of the packed row: ``[P_g, R(rows of g in row order)...]`` for g in order.
 
@@ -360,14 +370,11 @@ def build_plan(
     if min_shared_len is not None:
         raise ValueError(f"min_shared_len: only used with sharing='prefix', got {min_shared_len!r} with "
                          "sharing='prompt'. Drop it or pass sharing='prefix'.")
-    _check_inputs(input_ids, attention_mask, response_width, position_ids)
-    input_ids = input_ids.long()
+    input_ids, am, p_len, r_len = _prepare(input_ids, attention_mask, response_width, position_ids)
     B, S = input_ids.shape
     dev = input_ids.device
     R = response_width
     Pw = S - R
-    am = torch.ones(B, S, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask != 0
-    p_len, r_len = am[:, :Pw].sum(1), am[:, Pw:].sum(1)  # [B]
     row_group = group_ids(input_ids[:, :Pw], am[:, :Pw])  # [B], ids by first appearance
 
     # ---- first host sync: layout checks and the group count
@@ -436,14 +443,11 @@ def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
     meaning; every backend reads ``plan.tree``.
     """
     check_min_shared_len(min_shared_len)
-    _check_inputs(input_ids, attention_mask, response_width, position_ids)
-    input_ids = input_ids.long()
+    input_ids, am, p_len, r_len = _prepare(input_ids, attention_mask, response_width, position_ids)
     B, S = input_ids.shape
     dev = input_ids.device
     R = response_width
     Pw = S - R
-    am = torch.ones(B, S, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask != 0
-    p_len, r_len = am[:, :Pw].sum(1), am[:, Pw:].sum(1)  # [B]
     inv, lens, lcp, first = sorted_sequences(input_ids, am, Pw)
     U = lens.numel()
 

@@ -155,7 +155,7 @@ def trie_nodes(lcp: list, lens: list, prompt_lens: list, min_shared_len: int):
     ``[a, d)`` (``a`` = its kept parent's end) if ``d - a >= min_shared_len``; otherwise, if two of its sequences
     have identical prompts (the same prompt length ``a < p <= d``: the first ``d`` tokens are common), a node
     ``[a, p)`` is cut at the shortest such prompt and the interval is looked at again from ``p``; otherwise its
-    children recompute ``[a, d)``.
+    children recompute ``[a, d)``. Chains of only children are then merged into one node (:func:`_merge_chains`).
 
     Returns ``(nodes, end_node)``: ``nodes`` in DFS pre-order as ``[pos0, length, parent, depth, rep_seq]`` lists
     and ``end_node [U]`` (the node holding each sequence's last token)."""
@@ -190,7 +190,43 @@ def trie_nodes(lcp: list, lens: list, prompt_lens: list, min_shared_len: int):
         edges = [lo] + [k + 1 for k in bounds] + [hi + 1]
         for s, e in reversed(list(zip(edges[:-1], edges[1:]))):  # reversed: the stack pops them in order
             stack.append((s, e - 1, a, parent, depth))
-    return nodes, end_node
+    return _merge_chains(nodes, end_node)
+
+
+def _merge_chains(nodes: list, end_node: list):
+    """Merge every node with its only child: rows need no node boundary where they end (a row that is a prefix of
+    another reads its tokens on the longer row's path), so a chain of single children — a multi-turn trajectory
+    stored as one sample per turn — is one segment, not one level per turn. DFS order is kept."""
+    M = len(nodes)
+    kids = [0] * M
+    for n in nodes:
+        if n[2] >= 0:
+            kids[n[2]] += 1
+    into = list(range(M))  # node -> the node it was merged into
+    alive = [True] * M
+    for i in range(M - 1, -1, -1):  # bottom-up, so a whole chain collapses into its top
+        if kids[i] == 1:
+            c = i + 1  # in DFS pre-order an only child follows its parent
+            nodes[i][1] += nodes[c][1]
+            nodes[i][4] = nodes[c][4]  # a sequence that passes through both
+            kids[i] = kids[c]
+            alive[c] = False
+            into[c] = i
+    for i in range(M):  # resolve merged chains to their surviving top
+        j = i
+        while into[j] != j:
+            j = into[j]
+        into[i] = j
+    new_id = {}
+    out = []
+    for i in range(M):
+        if alive[i]:
+            new_id[i] = len(out)
+            n = list(nodes[i])
+            n[2] = new_id[into[n[2]]] if n[2] >= 0 else -1
+            n[3] = out[n[2]][3] + 1 if n[2] >= 0 else 0
+            out.append(n)
+    return out, [new_id[into[e]] for e in end_node]
 
 
 def tree_chains(plan) -> dict:
@@ -234,8 +270,9 @@ def tree_row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, respon
 
     ``input_ids [B, S]``, ``attention_mask [B, S]`` (verl layout) -> host lists ``[B]``: ``cluster`` (ids by first
     appearance), ``root_len`` (its cluster root's tokens), ``own`` (tokens of the nodes below the root this row pays:
-    ``root + sum(own)`` over a whole cluster is the tree's token count), ``below_root`` (``p + r - root_len``, what a
-    row costs in a piece of a cut cluster, where inner nodes may be paid again), ``length`` (``p + r``).
+    ``root + sum(own)`` over a whole cluster is the tree's token count), ``below_root`` (``max(0, p + r -
+    root_len)``, what a row costs in a piece of a cut cluster, where inner nodes may be paid again: conservative),
+    ``length`` (``p + r``).
     """
     check_min_shared_len(min_shared_len)
     B, S = input_ids.shape
@@ -269,5 +306,5 @@ def tree_row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, respon
         own.append(own_seq[u] if u not in paid and first_h[u] == b else 0)  # identical rows: paid once
         paid.add(u)
         length.append(lens_h[u])
-        below.append(lens_h[u] - nodes[r][1])
+        below.append(max(0, lens_h[u] - nodes[r][1]))  # a row may end inside its root (a merged chain)
     return {"cluster": cluster, "root_len": root_len, "own": own, "below_root": below, "length": length}

@@ -105,6 +105,14 @@ def test_multi_output_agent_loop_samples_with_masked_tool_tokens():
     assert plan.head_index.numel() == plan.N
 
 
+def test_tree_rollout_with_shared_turns():
+    from tests.attention.test_tree_backends import branching_rows
+
+    rows = branching_rows(depth=3, width=2, turn=3, seed=4)
+    plan = compare(batch_from_rows(rows, include_training_fields=True), min_shared_len=1, mode="compute")
+    assert plan.tree.levels == 4
+
+
 @pytest.mark.parametrize("min_shared", [1, 4, 100])
 def test_min_shared_len_and_identical_rows(min_shared):
     rows = shared_system_rows(2, 3, system_len=6, question_len=2, response_len=4, vocab_size=100, seed=3)
