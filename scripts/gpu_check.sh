@@ -10,6 +10,8 @@
 #      (8,2,4096,512) and (16,1,8192,1024), fwd and fwd_bwd, zorro flash / flash_copyfree / flex vs the ordinary
 #      forward (response-only head and full logits), gradient checkpointing on; the preset's target (efficiency
 #      >= 0.85 on (8,2,4096,512)) is checked.
+#   5. the prefix-tree benchmark (--tree): agentic batches, ordinary vs prompt sharing vs sharing=prefix, bf16,
+#      the first GPU backend (the tree's backend paths on real kernels; the targets are the CPU run's).
 # The tables are printed last. Results go to $OUT (the device tool's folder) or ./bench-out.
 # Needs only torch + transformers (+ pytest) on the machine; nothing is downloaded.
 set -uo pipefail
@@ -62,8 +64,14 @@ timeout 250 "$PY" -m zorro_verl.bench --preset gpu --backends "${BACKENDS:-sdpa}
     --json "$OUT_DIR/gpu_bench.json" --plot "$OUT_DIR/gpu_bench.png" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
+TREE_BACKEND="${BACKENDS%%,*}"
+echo "== GPU prefix-tree benchmark (--tree: bf16, quick shape, backend ${TREE_BACKEND:-sdpa})"
+timeout 90 "$PY" -m zorro_verl.bench --tree --device cuda --dtype bfloat16 --clock wall \
+    --backends "${TREE_BACKEND:-sdpa}" --json "$OUT_DIR/gpu_tree.json" 2>&1 | tee "$OUT_DIR/gpu_tree.log"
+TREE_RC=${PIPESTATUS[0]}
+
 echo
-echo "== summary: tests rc=$TESTS_RC, ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
+echo "== summary: tests rc=$TESTS_RC, ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
 for f in gpu_ops gpu_bench; do
     if [ -f "$OUT_DIR/$f.json" ]; then
         echo
@@ -78,4 +86,11 @@ for line in check_targets(rows, PRESETS['gpu'].targets):
         echo "(no $f table: that run did not finish)"
     fi
 done
-[ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+if [ -f "$OUT_DIR/gpu_tree.json" ]; then
+    echo
+    "$PY" -c "
+import json, sys
+from zorro_verl.bench.tree import format_tree_table
+print(format_tree_table(json.load(open(sys.argv[1]))))" "$OUT_DIR/gpu_tree.json"
+fi
+[ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TREE_RC" -eq 0 ]

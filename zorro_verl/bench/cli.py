@@ -136,7 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from zorro_verl.bench.tree import check_tree_targets, format_tree_table, run_tree_bench
 
         rows = run_tree_bench(modes=modes, model_shape=s.model, dtype=DTYPES[s.dtype], device=s.device,
-                              warmup=args.warmup, reps=args.reps, clock=s.clock)
+                              warmup=args.warmup, reps=args.reps, clock=s.clock,
+                              backend=s.backends[0] if args.backends else "sdpa")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -99,12 +99,12 @@ def _plan(batch, sharing: str):
     return build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1], sharing=sharing)
 
 
-def _zorro(runner: Runner, batch: dict, mode: str, sharing: str) -> torch.Tensor:
+def _zorro(runner: Runner, batch: dict, mode: str, sharing: str, backend: str = "sdpa") -> torch.Tensor:
     from zorro_verl.integrations.transformers import zorro_step
 
     plan = _plan(batch, sharing)
     with torch.set_grad_enabled(mode == "fwd_bwd"):
-        lp, _ = zorro_step(runner.model, plan, backend="sdpa")
+        lp, _ = zorro_step(runner.model, plan, backend=backend)
         loss = lp.sum()
     if mode == "fwd_bwd":
         loss.backward()
@@ -112,9 +112,11 @@ def _zorro(runner: Runner, batch: dict, mode: str, sharing: str) -> torch.Tensor
 
 
 def run_tree_bench(scenarios=TREE_SCENARIOS, *, modes=("fwd", "fwd_bwd"), model_shape="quick",
-                   dtype=torch.float32, device="cpu", warmup=1, reps=5, clock="cpu", log=print) -> list[dict]:
-    """Run the grid; one row per (scenario, mode) with every variant's figures (see the module docstring)."""
-    dev, _ = setup_run(reps, device, ["sdpa"])
+                   dtype=torch.float32, device="cpu", warmup=1, reps=5, clock="cpu", backend="sdpa",
+                   log=print) -> list[dict]:
+    """Run the grid; one row per (scenario, mode) with every variant's figures (see the module docstring);
+    ``backend``: the zorro attention backend of both zorro variants (e.g. ``flash`` on CUDA)."""
+    dev, _ = setup_run(reps, device, [backend])
     model = build_model(model_shape, dtype, device)
     model.train()
     ck = Clock(clock, dev.type == "cuda")
@@ -138,16 +140,17 @@ def run_tree_bench(scenarios=TREE_SCENARIOS, *, modes=("fwd", "fwd_bwd"), model_
             runner.use_baseline()
             ref = runner.baseline(batches[0], "fwd", full_logits=False)
             runner.use_zorro()
-            diff = max(float((_zorro(runner, batches[0], "fwd", s) - ref).abs() / ref.abs()) for s in
+            diff = max(float((_zorro(runner, batches[0], "fwd", s, backend) - ref).abs() / ref.abs()) for s in
                        ("prompt", "prefix"))
         for mode in modes:
             variants = {"a2a": (runner.use_baseline, lambda b, m=mode: runner.baseline(b, m, False)),
-                        "prompt": (runner.use_zorro, lambda b, m=mode: _zorro(runner, b, m, "prompt")),
-                        "prefix": (runner.use_zorro, lambda b, m=mode: _zorro(runner, b, m, "prefix"))}
+                        "prompt": (runner.use_zorro, lambda b, m=mode: _zorro(runner, b, m, "prompt", backend)),
+                        "prefix": (runner.use_zorro, lambda b, m=mode: _zorro(runner, b, m, "prefix", backend))}
             times, peak, method = time_interleaved(variants, batches, warmup, reps, ck, runner.reset, dev)
             med = {k: statistics.median(v) for k, v in times.items()}
             paired = lambda a, b, t=times: statistics.median(x / y for x, y in zip(t[a], t[b]))  # noqa: E731
             row = {"scenario": sc.name, "kind": sc.kind, "B": batches[0]["input_ids"].shape[0], "mode": mode,
+                   "backend": backend,
                    "tree_depth": depth, "ordinary_tokens": fl["tokens"], "prompt_tokens": fl["prompt_tokens"],
                    "prefix_tokens": fl["prefix_tokens"], "a2a_ms": med["a2a"], "prompt_ms": med["prompt"],
                    "prefix_ms": med["prefix"], "runs_ms": times, "peak_mb": peak, "mem_method": method,

@@ -249,8 +249,9 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             # verl restores the order only for dynamic bsz; group-aware fixed micro-batches reorder rows too.
             out["model_output"] = {k: restore_dynamic_batch(v, mbs.batches) for k, v in out["model_output"].items()}
         ordinary, computed = mbs.ordinary_tokens, mbs.dedup_tokens
-        if self.zorro.sharing == "prefix":  # the trees' own counts (micro-batch costs are the packing estimate)
-            ordinary, (computed, depth) = getattr(mbs, "zorro_ordinary_tokens", ordinary), self._zorro_tree_stats
+        if self.zorro.sharing == "prefix":  # the rows' and the trees' own counts (mbs holds the packing costs)
+            ordinary = int(data["input_ids"].offsets()[-1])
+            computed, depth = self._zorro_tree_stats
             self._add_metrics(out, {"zorro/tree_depth": float(depth)})
         self._add_metrics(out, dedup_metrics(ordinary, computed, mbs.split_groups, 0))
         # tokens actually run: with prompt_tokens_saved, the trainer scales verl's MFU to zorro/effective_mfu/<pass>
@@ -287,7 +288,6 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             am[row, col] = 1
             tc = tree_row_costs(ids_pad, am, int(r.max()), self.zorro.min_shared_len)
             g, p, r, r_split = tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
-            ordinary = sum(tc["length"])
         else:
             g = row_group_ids(data, p)
         sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
@@ -302,8 +302,6 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         count = int(count.item())
         if count > len(mbs):
             mbs = split_to_count(mbs, count, g, p, r)
-        if self.zorro.sharing == "prefix":
-            mbs.zorro_ordinary_tokens = ordinary
         return mbs
 
     # ------------------------------------------------------------------ micro-batch
