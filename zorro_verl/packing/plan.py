@@ -506,6 +506,8 @@ def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
         max_anc_len=max((pos0[i] for i in kids_h), default=0),
         max_path_len=max((pos0[i] + nlen[i] for i in kids_h), default=0),
         kv_total=sum(pos0[i] + nlen[i] for i in kids_h), level_counts=tuple(level_counts),
+        level_sizes=tuple((sum(1 for i in range(M) if depth[i] == lv),
+                           max(nlen[i] for i in range(M) if depth[i] == lv)) for lv in range(levels)),
         node_start=node_start, node_len=node_len, node_pos0=node_pos0, node_parent=node_parent,
         node_depth=t(depth), node_sub_end=node_start + t(sub), node_anc=node_anc, node_rep_row=node_rep_row,
         roots=roots, children=kids, row_node=row_node, token_node=token_node,

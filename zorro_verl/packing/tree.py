@@ -76,7 +76,7 @@ class PrefixTree:
     of a non-root node), ``max_path_len`` (its ``pos0 + len``), ``kv_total`` (``sum`` of ``pos0 + len`` over non-root
     nodes: the keys of a per-node ``[ancestors ; itself]`` gather), ``level_counts`` (per depth ``d``: ``(nodes with
     descendants, their tokens, their descendants' tokens, the longest such node, the largest such subtree below a
-    node)``).
+    node)``), ``level_sizes`` (per depth ``d``: ``(nodes, the longest node)``).
 
     Tensors (int64, the batch's device): ``node_start [M]`` (packed offset), ``node_len [M]``, ``node_pos0 [M]``
     (position of its first token = tokens of its ancestors), ``node_parent [M]`` (-1 for roots), ``node_depth [M]``,
@@ -98,6 +98,7 @@ class PrefixTree:
     max_path_len: int
     kv_total: int
     level_counts: tuple
+    level_sizes: tuple
     node_start: torch.Tensor
     node_len: torch.Tensor
     node_pos0: torch.Tensor

@@ -19,6 +19,9 @@ Padding: a token with ``k = 0, beta = 0, g = 0`` leaves the state unchanged (dec
 ``k * delta = 0``), so right-padding prompts and responses with zeros is exact; a padded prompt's final state is
 its state after its last valid token.
 
+Prefix trees (``plan.tree``): the state is carried down the trie, one kernel call per node depth, each node
+starting from its parent's final state; each node's conv context is the last ``Kc-1`` inputs of its root path.
+
 This module imports torch and :mod:`zorro_verl.packing` only.
 """
 
@@ -30,6 +33,7 @@ import torch
 
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import cu_seqlens, segments_to_tokens
+from zorro_verl.packing.tree import path_index
 
 __all__ = [
     "conv_expanded_index",
@@ -59,9 +63,14 @@ def conv_expanded_index(plan: ZorroPlan, kernel_size: int) -> dict:
     Returns ``{"src": [Lx] int64`` (packed index feeding each expanded slot, ``T`` = a zero row), ``"pos": [T] int64``
     (expanded position of each packed token)``}``, ``Lx = T + (Kc-1) * (G + non-empty responses)``.
     Memoised in the plan under ``("recurrent_conv", Kc)``.
+
+    Prefix trees: every node gets ``Kc-1`` slots holding the last ``Kc-1`` inputs of its root path before it (they
+    may span several ancestors; zeros where the path is shorter), read through the ancestor table.
     """
 
     def build():
+        if plan.tree is not None:
+            return _tree_conv_index(plan, kernel_size)
         dev = plan.device
         c = kernel_size - 1
         _, seg, _ = plan.token_layout()  # [T]
@@ -83,6 +92,22 @@ def conv_expanded_index(plan: ZorroPlan, kernel_size: int) -> dict:
         return {"src": src, "pos": pos}
 
     return plan.memo.get(("recurrent_conv", kernel_size), build)
+
+
+def _tree_conv_index(plan: ZorroPlan, kernel_size: int) -> dict:
+    """:func:`conv_expanded_index` of a tree plan: nodes are the segments (contiguous, packed order)."""
+    tree, dev, c = plan.tree, plan.device, kernel_size - 1
+    t = torch.arange(plan.T, device=dev)
+    pos = t + c * (tree.token_node + 1)  # [T]: c slots before every node
+    src = torch.full((plan.T + c * tree.M,), plan.T, dtype=torch.long, device=dev)
+    src[pos] = t
+    if c > 0:
+        m = torch.arange(c, device=dev)
+        depth = tree.node_pos0[:, None] - c + m[None, :]  # [M, c] string depth of each context slot
+        ctx = path_index(tree, torch.arange(tree.M, device=dev), depth.clamp(min=0))
+        slot = pos[tree.node_start][:, None] - c + m[None, :]
+        src[slot] = torch.where(depth >= 0, ctx, plan.T)
+    return {"src": src, "pos": pos}
 
 
 def packed_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: ZorroPlan, *,
@@ -126,7 +151,7 @@ def recurrent_segment_index(plan: ZorroPlan) -> dict:
       responses in packed order, ``response_tokens [N]``, ``cu_response [Bnz+1] int64``; ``varlen_out [T]``: each
       packed token's place in ``cat(prompt_out [Np], response_out [N])``.
 
-    Memoised in the plan under ``"recurrent_segments"``.
+    Memoised in the plan under ``"recurrent_segments"``. Prefix trees: :func:`tree_level_index` instead.
     """
 
     def build():
@@ -165,6 +190,55 @@ def recurrent_segment_index(plan: ZorroPlan) -> dict:
     return plan.memo.get("recurrent_segments", build)
 
 
+def tree_level_index(plan: ZorroPlan) -> list:
+    """Per node depth ``d`` of a tree plan (memoised under ``"recurrent_tree"``): ``(index [n_d, L_d], valid [n_d,
+    L_d] bool, parent_rank [n_d] | None)`` — the level's nodes right padded (packed order), and each node's
+    parent's row in the previous level (whose final states are its initial states)."""
+
+    def build():
+        tree, dev = plan.tree, plan.device
+        rank = torch.zeros(tree.M, dtype=torch.long, device=dev)
+        out = []
+        for d, (n, L) in enumerate(tree.level_sizes):
+            nodes = torch.argsort((tree.node_depth != d).to(torch.int8), stable=True)[:n]  # no host sync
+            rank[nodes] = torch.arange(n, device=dev)
+            ar = torch.arange(L, device=dev)
+            valid = ar[None, :] < tree.node_len[nodes][:, None]
+            index = torch.where(valid, tree.node_start[nodes][:, None] + ar[None, :], 0)
+            out.append((index, valid, rank[tree.node_parent[nodes]].clone() if d > 0 else None))
+        return out
+
+    return plan.memo.get("recurrent_tree", build)
+
+
+def _tree_delta_rule(kernel, q, k, v, g, beta, plan, kw) -> torch.Tensor:
+    """Tree plans: one padded kernel call per node depth, each node starting from its parent's final state."""
+    levels = tree_level_index(plan)
+    outs, state = [], None
+    for d, (index, valid, parent) in enumerate(levels):
+        o, state = kernel(*(_gather_padded(x, index, valid) for x in (q, k, v, g, beta)),
+                          initial_state=None if parent is None else state[parent],
+                          output_final_state=d + 1 < len(levels), **kw)  # o [n_d, L_d, H, Dv]
+        outs.append(o.reshape(-1, *o.shape[2:]))
+    # each packed token's place in cat(level outputs): built once per plan
+    return torch.cat(outs)[_tree_out_index(plan, levels)]
+
+
+def _tree_out_index(plan: ZorroPlan, levels: list) -> torch.Tensor:
+    """``[T]``: each packed token's slot in ``cat`` of the per-level padded outputs (memoised)."""
+
+    def build():
+        out = torch.empty(plan.T + 1, dtype=torch.long, device=plan.device)
+        offset = 0
+        for index, valid, _ in levels:
+            slots = offset + torch.arange(index.numel(), device=plan.device)
+            out.scatter_(0, torch.where(valid, index, plan.T).flatten(), slots)  # pads -> dummy slot T, dropped
+            offset += index.numel()
+        return out[:plan.T]
+
+    return plan.memo.get("recurrent_tree_out", build)
+
+
 def _gather_padded(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``x [T, ...]`` -> ``[n, L, ...]`` at ``index [n, L]``; zeros where not ``valid`` (state-preserving pads)."""
     out = x[index]
@@ -186,9 +260,12 @@ def packed_gated_delta_rule(kernel: Callable, q: torch.Tensor, k: torch.Tensor, 
     Returns:
         ``o [T, H, Dv]`` in the kernel's output dtype. Two kernel calls; responses of all groups run together,
         each starting from ``final_state[row_group]`` of its prompt (gradients flow into the prompt through it).
+        Prefix trees: one call per node depth, every node from its parent's final state (padded, any kernel).
     """
-    idx = recurrent_segment_index(plan)
     kw = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if plan.tree is not None:  # padded per level for every kernel (exact: zero pads keep the state)
+        return _tree_delta_rule(kernel, q, k, v, g, beta, plan, kw)
+    idx = recurrent_segment_index(plan)
     if varlen:
         pt = idx["prompt_tokens"]
         o_p, s_p = kernel(q[pt][None], k[pt][None], v[pt][None], g[pt][None], beta[pt][None], initial_state=None,

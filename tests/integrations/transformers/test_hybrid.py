@@ -108,6 +108,37 @@ def test_zorro_equals_ordinary_fp64(kind, case):
         assert err <= max(GRAD_REL_FLOOR, 4 * self_err), (name, err, self_err)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
+    """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
+    nodes shorter than the conv context, vs the ordinary per-row forward. The recurrent state runs from each node's
+    parent's final state; each node's conv context spans its ancestors. Tolerances as above."""
+    from tests.attention.test_tree_backends import branching_rows
+    from zorro_verl.testing import batch_from_rows, shared_system_rows
+
+    rows = shared_system_rows(2, 2, system_len=9, question_len=2, response_len=5, vocab_size=100, seed=5)
+    rows += branching_rows(depth=3, width=2, turn=2, seed=6)  # 2-token nodes: the conv context spans ancestors
+    batch = batch_from_rows(rows)
+    R = batch["responses"].shape[1]
+    model = tiny_hybrid_model(kind, dtype=torch.float64, seed=1)
+    model.train()
+    lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
+    _set_kernel(model, functools.partial(chunk_gated_delta_rule_ref, chunk_size=4))
+    _, _, g_rechunk = _oracle(model, batch, R)
+    _set_kernel(model, chunk_gated_delta_rule_ref)
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
+    assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
+    lp, ent = zorro_step(model, plan, calculate_entropy=True)
+    g_z = _grads(model, lp, ent)
+    assert (lp - lp_ref).abs().max().item() < LP_ABS_TOL
+    assert (ent - ent_ref).abs().max().item() < LP_ABS_TOL
+    for name, ref in g_ref.items():
+        self_err, _ = max_rel_grad_error({name: ref}, {name: g_rechunk[name]})
+        err, _ = max_rel_grad_error({name: ref}, {name: g_z[name]})
+        assert err <= max(GRAD_REL_FLOOR, 4 * self_err), (name, err, self_err)
+
+
 def test_gradient_checkpointing_fp64():
     """Checkpointed layers re-run the wrapped forward (the plan travels as a kwarg): same values and gradients."""
     batch = _batch(B=4, G=2, P=6, R=4, seed=2)

@@ -127,14 +127,3 @@ def test_min_shared_len_and_identical_rows(min_shared):
 def _plan_args(rows):
     b = batch_from_rows(rows)
     return b["input_ids"], b["attention_mask"], b["responses"].shape[1]
-
-
-def test_hybrid_model_refuses_prefix_sharing():
-    from zorro_verl.testing import tiny_hybrid_model
-
-    model = tiny_hybrid_model("qwen3_5")
-    install_zorro(model)
-    b = batch_from_rows(shared_system_rows(1, 2, 4, 2, 3, vocab_size=100))
-    plan = build_plan(b["input_ids"], b["attention_mask"], 3, sharing="prefix", min_shared_len=1)
-    with pytest.raises(ValueError, match=r"prefix sharing \(sharing=.prefix.\) is not supported for hybrid"):
-        zorro_step(model, plan)

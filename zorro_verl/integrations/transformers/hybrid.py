@@ -179,10 +179,6 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
         raise ValueError("zorro linear attention: got an attention_mask; call the model without one (the plan "
                          "carries the structure).")
     plan = ctx.plan
-    if plan.tree is not None:
-        raise ValueError("zorro linear attention: prefix sharing (sharing='prefix') is not supported for hybrid "
-                         "linear-attention models: the recurrent and conv state would have to be carried down the "
-                         "tree. Use sharing='prompt' for this model.")
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != plan.T:
         raise ValueError(f"zorro linear attention: expected hidden_states [1, T={plan.T}, hidden] (one packed row), "
                          f"got {tuple(hidden_states.shape)}.")
