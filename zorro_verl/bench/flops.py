@@ -105,12 +105,11 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
 def tree_flop_model(cfg, plan) -> dict:
     """Forward FLOPs of zorro's forward over a prefix-tree plan (``plan.tree`` set), in the terms of
     :func:`flop_model`: every node's tokens once; a node's queries attend to its ancestors' keys and causally to
-    its own (``len * pos0 + len (len + 1) / 2`` pairs); the LM head on the distinct predicting rows (``Nh``).
+    its own (``len * pos0 + len (len + 1) / 2`` pairs); the LM head on the distinct predicting rows (``Nh``);
+    gated delta-net layers per token.
     Returns ``zorro``, ``zorro_tokens``, ``pairs`` and ``head_rows`` (ints)."""
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-    if "linear_attention" in types:
-        raise ValueError("tree_flop_model: prefix trees are not available for hybrid linear-attention models.")
-    L = len(types)
+    L, L_lin = types.count("full_attention"), types.count("linear_attention")
     H, V = cfg.hidden_size, cfg.vocab_size
     D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
     t = plan.tree
@@ -118,4 +117,6 @@ def tree_flop_model(cfg, plan) -> dict:
     pairs = int((ln * pos0 + ln * (ln + 1) // 2).sum())
     head_rows = int(plan.head_index.numel())
     z = L * (linear_flops_per_token(cfg) * plan.T + 4 * cfg.num_attention_heads * D * pairs) + 2 * H * V * head_rows
+    if L_lin:  # gated delta-net layers: per token (each node once)
+        z += L_lin * (linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg)) * plan.T
     return {"zorro": z, "zorro_tokens": plan.T, "pairs": pairs, "head_rows": head_rows}
