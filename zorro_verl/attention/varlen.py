@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.attention.base import Backend
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures
 from zorro_verl.attention.primitives import (
     VarlenPrimitives,
     check_flash_inputs,
@@ -73,8 +74,12 @@ def varlen_index(plan: ZorroPlan) -> dict:
 
 
 def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scaling: float, prims: Optional[VarlenPrimitives] = None) -> torch.Tensor:
+                  scaling: float, features: AttentionFeatures = NO_FEATURES,
+                  prims: Optional[VarlenPrimitives] = None) -> torch.Tensor:
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+
+    ``features``: the window and soft-cap go to the kernels (both calls' segments end at their queries' last
+    position, so the bottom-right window is ``pos_q - pos_k < W``); the sinks are merged once per query.
 
     ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only). Tests pass
     :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same index logic on CPU in fp64.
@@ -87,11 +92,12 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
     pi = idx["prompt_token_index"]
     cu_p = idx["cu_seqlens_prompt"]
     mp = idx["max_seqlen_prompt"]
-    parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims)]
+    kw = dict(window=features.window, softcap=features.softcap, sinks=features.sinks)
+    parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims, **kw)]
     if plan.N > 0:
         qi, kvi = idx["resp_q_index"], idx["resp_kv_index"]
         parts.append(varlen_attention(q[qi], k[kvi], v[kvi], idx["cu_seqlens_q"], idx["cu_seqlens_k"],
-                                      idx["max_seqlen_q"], idx["max_seqlen_k"], scaling, True, prims))
+                                      idx["max_seqlen_q"], idx["max_seqlen_k"], scaling, True, prims, **kw))
     return torch.cat(parts, 0)[idx["out_index"]].unsqueeze(0)  # [1, T, Hq, D]
 
 
