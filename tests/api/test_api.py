@@ -292,12 +292,12 @@ def test_model_without_interface_dispatch_is_refused():
     assert not is_installed(model)  # restored after the failed probe
 
 
-def test_sliding_window_layers_refused():
+def test_layer_types_zorro_does_not_handle_are_refused():
     from zorro_verl.integrations.transformers import install_zorro
 
     model = tiny_model("qwen3")
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(ValueError, match="sliding_attention"):
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
         install_zorro(model)
 
 

@@ -62,7 +62,7 @@ def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: 
     soft-capping as a ``score_mod``, the sinks merged into flex's returned log-sum-exp."""
     sinks = features.sinks
     if query.device.type == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad
-                                       or (sinks is not None and sinks.requires_grad)):
+                                       or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled())):
         raise ValueError("attention backend 'flex': FlexAttention has no backward on CPU. Use attention backend "
                          "'sdpa' (attn_implementation='sdpa') for training on CPU, or run flex on CUDA.")
     cap = features.softcap
