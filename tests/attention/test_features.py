@@ -141,3 +141,85 @@ def test_bad_features_are_refused():
     q, k, v, _, _ = _inputs(plan, 4, 2, {})
     with pytest.raises(ValueError, match="one sink logit per query head"):
         attend(plan, "sdpa", q, k, v, 0.9, AttentionFeatures(sinks=torch.zeros(3, dtype=torch.float64)))
+
+
+def _window_of(left, right, causal):
+    """flash-attn's (left, right) back to the contract's window; right must be 0 (causal) or -1 (unbounded)."""
+    assert right == (0 if causal and left >= 0 else -1) or (left, right) == (-1, -1), (left, right, causal)
+    return None if left < 0 else left + 1
+
+
+def _fa27_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size_left=-1,
+              window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+              leftpad_k=None, seqused_k=None, zero_tensors=False):
+    o, lse, _ = PRIMS.fwd(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
+                          _window_of(window_size_left, window_size_right, causal), softcap or None)
+    return o, lse, None, "rng"
+
+
+def _fa27_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal,
+              window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+              zero_tensors=False):
+    for d, g in zip((dq, dk, dv), PRIMS.bwd(dout, q, k, v, out, lse, None, cu_q, cu_k, max_q, max_k, softmax_scale,
+                                          causal, _window_of(window_size_left, window_size_right, causal),
+                                          softcap or None)):
+        d.copy_(g)
+
+
+def _aten_ops():
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug_mask, scale, window_size_left=None,
+            window_size_right=None):
+        w = None if window_size_left is None else _window_of(window_size_left, window_size_right, causal)
+        o, lse, _ = PRIMS.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, w)
+        return o, lse, "rng", "unused", None
+
+    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused, scale,
+            window_size_left=None, window_size_right=None):
+        w = None if window_size_left is None else _window_of(window_size_left, window_size_right, causal)
+        return PRIMS.bwd(dout, q, k, v, out, lse, None, cu_q, cu_k, max_q, max_k, scale, causal, w)
+
+    import types
+
+    return types.SimpleNamespace(aten=types.SimpleNamespace(_flash_attention_forward=fwd,
+                                                            _flash_attention_backward=bwd))
+
+
+@pytest.mark.parametrize("provider", ["flash_attn", "torch"])
+def test_gpu_providers_pass_window_and_softcap_to_the_kernels(provider, monkeypatch):
+    """The GPU adapters translate the contract's window / soft-cap into flash-attn's window_size=(W-1, 0|-1) and
+    softcap, and ATen's window_size_left/right, checked with stand-ins that compute with the reference primitive:
+    both flash designs through them equal the dense oracle. ATen's kernels have no soft-cap: refused by name."""
+    import sys
+    import types
+
+    from zorro_verl.attention import primitives
+
+    if provider == "flash_attn":
+        fai = types.ModuleType("flash_attn.flash_attn_interface")
+        fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = _fa27_fwd, _fa27_bwd
+        fa = types.ModuleType("flash_attn")
+        fa.flash_attn_interface = fai
+        monkeypatch.setitem(sys.modules, "flash_attn", fa)
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fai)
+        prims = primitives._flash_attn_primitives()
+    else:
+        monkeypatch.setattr(primitives.torch, "ops", _aten_ops())
+        prims = primitives._aten_primitives()
+        monkeypatch.undo()
+    plan = build_plan(IDS, MASK, 3)
+    feats = [dict(window=3, sinks=True), dict(window=2)] + ([dict(softcap=0.6, window=4)] if provider == "flash_attn"
+                                                            else [])
+    for feat in feats:
+        q, k, v, sinks, w = _inputs(plan, 4, 2, feat)
+        f = AttentionFeatures(window=feat.get("window"), sinks=sinks, softcap=feat.get("softcap"))
+        ref = dense_attention_oracle(plan, q, k, v, 0.9, window=f.window, sinks=sinks, softcap=f.softcap)
+        leaves = (q, k, v) + ((sinks,) if sinks is not None else ())
+        want = (ref, *torch.autograd.grad((ref * w).sum(), leaves))
+        for fn in (attend_varlen, attend_copyfree):
+            out = fn(plan, q, k, v, 0.9, f, prims=prims)
+            for a, b in zip((out, *torch.autograd.grad((out * w).sum(), leaves)), want):
+                assert (a - b).abs().max().item() <= TOL
+    if provider == "torch":
+        q, k, v, _, _ = _inputs(plan, 4, 2, {})
+        with pytest.raises(ValueError, match="no soft-capping"):
+            attend_copyfree(plan, q, k, v, 0.9, AttentionFeatures(softcap=1.0), prims=prims)
