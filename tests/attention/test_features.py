@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.attention.test_copyfree import window_of
 from tests.packing.test_plan import IDS, MASK, grpo_batches
 from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.attention.copyfree import attend_copyfree
@@ -143,39 +144,16 @@ def test_bad_features_are_refused():
         attend(plan, "sdpa", q, k, v, 0.9, AttentionFeatures(sinks=torch.zeros(3, dtype=torch.float64)))
 
 
-def _window_of(left, right, causal):
-    """flash-attn's (left, right) back to the contract's window; right must be 0 (causal) or -1 (unbounded)."""
-    assert right == (0 if causal and left >= 0 else -1) or (left, right) == (-1, -1), (left, right, causal)
-    return None if left < 0 else left + 1
-
-
-def _fa27_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size_left=-1,
-              window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
-              leftpad_k=None, seqused_k=None, zero_tensors=False):
-    o, lse, _ = PRIMS.fwd(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
-                          _window_of(window_size_left, window_size_right, causal), softcap or None)
-    return o, lse, None, "rng"
-
-
-def _fa27_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal,
-              window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
-              zero_tensors=False):
-    for d, g in zip((dq, dk, dv), PRIMS.bwd(dout, q, k, v, out, lse, None, cu_q, cu_k, max_q, max_k, softmax_scale,
-                                          causal, _window_of(window_size_left, window_size_right, causal),
-                                          softcap or None)):
-        d.copy_(g)
-
-
 def _aten_ops():
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug_mask, scale, window_size_left=None,
             window_size_right=None):
-        w = None if window_size_left is None else _window_of(window_size_left, window_size_right, causal)
+        w = None if window_size_left is None else window_of(window_size_left, window_size_right, causal)
         o, lse, _ = PRIMS.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, w)
         return o, lse, "rng", "unused", None
 
     def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused, scale,
             window_size_left=None, window_size_right=None):
-        w = None if window_size_left is None else _window_of(window_size_left, window_size_right, causal)
+        w = None if window_size_left is None else window_of(window_size_left, window_size_right, causal)
         return PRIMS.bwd(dout, q, k, v, out, lse, None, cu_q, cu_k, max_q, max_k, scale, causal, w)
 
     import types
@@ -189,18 +167,11 @@ def test_gpu_providers_pass_window_and_softcap_to_the_kernels(provider, monkeypa
     """The GPU adapters translate the contract's window / soft-cap into flash-attn's window_size=(W-1, 0|-1) and
     softcap, and ATen's window_size_left/right, checked with stand-ins that compute with the reference primitive:
     both flash designs through them equal the dense oracle. ATen's kernels have no soft-cap: refused by name."""
-    import sys
-    import types
-
+    from tests.attention.test_copyfree import fake_flash_attn
     from zorro_verl.attention import primitives
 
     if provider == "flash_attn":
-        fai = types.ModuleType("flash_attn.flash_attn_interface")
-        fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = _fa27_fwd, _fa27_bwd
-        fa = types.ModuleType("flash_attn")
-        fa.flash_attn_interface = fai
-        monkeypatch.setitem(sys.modules, "flash_attn", fa)
-        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fai)
+        fake_flash_attn(monkeypatch)  # flash-attn 2.7's signatures, window_size_left/right and softcap read back
         prims = primitives._flash_attn_primitives()
     else:
         monkeypatch.setattr(primitives.torch, "ops", _aten_ops())

@@ -54,6 +54,15 @@ def tiny_model(kind: str = "qwen3", *, dtype: torch.dtype = torch.float64, seed:
     return model
 
 
+def _perturb_vectors(model) -> None:
+    """Random offsets on 1-D parameters (norm weights, biases, sinks, decays), not their zero/one init, so every
+    parameter matters in the tests."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+
+
 #: ``kind`` names of :func:`tiny_hybrid_config`.
 HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -101,10 +110,7 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
     With ``exact`` (default) and fp64, :func:`exact_fp64_hybrid` makes the oracle keep fp64 end to end.
     """
     model = model_from_config(tiny_hybrid_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
-    with torch.no_grad():  # random, not the zero/one init, so every parameter matters in the tests
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    _perturb_vectors(model)
     if exact:
         exact_fp64_hybrid(model)
     return model
@@ -169,10 +175,7 @@ def tiny_window_model(kind: str, *, dtype: torch.dtype = torch.float64, seed: in
     if attn_implementation == FP64_EAGER:
         register_fp64_eager_attention()
     model = model_from_config(tiny_window_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    _perturb_vectors(model)
     if exact:
         exact_fp64_norms(model)
     return model

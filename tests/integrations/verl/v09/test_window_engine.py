@@ -29,35 +29,12 @@ def gpt_oss_ckpt(verl_cpu, tmp_path_factory):
 
 
 def test_gpt_oss_infer_and_train_match_stock(gpt_oss_ckpt):
-    from tests.support.verl_engines import build_engine, engine_grads, make_engine_batch, ppo_loss_fn, response_values
-    from zorro_verl.testing import grad_rel_error
+    from tests.support.verl_engines import assert_matches_stock, padded_stock_vs_zorro
 
-    batches = [make_engine_batch(batch_size=8, num_prompts=2, prompt_len=9, response_len=5, seed=5, shuffle=True,
-                                 temperature=0.8, calculate_entropy=True, micro_batch_size=4, use_remove_padding=z)
-               for z in (False, True)]
-    mask = batches[1]["response_mask"].bool()
-    infer, train, grads = [], [], []
-    for z, td in zip((False, True), batches):
-        eng = build_engine(gpt_oss_ckpt, zorro=z, micro_batch_size=4, use_remove_padding=z,
-                           attn_implementation="eager")
-        with eng.eval_mode():
-            infer.append(eng.infer_batch(td.clone(), loss_function=None))
-        with eng.train_mode(zero_grad_on_exit=False):
-            train.append(eng.train_batch(td.clone(), loss_function=ppo_loss_fn()))
-        grads.append(engine_grads(eng))
-    errs = {}
-    for key in ("log_probs", "entropy"):
-        a, b = (response_values(o["model_output"][key], t) for o, t in zip(infer, batches))
-        assert a[mask].abs().max() > 0.1
-        errs[key] = (a - b)[mask].abs().max().item()
-        assert errs[key] <= ATOL, key
-    assert infer[1]["metrics"]["zorro/dedup_ratio"][0] > 1.0
-    loss_a, loss_b = sum(train[0]["loss"]), sum(train[1]["loss"])
-    gn_a, gn_b = float(train[0]["metrics"]["grad_norm"]), float(train[1]["metrics"]["grad_norm"])
-    assert abs(loss_a) > 1e-4 and gn_a > 1e-4
-    assert abs(loss_a - loss_b) <= RTOL * abs(loss_a)
-    assert abs(gn_a - gn_b) <= RTOL * gn_a
-    assert any("sinks" in name for name in grads[1]) and grad_rel_error(grads[0], grads[1]) <= RTOL
-    print(f"gpt-oss verl engine vs stock: log-prob {errs['log_probs']:.2e}, entropy {errs['entropy']:.2e}, loss "
+    r = padded_stock_vs_zorro(gpt_oss_ckpt, attn_implementation="eager")
+    assert_matches_stock(r, ATOL, RTOL)
+    assert any("sinks" in name for name in r["grad_names"])
+    (loss_a, loss_b), (gn_a, gn_b) = r["loss"], r["grad_norm"]
+    print(f"gpt-oss verl engine vs stock: log-prob {r['log_probs']:.2e}, entropy {r['entropy']:.2e}, loss "
           f"{abs(loss_a - loss_b) / abs(loss_a):.2e} rel, grad norm {abs(gn_a - gn_b) / gn_a:.2e} rel, grads "
-          f"{grad_rel_error(grads[0], grads[1]):.2e} rel")
+          f"{r['grad_rel']:.2e} rel")
