@@ -194,3 +194,40 @@ def test_gpu_providers_pass_window_and_softcap_to_the_kernels(provider, monkeypa
         q, k, v, _, _ = _inputs(plan, 4, 2, {})
         with pytest.raises(ValueError, match="no soft-capping"):
             attend_copyfree(plan, q, k, v, 0.9, AttentionFeatures(softcap=1.0), prims=prims)
+
+
+def test_window_index_gathers_only_the_prompt_tail_inside_the_window():
+    """Hand example (prompts [0 1 2] and [6 7]; responses [3 4], [5] of the first, [8 9 10] of the second): a
+    window W gathers the last min(p, W - 1) prompt tokens per response; the buffer bound Bnz * min(Pmax, W - 1) + N
+    is filled from token 0 past the valid part."""
+    from zorro_verl.attention.varlen import window_index
+
+    plan = build_plan(IDS, MASK, 3)
+    w2, w4 = window_index(plan, 2), window_index(plan, 4)
+    assert w2["resp_kv_index"].tolist() == [2, 3, 4, 2, 5, 7, 8, 9, 10] and bool(w2["resp_kv_valid"].all())
+    assert w2["cu_seqlens_k"].tolist() == [0, 3, 5, 9] and w2["max_seqlen_k"] == 1 + 3
+    assert w4["resp_kv_index"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10, 0]
+    assert w4["resp_kv_valid"].tolist() == [True] * 14 + [False] and w4["cu_seqlens_k"].tolist() == [0, 5, 9, 14]
+    assert window_index(plan, 1)["resp_kv_index"].tolist() == [3, 4, 5, 8, 9, 10]  # own tokens only
+
+
+def test_rows_outside_every_segment_never_reach_the_gradients():
+    """A kernel may leave the filler rows of the window buffer uninitialised in dk / dv: NaN there must not reach
+    the keys' gradients (the gather's backward drops those rows)."""
+    from zorro_verl.attention.primitives import VarlenPrimitives
+
+    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, *rest):
+        dq, dk, dv = PRIMS.bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, *rest)
+        end = int(cu_k[-1])
+        dk[end:], dv[end:] = float("nan"), float("nan")
+        return dq, dk, dv
+
+    prims = VarlenPrimitives("nan_filler", PRIMS.fwd, bwd)
+    plan = build_plan(IDS, MASK, 3)
+    q, k, v, sinks, w = _inputs(plan, 4, 2, dict(sinks=True))
+    f = AttentionFeatures(window=4, sinks=sinks)
+    ref = dense_attention_oracle(plan, q, k, v, 0.9, window=4, sinks=sinks)
+    out = attend_varlen(plan, q, k, v, 0.9, f, prims=prims)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v, sinks)),
+                    torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))):
+        assert (a - b).abs().max().item() <= TOL
