@@ -17,8 +17,9 @@ and ``rowsum(dO * o)``), and the parts' ``dq`` are summed — the ring-attention
 corner. Part A's query segment holds *all* responses of a group against one key segment (the prompt), so a query's
 distance to the prompt is not its distance to the segment's corner and no band expresses ``pos_q - pos_k < W``
 there; a segment per response would need the prompt's keys once per response. A layer whose window cuts inside the
-plan therefore runs the gather design's response call (``flash``'s: per response ``[its prompt ; itself]``, whose
-kernel skips every key block outside the window); a window at least as long as every row is dropped, so those
+plan therefore runs ``flash``'s windowed response call (per response ``[its prompt's window tail ; itself]``,
+:func:`~zorro_verl.attention.varlen.window_index`: at most ``W - 1`` prompt keys per response are gathered, the
+prompt blocks entirely outside the window never); a window at least as long as every row is dropped, so those
 layers stay copy-free.
 
 The kernels are pluggable :class:`~zorro_verl.attention.primitives.VarlenPrimitives`: flash kernels on GPU, the plain
@@ -168,8 +169,8 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
 
     ``features``: soft-capping goes to every kernel call, the sinks are merged once per query after the parts'
-    merge. A sliding window that cuts inside the plan runs the gather design's response call instead of parts A/B
-    (:func:`~zorro_verl.attention.varlen.attend_varlen`; see the module doc for why).
+    merge. A sliding window that cuts inside the plan runs ``flash``'s window-tail response call instead of parts
+    A/B (:func:`~zorro_verl.attention.varlen.attend_varlen`; see the module doc for why).
 
     ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only); tests pass
     :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same logic on CPU in fp64.
