@@ -21,7 +21,7 @@ from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.packing import build_plan
 
 __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_calls", "check_layer_calls",
-           "forward_packed", "expected_windows", "probe_report"]
+           "forward_packed", "expected_windows", "check_windows", "probe_report"]
 
 #: config.layer_types entries zorro handles: full and sliding-window attention (registered function) and linear
 #: attention (hybrid.py).
@@ -85,6 +85,18 @@ def expected_windows(model) -> dict:
     return {i: window for i in range(n)}
 
 
+def check_windows(model, calls: LayerCalls) -> None:
+    """Every attention call's window equals the one its layer type gives (:func:`expected_windows`); raises
+    ``ValueError`` otherwise — the ordinary forward's mask follows the layer types, zorro follows the call."""
+    expect = expected_windows(model)
+    for i, (layer, window, *_) in enumerate(calls.features):
+        layer = i if layer is None else layer
+        if layer in expect and window != expect[layer]:
+            raise ValueError(f"model: attention layer {layer} passed sliding_window={window} but its layer type "
+                             f"gives {expect[layer]} (config.layer_types / config.sliding_window); the ordinary "
+                             "forward's mask and zorro would differ. This model is not supported by zorro.")
+
+
 def probe_report(model, calls: LayerCalls) -> dict:
     """What one forward's attention calls received, checked against the model's layer types.
 
@@ -92,14 +104,10 @@ def probe_report(model, calls: LayerCalls) -> dict:
     layers), "sinks" (layers with sink logits), "attn_logit_softcapping" ({layer: cap}), "scaling" (sorted distinct
     values), "final_logit_softcapping"}``. Raises ``ValueError`` when a layer's window differs from the one its
     layer type gives (the ordinary forward's mask follows the layer types; zorro follows the call)."""
-    expect = expected_windows(model)
+    check_windows(model, calls)
     windows, sinks, caps, scales = {}, [], {}, set()
     for i, (layer, window, has_sinks, cap, scaling) in enumerate(calls.features):
         layer = i if layer is None else layer
-        if layer in expect and window != expect[layer]:
-            raise ValueError(f"model: attention layer {layer} passed sliding_window={window} but its layer type "
-                             f"gives {expect[layer]} (config.layer_types / config.sliding_window); the ordinary "
-                             "forward's mask and zorro would differ. This model is not supported by zorro.")
         if window is not None:
             windows[layer] = window
         if has_sinks:
@@ -114,9 +122,10 @@ def probe_report(model, calls: LayerCalls) -> dict:
 
 
 def check_layer_calls(model, calls: LayerCalls) -> None:
-    """After one forward: every full-attention layer called the zorro attention once and every linear-attention
-    layer ran zorro's gated delta-net forward once. Raises ``ValueError`` otherwise (a layer bypassed zorro: the
-    deduplicated result would be wrong)."""
+    """After one forward: every full-attention layer called the zorro attention once, every linear-attention
+    layer ran zorro's gated delta-net forward once, and every attention call got its layer type's window. Raises
+    ``ValueError`` otherwise (a layer bypassed zorro, or the deduplicated result would differ from the ordinary
+    one)."""
     attn, rec = expected_layer_calls(model)
     if calls.attention != attn:
         raise ValueError(
@@ -128,6 +137,7 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
             f"model: {rec} linear-attention layers but zorro's gated delta-net forward ran {calls.recurrent} times; a "
             "linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) again "
             "after changing the model.")
+    check_windows(model, calls)
 
 
 def forward_packed(model, ctx: StepContext, **model_kwargs):

@@ -1,7 +1,8 @@
-"""Model families whose attention is more than causal softmax — sliding-window layers (gpt-oss, Gemma 2, Gemma 3,
-Mistral), attention sinks (gpt-oss) and logit soft-capping (Gemma 2) — through zorro vs the ordinary per-row forward,
-fp64 on CPU: log-probs, entropy, the PPO loss and every parameter gradient, every backend (the flash designs over the
-plain-torch varlen primitives).
+"""Model families through zorro vs the ordinary per-row forward, fp64 on CPU: log-probs, entropy, the PPO loss and
+every parameter gradient. Mainly those whose attention is more than causal softmax — sliding-window layers (gpt-oss,
+Gemma 2, Gemma 3, Mistral, Qwen3 with use_sliding_window), attention sinks (gpt-oss) and logit soft-capping
+(Gemma 2) — on every backend (the flash designs over the plain-torch varlen primitives); plus the plain causal
+families Llama, Qwen2 and OLMo2 (Qwen3 / Qwen3-MoE: test_step.py).
 
 The oracle's attention is transformers' eager one with its own masks (causal + each layer's sliding window, from
 ``config.layer_types``) but the softmax in fp64 (``testing.fp64.fp64_eager_attention``; Gemma's and Mistral's eager
@@ -165,6 +166,13 @@ def test_refused_at_install():
     with pytest.raises(ValueError, match="layer 1 passed sliding_window=4"):
         install_zorro(model)
     assert model.config._attn_implementation != "zorro"  # restored
+    # without the probe (verl's engines) every step checks the windows it saw
+    model.model.layers[1].self_attn.sliding_window = None
+    install_zorro(model, probe=False)
+    model.model.layers[0].self_attn.sliding_window = 3
+    batch = batch_of(seed=1)
+    with pytest.raises(ValueError, match="layer 0 passed sliding_window=3"):
+        zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1]))
 
 
 def test_unknown_or_math_changing_keywords_are_refused():
@@ -209,3 +217,25 @@ def test_qwen3_with_sliding_window_layers():
     assert install_zorro(model)["sliding_window"] == {1: 4}
     r = run_pair("qwen3", "sdpa", "none", 1.0, batch=batch_of(seed=4), make=_qwen3_sliding)
     _assert_exact("qwen3 (sliding)", r)
+
+
+def _plain(kind, **_):
+    """Causal-softmax families besides Qwen3 (tested in test_step.py), tiny, fp64, sdpa oracle."""
+    import transformers
+
+    from zorro_verl.testing import exact_fp64_norms, model_from_config
+
+    cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "olmo2": "Olmo2Config"}[kind]
+    cfg = getattr(transformers, cls)(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64, attention_dropout=0.0,
+                                     max_position_embeddings=4096)
+    model = model_from_config(cfg, torch.float64, 0, "sdpa")
+    exact_fp64_norms(model)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "olmo2"])
+def test_plain_causal_families(kind):
+    rep = install_zorro(_plain(kind))
+    assert rep["sliding_window"] == {} and rep["sinks"] == [] and rep["attn_logit_softcapping"] == {}
+    _assert_exact(kind, run_pair(kind, "sdpa", "none", 0.9, batch=batch_of(seed=31), make=_plain))
