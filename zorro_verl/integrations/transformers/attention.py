@@ -22,7 +22,7 @@ ZORRO_ATTN_NAME = "zorro"
 #: Keywords transformers' decoders pass to every attention function that do not change the attention's math here:
 #: positions (zorro's come from the plan, which the step also passes as position_ids), cache and output switches.
 _INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
-                           "output_hidden_states", "return_dict", "past_key_values", "position_embeddings"})
+                           "output_hidden_states", "return_dict"})
 
 
 def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
