@@ -18,7 +18,7 @@ PY="$VENV/bin/python"
 OPENRLHF="openrlhf==0.11.2"
 TRANSFORMERS="transformers==5.15.0"
 RAY="ray==2.55.0"  # OpenRLHF's pin; the loader test starts real Ray workers
-DEPS=("$TRANSFORMERS" "peft" "einops" "numpy" "sympy" "pylatexenc" "packaging" "wrapt" "$RAY" "pytest")
+DEPS=("$TRANSFORMERS" "peft" "einops" "numpy" "sympy" "pylatexenc" "packaging" "wrapt" "$RAY" "pytest" "hypothesis")
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -48,11 +48,17 @@ def prompt_of(seq: torch.Tensor, act: torch.Tensor) -> tuple:
     return tuple(seq[:first].tolist())
 
 
+#: OpenRLHF's own buffer methods while zorro's are installed (filled by the ``zorro_buffer`` fixture).
+STOCK_METHODS: dict = {}
+
+
 @pytest.fixture
 def zorro_buffer(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cls = rb_module.NaiveReplayBuffer
-    saved = {k: cls.__dict__[k] for k in ("__init__", "append", "clear", "__len__", "__getitem__", "collate_fn")}
+    saved = {k: cls.__dict__[k] for k in ("__init__", "append", "clear", "__len__", "__getitem__", "collate_fn",
+                                          "setup_dynamic_batch")}
+    STOCK_METHODS.update(saved)
     batching.install_replay_buffer(cls)
     try:
         yield cls
@@ -179,3 +185,69 @@ def test_dp_balancing_keeps_groups_on_one_rank():
         for key in groups_of_batch(e):
             owners.setdefault(key, set()).add(k)
     assert all(len(v) == 1 for v in owners.values()) and len(owners) == 6
+
+
+@pytest.fixture
+def gloo_world():
+    """A one-rank gloo group: OpenRLHF's setup_dynamic_batch all-reduces over the DP group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def dynamic_strategy(max_tokens: int, n: int, rows: int):
+    args = SimpleNamespace(train=SimpleNamespace(batch_size=rows // 2, max_tokens_per_gpu=max_tokens),
+                           rollout=SimpleNamespace(batch_size=rows // n, n_samples_per_prompt=n),
+                           ds=SimpleNamespace(ring_attn_size=1, tensor_parallel_size=1))
+    mesh = {"dp": SimpleNamespace(get_group=lambda: None)}
+    return SimpleNamespace(args=args, ds_device_mesh=mesh, all_reduce=lambda t, op="mean": t)
+
+
+def test_dynamic_training_batches_regrouped_with_stock_normalisers(zorro_buffer, gloo_world, monkeypatch):
+    """OpenRLHF's own setup_dynamic_batch, then zorro's regrouping: the same optimizer steps and windows, the same
+    per-step loss normalisers, loss scales that still sum to 1 per step, budgets held, groups whole."""
+    samples = rollout_samples(4, prompts=6, seed=5)
+    strategy = dynamic_strategy(max_tokens=40, n=4, rows=len(samples))
+    zorro = zorro_buffer(1, 0, True, True, True)
+    stock = zorro_buffer(1, 0, True, True, True)
+    fill(stock, samples, per_experience=8)
+    fill(zorro, samples, per_experience=8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF puts its counters on this device
+    STOCK_METHODS["setup_dynamic_batch"](stock, strategy)  # OpenRLHF's own partition (dynamic mode: stock methods)
+    zorro.setup_dynamic_batch(strategy)
+
+    def steps(buf):
+        out, cur = [], []
+        for part, scale, tok, size, last in zip(buf.dynamic_indices, buf.dynamic_sample_loss_scale,
+                                                buf.dynamic_batch_num_tokens, buf.dynamic_global_batch_size,
+                                                buf.dynamic_optimizer_step):
+            cur.append((part, scale, tok, size))
+            if last:
+                out.append(cur)
+                cur = []
+        return out
+
+    s_steps, z_steps = steps(stock), steps(zorro)
+    assert len(s_steps) == len(z_steps) == 2
+    g, p, r = batching._items_groups(zorro.items)
+    for s_step, z_step in zip(s_steps, z_steps):
+        assert sorted(i for part, *_ in s_step for i in part) == sorted(i for part, *_ in z_step for i in part)
+        assert {(tok, size) for _, _, tok, size in s_step} == {(tok, size) for _, _, tok, size in z_step}
+        assert abs(sum(scale for _, scale, _, _ in z_step) - 1.0) < 1e-12
+        for part, *_ in z_step:
+            assert microbatch_cost(part, g, p, r) <= 40
+    owners = {}
+    for k, part in enumerate(zorro.dynamic_indices):
+        for i in part:
+            owners.setdefault(g[i], set()).add(k)
+    assert zorro.zorro_split_groups == sum(1 for v in owners.values() if len(v) > 1)
+    stock_owners = {}
+    for k, part in enumerate(stock.dynamic_indices):
+        for i in part:
+            stock_owners.setdefault(g[i], set()).add(k)
+    assert sum(len(v) for v in owners.values()) < sum(len(v) for v in stock_owners.values())
+    loader = DataLoader(zorro, batch_size=zorro.sample_batch_size, shuffle=False, collate_fn=zorro.collate_fn)
+    assert [e.sequences.shape[0] for e in loader] == [len(part) for part in zorro.dynamic_indices]

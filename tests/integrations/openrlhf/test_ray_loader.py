@@ -7,7 +7,6 @@ A worker started with the switch has OpenRLHF's ``Actor.forward`` replaced as so
 """
 
 import os
-import sys
 
 import pytest
 
@@ -49,10 +48,10 @@ def ray_session():
         ray.shutdown()
 
 
-def test_loader_installed_and_off_in_this_process():
+def test_loader_installed_in_this_environment():
+    """The .pth file setup_openrlhf_env.sh wrote (what a process does with it: tests/.../test_switch.py)."""
     assert pth_path().read_text() == PTH_LINE
-    assert os.environ.get("ZORRO_OPENRLHF") in (None, "", "0")
-    assert "zorro_verl.integrations.openrlhf.boot" not in sys.modules or "openrlhf.models.actor" not in sys.modules
+    assert os.environ.get("ZORRO_OPENRLHF") in (None, "", "0")  # the test process itself runs without the switch
 
 
 def test_switch_reaches_ray_workers(ray_session):

@@ -30,7 +30,7 @@ from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import balance_groups_across_ranks, dynamic_microbatches, split_to_count
 
 __all__ = ["sample_groups", "group_microbatches", "dynamic_partitions", "install_replay_buffer",
-           "split_rollout_samples", "balance_experiences", "GroupBatches"]
+           "regroup_dynamic_batch", "split_rollout_samples", "balance_experiences", "GroupBatches"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +127,62 @@ def _buffer_batches(self) -> GroupBatches:
     return gb
 
 
+def regroup_dynamic_batch(buffer, strategy) -> None:
+    """After OpenRLHF's ``setup_dynamic_batch``: replace each optimizer step's length-balanced partition of its
+    window (``local_train_batch_size`` consecutive samples) by :func:`dynamic_partitions` on deduplicated cost under
+    ``--train.max_tokens_per_gpu``, with the partition count all-reduced (max) over DP ranks as OpenRLHF does.
+
+    Kept from OpenRLHF's computation: the steps and their windows, and each step's loss normalisers
+    (``dynamic_batch_num_tokens`` / ``dynamic_global_batch_size``: sums over the window, independent of the
+    partition). Recomputed per partition as OpenRLHF defines them: ``dynamic_sample_loss_scale = len(part) /
+    window`` and ``dynamic_optimizer_step`` (1 on a step's last partition).
+    """
+    steps, start = [], 0
+    flags = buffer.dynamic_optimizer_step
+    for k, last in enumerate(flags):  # the stock step boundaries
+        if last:
+            steps.append((start, k + 1))
+            start = k + 1
+    if not steps:
+        return
+    windows = [sorted(i for part in buffer.dynamic_indices[a:b] for i in part) for a, b in steps]
+    g, p, r = _items_groups(buffer.items)
+    budget = strategy.args.train.max_tokens_per_gpu
+    parts = [dynamic_partitions([g[i] for i in w], [p[i] for i in w], [r[i] for i in w], budget) for w in windows]
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    counts = strategy.all_reduce(torch.tensor([len(x) for x in parts], dtype=torch.int, device=device), op="max")
+    indices, scales, tokens, sizes, opt = [], [], [], [], []
+    split = 0
+    for (a, _), w, mbs, count in zip(steps, windows, parts, counts.tolist()):
+        if count > len(mbs):
+            mbs = dynamic_partitions([g[i] for i in w], [p[i] for i in w], [r[i] for i in w], budget, count)
+        split += mbs.split_groups
+        for j, rows in enumerate(mbs.batches):
+            indices.append([w[i] for i in rows])
+            scales.append(len(rows) / len(w))
+            tokens.append(buffer.dynamic_batch_num_tokens[a])
+            sizes.append(buffer.dynamic_global_batch_size[a])
+            opt.append(int(j == len(mbs.batches) - 1))
+    buffer.dynamic_indices, buffer.dynamic_sample_loss_scale = indices, scales
+    buffer.dynamic_batch_num_tokens, buffer.dynamic_global_batch_size = tokens, sizes
+    buffer.dynamic_optimizer_step = opt
+    buffer.zorro_split_groups = getattr(buffer, "zorro_split_groups", 0) + split
+
+
 def install_replay_buffer(cls) -> None:
     """Make OpenRLHF's ``NaiveReplayBuffer`` serve group micro-batches to the training ``DataLoader`` (idempotent).
 
     Without dynamic batching the buffer presents itself as a dataset of micro-batches (``sample_batch_size = 1``,
     one item = one micro-batch of ``micro_train_batch_size`` samples, collated by OpenRLHF's
-    ``make_experience_batch``); with dynamic batching its partitions come from :func:`dynamic_partitions`.
+    ``make_experience_batch``); with dynamic batching OpenRLHF's partitions are regrouped
+    (:func:`regroup_dynamic_batch`).
     ``zorro_split_groups`` counts the groups cut.
     """
     if getattr(cls, "_zorro_installed", False):
         return
     init, append, clear = cls.__init__, cls.append, cls.clear
     length, getitem, collate = cls.__len__, cls.__getitem__, cls.collate_fn
+    setup_dynamic = cls.setup_dynamic_batch
 
     def __init__(self, sample_batch_size, *args, **kwargs):
         init(self, sample_batch_size, *args, **kwargs)
@@ -175,7 +219,12 @@ def install_replay_buffer(cls) -> None:
             return make_experience_batch(batch, self.packing_samples)
         return collate(self, batch)
 
+    def new_setup_dynamic_batch(self, strategy):
+        setup_dynamic(self, strategy)
+        regroup_dynamic_batch(self, strategy)
+
     cls.__init__, cls.append, cls.clear = __init__, new_append, new_clear
+    cls.setup_dynamic_batch = new_setup_dynamic_batch
     cls.__len__, cls.__getitem__, cls.collate_fn = new_len, new_getitem, new_collate
     cls._zorro_installed = True
 
