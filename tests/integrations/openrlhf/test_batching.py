@@ -251,3 +251,31 @@ def test_dynamic_training_batches_regrouped_with_stock_normalisers(zorro_buffer,
     assert sum(len(v) for v in owners.values()) < sum(len(v) for v in stock_owners.values())
     loader = DataLoader(zorro, batch_size=zorro.sample_batch_size, shuffle=False, collate_fn=zorro.collate_fn)
     assert [e.sequences.shape[0] for e in loader] == [len(part) for part in zorro.dynamic_indices]
+
+
+@pytest.mark.parametrize("gas", [1, 2, 6])
+def test_loss_normalisers_unchanged(zorro_buffer, gas):
+    """OpenRLHF's own ``iter_grad_accum_global_norm`` over the group micro-batches: the same number of optimizer
+    windows of ``gas`` micro-batches of the same size as the stock DataLoader, and over all windows the same action
+    tokens and samples (a window's normaliser is its own token-mean denominator, as in stock)."""
+    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+    samples = rollout_samples(4, prompts=6, seed=7)
+    strategy = SimpleNamespace()
+    totals = []
+    for grouped in (False, True):
+        if grouped:
+            buffer = zorro_buffer(4, 0, True, False, False)
+        else:
+            buffer = zorro_buffer.__new__(zorro_buffer)
+            STOCK_METHODS["__init__"](buffer, 4, 0, True, False, False)  # OpenRLHF's own buffer
+        fill(buffer, samples, per_experience=8)
+        loader = DataLoader(buffer, batch_size=buffer.sample_batch_size, shuffle=True, drop_last=True,
+                            collate_fn=buffer.collate_fn)
+        infos = [info for _, info in iter_grad_accum_global_norm(loader, strategy, gas, lambda e: e.action_mask)]
+        windows = infos[::gas]
+        totals.append((len(infos), len(windows), sum(float(w["batch_num_tokens"]) for w in windows) * gas,
+                       sum(float(w["global_batch_size"]) for w in windows) * gas))
+    # counts exact; token / sample sums are integers divided by gas in fp32 by OpenRLHF, then multiplied back here
+    assert totals[0][:2] == totals[1][:2] and totals[0][2:] == pytest.approx(totals[1][2:], rel=1e-6), totals
+    assert totals[1][2] == pytest.approx(sum(float(s.action_mask.sum()) for s in samples), rel=1e-6)
