@@ -89,8 +89,10 @@ def predicting_positions(am, act):
     return pos
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing):
+@pytest.mark.parametrize("packing,logits,ckpt", [(False, "none", False), (True, "none", False),
+                                                 (True, "memory", True), (False, "compute", True)],
+                         ids=["padded", "packed", "packed-memory-checkpointing", "padded-compute-checkpointing"])
+def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing, logits, ckpt):
     seq, am, act = pad_batch(make_samples(vocab=VOCAB))
     g = torch.Generator().manual_seed(1)
     B, A = act.shape
@@ -106,7 +108,10 @@ def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing):
     lp0, ent0, loss0 = ppo_loss(stock, seq, am, act, old, base, adv)
     g0 = grads_of(stock.model)
     zactor.install(Actor)
-    zorro = make_actor(checkpoint, packing)
+    zorro = make_actor(checkpoint, packing, logits_optimization=logits)
+    zactor.actor_state(zorro).logits_chunk_size = 7  # several chunks in the compute / memory modes
+    if ckpt:  # OpenRLHF's --actor.gradient_checkpointing_enable (the zorro kwarg survives the recompute)
+        zorro.gradient_checkpointing_enable()
     lp1, ent1, loss1 = ppo_loss(zorro, seq, am, act, old, base, adv)
     g1 = grads_of(zorro.model)
 
@@ -119,7 +124,7 @@ def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing):
     assert (ent1[~pos] == 0).all()  # positions zorro does not compute (OpenRLHF reads entropy under action_mask)
     loss_err = abs(loss1.item() - loss0.item()) / abs(loss0.item())
     grad_err, name = max_rel_grad_error(g0, g1)
-    print(f"\n[openrlhf {'packed' if packing else 'padded'}] logp max abs {lp_err:.2e}, entropy max abs {ent_err:.2e}, "
+    print(f"\n[openrlhf {'packed' if packing else 'padded'} logits={logits} ckpt={ckpt}] logp max abs {lp_err:.2e}, entropy max abs {ent_err:.2e}, "
           f"loss rel {loss_err:.2e}, grad rel max {grad_err:.2e} ({name})")
     assert lp_err <= TOL and ent_err <= TOL and loss_err <= TOL and grad_err <= TOL, (lp_err, ent_err, loss_err,
                                                                                      grad_err, name)
