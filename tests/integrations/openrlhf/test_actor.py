@@ -124,8 +124,8 @@ def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing, logits
     assert (ent1[~pos] == 0).all()  # positions zorro does not compute (OpenRLHF reads entropy under action_mask)
     loss_err = abs(loss1.item() - loss0.item()) / abs(loss0.item())
     grad_err, name = max_rel_grad_error(g0, g1)
-    print(f"\n[openrlhf {'packed' if packing else 'padded'} logits={logits} ckpt={ckpt}] logp max abs {lp_err:.2e}, entropy max abs {ent_err:.2e}, "
-          f"loss rel {loss_err:.2e}, grad rel max {grad_err:.2e} ({name})")
+    print(f"\n[openrlhf {'packed' if packing else 'padded'} logits={logits} ckpt={ckpt}] logp max abs {lp_err:.2e}, "
+          f"entropy max abs {ent_err:.2e}, loss rel {loss_err:.2e}, grad rel max {grad_err:.2e} ({name})")
     assert lp_err <= TOL and ent_err <= TOL and loss_err <= TOL and grad_err <= TOL, (lp_err, ent_err, loss_err,
                                                                                      grad_err, name)
     m = zactor.pop_metrics(zorro)

@@ -16,15 +16,13 @@ require_openrlhf_env()
 
 import ray  # noqa: E402
 
-from zorro_verl.integrations.openrlhf.boot import PTH_LINE, pth_path  # noqa: E402
+from zorro_verl.integrations.openrlhf.boot import PTH_LINE, check_workers, pth_path  # noqa: E402
 
 
 @ray.remote
 def probe_actor_forward():
     """Runs in a Ray worker: what OpenRLHF's Actor.forward is once OpenRLHF imports it."""
-    import sys
-
-    booted = "zorro_verl.integrations.openrlhf.boot" in sys.modules  # before any OpenRLHF import
+    booted = _loader_ran()  # before any OpenRLHF import
     from openrlhf.models.actor import Actor
 
     return booted, Actor.forward.__module__, Actor.forward.__name__
@@ -32,9 +30,15 @@ def probe_actor_forward():
 
 @ray.remote
 def probe_boot():
+    return _loader_ran(), os.environ.get("ZORRO_OPENRLHF")
+
+
+def _loader_ran() -> bool:
+    """Whether the .pth line ran the loader in this process (importing the module alone does not install it)."""
     import sys
 
-    return "zorro_verl.integrations.openrlhf.boot" in sys.modules, os.environ.get("ZORRO_OPENRLHF")
+    mod = sys.modules.get("zorro_verl.integrations.openrlhf.boot")
+    return bool(mod is not None and mod._installed)
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,10 @@ def test_switch_reaches_ray_workers(ray_session):
 def test_worker_without_switch_imports_no_zorro(ray_session):
     off = probe_boot.options(runtime_env={"env_vars": {"ZORRO_OPENRLHF": "0", "PYTHONPATH": ray_session}})
     assert ray.get(off.remote(), timeout=300) == (False, "0")
+
+
+def test_driver_check_sees_whether_workers_got_the_switch(ray_session):
+    """The experience maker's start-up check (driver side): passes for this job, raises for workers without it."""
+    check_workers()
+    with pytest.raises(ValueError, match="not in the Ray workers"):
+        check_workers(runtime_env={"env_vars": {"ZORRO_OPENRLHF": "0", "PYTHONPATH": ray_session}})

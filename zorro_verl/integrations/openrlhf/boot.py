@@ -16,8 +16,9 @@ imported:
 * ``openrlhf.models.actor`` — ``Actor.forward`` -> :func:`~.actor.zorro_forward` (actor training, old log-probs,
   reference, EMA);
 * ``openrlhf.trainer.ppo_utils.replay_buffer`` — group micro-batches (:func:`~.batching.install_replay_buffer`);
-* ``openrlhf.trainer.ppo_utils.experience_maker`` — ``RemoteExperienceMaker``: the start-up check of OpenRLHF's
-  arguments and :func:`~.batching.split_rollout_samples`;
+* ``openrlhf.trainer.ppo_utils.experience_maker`` — ``RemoteExperienceMaker``: the start-up checks (OpenRLHF's
+  arguments; that the job's Ray workers got the switch too, :func:`check_workers`) and
+  :func:`~.batching.split_rollout_samples`;
 * ``openrlhf.trainer.ppo_trainer`` — :func:`~.batching.balance_experiences` (dynamic batching's DP balancing);
 * ``openrlhf.trainer.ray.ppo_actor`` — ``zorro/*`` metrics in the status OpenRLHF logs after each training step.
 
@@ -33,7 +34,8 @@ from typing import Optional
 
 from zorro_verl.integrations.openrlhf.settings import ENV_SWITCH, settings_from_env
 
-__all__ = ["install", "PTH_NAME", "PTH_LINE", "install_pth", "uninstall_pth", "pth_path", "main", "on_actor_module",
+__all__ = ["install", "PTH_NAME", "PTH_LINE", "install_pth", "uninstall_pth", "pth_path", "main", "check_workers",
+           "workers_have_switch", "on_actor_module",
            "on_replay_buffer_module", "on_experience_maker_module", "on_ppo_trainer_module", "on_ppo_actor_module"]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ def on_experience_maker_module(module) -> None:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         check_args(self.strategy.args, settings_from_env())  # at trainer construction, before any rollout
+        check_workers()
 
     cls.__init__ = __init__
     if settings_from_env().group_balance:
@@ -109,6 +112,37 @@ def on_ppo_actor_module(module) -> None:
     if not getattr(cls, "_zorro_installed", False):
         cls.ppo_train = with_zorro_metrics(cls.ppo_train)
         cls._zorro_installed = True
+
+
+def _probe_worker():
+    # runs in the worker; unpickling this function imports this module there, so ask whether install() ran
+    return _installed
+
+
+def workers_have_switch(runtime_env: Optional[dict] = None) -> bool:
+    """Whether a Ray worker of this job (started like OpenRLHF's actors, in the job's runtime env; ``runtime_env``
+    overrides it, for tests) loaded zorro's loader. One zero-CPU task; needs ``ray.init`` done."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(_probe_worker)
+    if runtime_env is not None:
+        task = task.options(runtime_env=runtime_env)
+    return bool(ray.get(task.remote()))
+
+
+def check_workers(runtime_env: Optional[dict] = None) -> None:
+    """Raise if this process has the switch on but the job's Ray workers do not (e.g. ``ZORRO_OPENRLHF`` exported
+    in the driver's shell only, while the cluster was started without it): they would train the stock way."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if not workers_have_switch(runtime_env):
+        raise ValueError(f"{ENV_SWITCH} is on in the driver but not in the Ray workers, which would run OpenRLHF's "
+                         "stock forward. Pass it to the job: ray job submit --runtime-env-json "
+                         f"'{{\"env_vars\": {{\"{ENV_SWITCH}\": \"1\"}}}}' (or export it before `ray start`), and "
+                         "install the loader (zorro-verl openrlhf install) in the workers' environment.")
+    logger.info("zorro: Ray workers of this job load the OpenRLHF loader")
 
 
 # ---------------------------------------------------------------------------------------------- the .pth file
