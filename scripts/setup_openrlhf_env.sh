@@ -33,9 +33,9 @@ new_torch_venv "$VENV" "${MAIN_VENV:-.venv}"  # torch first: nothing below may p
 "$PY" -m pip install -q --no-compile --no-deps "$OPENRLHF"
 constraints="$(mktemp)"
 printf 'torch==2.13.0\n%s\n' "$TRANSFORMERS" > "$constraints"
-"$PY" -m pip install -q --no-compile -c "$constraints" "${DEPS[@]}"
+"$PY" -m pip install -q --no-compile --no-warn-conflicts -c "$constraints" "${DEPS[@]}"  # openrlhf: --no-deps
 rm -f "$constraints"
-"$PY" -m pip install -q --no-compile --no-deps -e .
+"$PY" -m pip install -q --no-compile --no-warn-conflicts --no-deps -e .
 "$PY" -m zorro_verl.cli openrlhf install
 "$PY" - <<'PY'
 import importlib.metadata as md

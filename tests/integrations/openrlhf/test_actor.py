@@ -149,6 +149,38 @@ def test_old_and_reference_logprob_calls(checkpoint, zorro_class):
     assert (got[act == 0] == 0).all()
 
 
+class EngineLike(torch.nn.Module):
+    """Holds the model as its ``module`` child and has a ``config`` of its own, as DeepSpeed's engine does after
+    ``strategy.prepare`` (``Actor.model = engine``); its forward calls the module (and counts the calls)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = {"zero_optimization": {"stage": 3}}  # DeepSpeed's engine.config: its DeepSpeed config
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+
+def test_wrapped_model_runs_through_the_wrapper(checkpoint, zorro_class):
+    """With ``Actor.model`` wrapped like a DeepSpeed engine, zorro installs on the Hugging Face model inside, runs
+    the forward through the wrapper and returns the stock log-probs."""
+    seq, am, act = pad_batch(make_samples(vocab=VOCAB, seed=5))
+    zactor.uninstall(Actor)
+    with torch.no_grad():
+        ref = make_actor(checkpoint, True)(seq, act, am)
+    zactor.install(Actor)
+    actor = make_actor(checkpoint, True)
+    actor.model = EngineLike(actor.model)
+    with torch.no_grad():
+        got = actor(seq, act, am)
+    assert actor.model.calls == 1 and is_installed(actor.model.module)
+    assert zactor.hf_model(actor.model) is actor.model.module
+    assert (got - ref).abs().max().item() <= TOL
+
+
 def test_unsupported_calls_raise(checkpoint, zorro_class):
     seq, am, act = pad_batch(make_samples(vocab=VOCAB))
     actor = make_actor(checkpoint, False)

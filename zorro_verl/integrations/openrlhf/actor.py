@@ -37,11 +37,29 @@ logger = logging.getLogger(__name__)
 
 
 def hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside ``Actor.model`` (unwraps a DeepSpeed engine's ``.module``)."""
+    """The Hugging Face model inside ``Actor.model``: unwraps wrappers that hold it as their ``module`` child
+    (DeepSpeed's engine, which also has a ``config`` of its own: its DeepSpeed config)."""
+    from transformers import PreTrainedModel
+
     m = module
-    while not hasattr(m, "config") and isinstance(getattr(m, "module", None), torch.nn.Module):
-        m = m.module
+    while not isinstance(m, PreTrainedModel) and isinstance(m._modules.get("module"), torch.nn.Module):
+        m = m._modules["module"]
     return m
+
+
+class _EngineCall:
+    """What :func:`zorro_step` runs: calls go through ``Actor.model`` (a DeepSpeed engine's forward and hooks run as
+    in the stock call), attribute reads (``config``, ``get_output_embeddings``, ``get_decoder``...) go to the
+    Hugging Face model inside (the engine's own ``config`` is its DeepSpeed config)."""
+
+    def __init__(self, outer: torch.nn.Module, inner: torch.nn.Module):
+        self._outer, self._inner = outer, inner
+
+    def __call__(self, *args, **kwargs):
+        return self._outer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def _tensor_parallel(model: torch.nn.Module) -> bool:
@@ -182,8 +200,8 @@ def zorro_forward(self, sequences, action_mask=None, attention_mask=None, return
         attention_mask = torch.ones_like(sequences)
     install_zorro(model, probe=False)  # idempotent; every step checks that each layer ran through zorro
     layout = plan_from_openrlhf(sequences, attention_mask, action_mask)
-    # self.model, not the bare HF model: a DeepSpeed engine's forward (and its hooks) runs as in the stock call
-    logp, ent = zorro_step(self.model, layout.plan, backend=state._zorro_backend, temperature=float(self.temperature),
+    runner = model if self.model is model else _EngineCall(self.model, model)
+    logp, ent = zorro_step(runner, layout.plan, backend=state._zorro_backend, temperature=float(self.temperature),
                            calculate_entropy=return_entropy, logits_optimization=state.zorro.logits_optimization,
                            chunk_size=state.logits_chunk_size)
     state.counts["calls"] += 1
