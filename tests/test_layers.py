@@ -42,8 +42,9 @@ ALLOWED = {
     "integrations": ({"integrations"}, set()),
     "api": (CORE | {"transformers", "api"}, {"torch"}),
     "verl": (CORE | {"transformers", "verl", "integrations"}, {"torch", "verl", "wrapt", "omegaconf"}),
-    # OpenRLHF only lazily; of the verl layer only its verl-free settings and common modules (checked below)
-    "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"}, {"torch", "openrlhf", "wrapt"}),
+    # OpenRLHF, Ray, transformers only lazily; of the verl layer only its verl-free settings and common (checked below)
+    "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"},
+                 {"torch", "openrlhf", "wrapt", "ray", "transformers"}),
     "root": ({"api", "packing", "root"}, set()),
     "data": (set(), set()),  # the Hydra presets: package data, no code
     "testing": (None, None),  # may use anything
@@ -52,7 +53,7 @@ ALLOWED = {
 }
 #: Who may import the test/benchmark support: only themselves and the command-line entry points.
 SUPPORT_IMPORTERS = {"testing": {"testing", "bench", "entry"}, "bench": {"bench", "entry"}}
-LAZY_ONLY = {"flash_attn", "flash_attn_interface", "transformers", "wrapt", "openrlhf"}
+LAZY_ONLY = {"flash_attn", "flash_attn_interface", "transformers", "wrapt", "openrlhf", "ray"}
 #: The verl-layer modules the OpenRLHF integration may import: they import no verl (the shared settings and refusals).
 VERL_FREE = {"zorro_verl.integrations.verl.settings", "zorro_verl.integrations.verl.common"}
 
