@@ -5,8 +5,11 @@ results per token by log-sum-exp); flex forward on CPU."""
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.attention.test_backends import _qkv
+from tests.attention.test_features import BACKENDS as FEATURE_BACKENDS
+from tests.attention.test_features import _check as check_features
 from tests.packing.test_tree import tree_rows
 from zorro_verl.attention import attend
 from zorro_verl.attention.copyfree import attend_copyfree, copyfree_index
@@ -92,3 +95,26 @@ def test_multi_turn_samples_are_one_node_per_trajectory():
 def test_single_node_and_no_sharing():
     _check_all(_tree_plan([([3, 4, 5], [6, 7])]))  # one row: one root, no child
     _check_all(_tree_plan([([1, 2], [3]), ([4, 5], [6])]))  # nothing shared: roots only
+
+
+@settings(max_examples=10, deadline=None)
+@given(tree_rows(), st.integers(1, 9), st.booleans(), st.booleans())
+def test_tree_with_window_sinks_softcap(case, window, sinks, softcap):
+    """Prefix trees with the attention features of sliding-window / sink / soft-capped models: the window is
+    measured on each row's positions (a node continues its ancestors' positions), every backend vs the oracle."""
+    rows, _, min_shared = case
+    plan = _tree_plan(rows, min_shared)
+    feat = dict(window=window, sinks=sinks, softcap=0.8 if softcap else None)
+    for backend in FEATURE_BACKENDS:
+        check_features(plan, backend, feat)
+
+
+def test_tree_flex_forward_with_window():
+    from zorro_verl.attention import AttentionFeatures
+
+    plan = _tree_plan(branching_rows(depth=3, width=2, turn=3))
+    q, k, v = (x.detach() for x in _qkv(plan, 4, 2))
+    for window in (1, 3, 7):
+        ref = dense_attention_oracle(plan, q, k, v, 0.3, window=window)
+        out = attend(plan, "flex", q, k, v, 0.3, AttentionFeatures(window=window))
+        assert (out - ref).abs().max().item() <= TOL
