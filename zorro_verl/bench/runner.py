@@ -85,13 +85,14 @@ class Runner:
             total = total + loss.detach()
         return total
 
-    def zorro(self, batch: dict, mode: str, backend: str) -> torch.Tensor:
-        """Plan building + deduplicated forward (+ backward); returns the log-prob sum."""
+    def zorro(self, batch: dict, mode: str, backend: str, sharing: str = "prompt") -> torch.Tensor:
+        """Plan building (``sharing``: ``prompt`` or ``prefix``) + deduplicated forward (+ backward); returns the
+        log-prob sum."""
         from zorro_verl.integrations.transformers import zorro_step
         from zorro_verl.packing import build_plan
 
         R = batch["responses"].shape[1]
-        plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing=sharing)
         with torch.set_grad_enabled(mode == "fwd_bwd"):
             lp, _ = zorro_step(self.model, plan, backend=backend)
             loss = lp.sum()

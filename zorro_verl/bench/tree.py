@@ -99,18 +99,6 @@ def _plan(batch, sharing: str):
     return build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1], sharing=sharing)
 
 
-def _zorro(runner: Runner, batch: dict, mode: str, sharing: str, backend: str = "sdpa") -> torch.Tensor:
-    from zorro_verl.integrations.transformers import zorro_step
-
-    plan = _plan(batch, sharing)
-    with torch.set_grad_enabled(mode == "fwd_bwd"):
-        lp, _ = zorro_step(runner.model, plan, backend=backend)
-        loss = lp.sum()
-    if mode == "fwd_bwd":
-        loss.backward()
-    return loss.detach()
-
-
 def run_tree_bench(scenarios=TREE_SCENARIOS, *, modes=("fwd", "fwd_bwd"), model_shape="quick",
                    dtype=torch.float32, device="cpu", warmup=1, reps=5, clock="cpu", backend="sdpa",
                    log=print) -> list[dict]:
@@ -140,12 +128,12 @@ def run_tree_bench(scenarios=TREE_SCENARIOS, *, modes=("fwd", "fwd_bwd"), model_
             runner.use_baseline()
             ref = runner.baseline(batches[0], "fwd", full_logits=False)
             runner.use_zorro()
-            diff = max(float((_zorro(runner, batches[0], "fwd", s, backend) - ref).abs() / ref.abs()) for s in
+            diff = max(float((runner.zorro(batches[0], "fwd", backend, s) - ref).abs() / ref.abs()) for s in
                        ("prompt", "prefix"))
         for mode in modes:
             variants = {"a2a": (runner.use_baseline, lambda b, m=mode: runner.baseline(b, m, False)),
-                        "prompt": (runner.use_zorro, lambda b, m=mode: _zorro(runner, b, m, "prompt", backend)),
-                        "prefix": (runner.use_zorro, lambda b, m=mode: _zorro(runner, b, m, "prefix", backend))}
+                        "prompt": (runner.use_zorro, lambda b, m=mode: runner.zorro(b, m, backend, "prompt")),
+                        "prefix": (runner.use_zorro, lambda b, m=mode: runner.zorro(b, m, backend, "prefix"))}
             times, peak, method = time_interleaved(variants, batches, warmup, reps, ck, runner.reset, dev)
             med = {k: statistics.median(v) for k, v in times.items()}
             paired = lambda a, b, t=times: statistics.median(x / y for x, y in zip(t[a], t[b]))  # noqa: E731
