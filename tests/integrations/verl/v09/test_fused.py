@@ -256,3 +256,26 @@ def test_stock_fused_fails_on_untied_head(tiny_ckpt, original_forward):
     eng = _build(tiny_ckpt, "fused", original_forward)
     with pytest.raises(RuntimeError, match="DTensor"):
         infer(eng, _batch(batch_size=6, num_prompts=2, seed=2))
+
+
+def test_prefix_sharing_with_fused_kernels(request, original_forward):
+    """``sharing=prefix`` with verl's fused kernels (the head function gets each output's hidden state): the zorro
+    fused engine on an agentic batch vs the stock engine without fused kernels (the same math)."""
+    from verl.utils import tensordict_utils as tu
+
+    from tests.integrations.verl.v09.test_prefix_engine import PREFIX, _agentic_batch
+
+    ckpt = _ckpt(request, False)
+    with _class_forward(original_forward):
+        plain = _build(ckpt, "plain", original_forward)
+        ref_td = _agentic_batch(temperature=0.8, calculate_entropy=True, micro_batch_size=4)
+        ref = infer(plain, ref_td)
+    zorro = _build(ckpt, "zorro", original_forward, zorro_settings=PREFIX)
+    td = _agentic_batch(temperature=0.8, calculate_entropy=True, micro_batch_size=4)
+    tu.assign_non_tensor(td, use_fused_kernels=True)
+    out = infer(zorro, td)
+    mask = td["attention_mask"][:, -td["responses"].shape[1]:].bool()
+    for key in ("log_probs", "entropy"):
+        a, b = output_values(ref, ref_td, key), output_values(out, td, key)
+        assert a[mask].abs().max() > 0.1 and (a - b)[mask].abs().max().item() <= ATOL, key
+    assert out["metrics"]["zorro/tree_depth"][0] >= 3
