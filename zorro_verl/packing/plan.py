@@ -491,12 +491,14 @@ def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
                              max((nlen[i] for i in ids), default=0), max((sub[i] - nlen[i] for i in ids), default=0)))
     roots_h = [i for i in range(M) if parent[i] < 0]
     kids_h = [i for i in range(M) if parent[i] >= 0]
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-    node_start, node_len, node_pos0, node_parent = t(start), t(nlen), t(pos0), t(parent)
-    node_anc = t(anc).view(M, levels)
-    node_rep_row = first[t([n[4] for n in nodes])]
-    roots, kids = t(roots_h), t(kids_h)
-    row_node = t(end_node)[inv]  # [B]
+    # one host -> device copy of every node table, split on the device
+    flat = torch.tensor(start + nlen + pos0 + parent + depth + sub + [n[4] for n in nodes] + roots_h + kids_h
+                        + end_node + [a for row in anc for a in row], dtype=torch.long).to(dev)
+    (node_start, node_len, node_pos0, node_parent, node_depth, node_subl, rep_seq, roots, kids, end_t,
+     anc_t) = torch.split(flat, [M] * 7 + [len(roots_h), len(kids_h), U, M * levels])
+    node_anc = anc_t.view(M, levels)
+    node_rep_row = first[rep_seq]
+    row_node = end_t[inv]  # [B]
     token_node = torch.repeat_interleave(torch.arange(M, device=dev), node_len, output_size=T)  # [T]
     local = torch.arange(T, device=dev) - node_start[token_node]
     tree = PrefixTree(
@@ -509,7 +511,7 @@ def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
         level_sizes=tuple((sum(1 for i in range(M) if depth[i] == lv),
                            max(nlen[i] for i in range(M) if depth[i] == lv)) for lv in range(levels)),
         node_start=node_start, node_len=node_len, node_pos0=node_pos0, node_parent=node_parent,
-        node_depth=t(depth), node_sub_end=node_start + t(sub), node_anc=node_anc, node_rep_row=node_rep_row,
+        node_depth=node_depth, node_sub_end=node_start + node_subl, node_anc=node_anc, node_rep_row=node_rep_row,
         roots=roots, children=kids, row_node=row_node, token_node=token_node,
     )
 
