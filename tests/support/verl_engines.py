@@ -18,10 +18,10 @@ __all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "infer", "output_
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
                  max_token_len: int = 64, use_remove_padding: bool = True, gradient_checkpointing: bool = False,
                  zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None,
-                 model_overrides: Optional[dict] = None):
+                 model_overrides: Optional[dict] = None, attn_implementation: str = "sdpa"):
     """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``;
     ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
-    config."""
+    config (e.g. ``ulysses_sequence_parallel_size``), ``attn_implementation`` is the model's stock attention."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead
@@ -29,7 +29,8 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
     from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig
     from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
 
-    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
+    model_config = HFModelConfig(path=ckpt, load_tokenizer=False,
+                                 override_config={"attn_implementation": attn_implementation},
                                  use_remove_padding=use_remove_padding,
                                  enable_gradient_checkpointing=gradient_checkpointing, **(model_overrides or {}))
     common = dict(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
