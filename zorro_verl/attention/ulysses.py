@@ -125,4 +125,6 @@ class _GatherRows(torch.autograd.Function):
 def gather_rows(local: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
     """``[N_s, ...]`` values of this rank's head rows (``shard.rows`` order) -> ``[N, ...]``, original row order, on
     every rank of the SP group (backward: this rank's rows' gradient times ``sp``)."""
+    if shard.max_rows == 0:  # no response token in the micro-batch: the same on every rank, nothing to exchange
+        return local[shard.gather_index]
     return _GatherRows.apply(local, shard)
