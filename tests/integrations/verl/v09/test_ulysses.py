@@ -37,6 +37,31 @@ def kv1_ckpt(tmp_path_factory):
     return str(path)
 
 
+#: Worst figures over the ranks, printed in the pytest summary (tests/conftest.py): errors against each stock engine
+#: and the all-to-all bytes of a training step (zorro / stock SP) next to the deduplicated token ratio.
+SUMMARY: dict = {}
+
+
+def _record(name: str, results: list) -> None:
+    def rel(pair):
+        return abs(pair[0] - pair[1]) / abs(pair[0])
+
+    line = {}
+    for ref in ("stock_sp", "stock"):
+        cs = [r[ref] for r in results]
+        line[f"vs {ref}"] = (f"log-prob {max(c['log_probs_max_abs'] for c in cs):.1e}, entropy "
+                     f"{max(c['entropy_max_abs'] for c in cs):.1e}, loss rel {max(rel(c['loss']) for c in cs):.1e}, "
+                     f"grad-norm rel {max(rel(c['grad_norm']) for c in cs if c['grad_norm']):.1e}, grad rel "
+                     f"{max(c['grad_rel'] for c in cs):.1e}")
+    # one rank per SP group (the ranks of a group exchange the same volume)
+    first = [r for r in results if r["rank"] % 2 == 0]
+    bz, bs = (sum(r["a2a_bytes"][k] for r in first) for k in ("zorro_sp", "stock_sp"))
+    tz, ts = (sum(r[k] for r in first) for k in ("dedup_tokens", "ordinary_tokens"))
+    line["all-to-all"] = (f"zorro / stock SP bytes per training step {bz} / {bs} = {bz / bs:.3f}; tokens "
+                          f"{tz} / {ts} = {tz / ts:.3f}")
+    SUMMARY[name] = line
+
+
 def _check_equal(cmp: dict) -> None:
     assert cmp["fallback"] == [0.0]
     assert cmp["log_probs_max"] > 1.0  # a real comparison, not zeros
@@ -86,6 +111,7 @@ def test_sp2_matches_stock_kv_heads_below_sp(kv1_ckpt, tmp_path):
 
     results = run_ranks("tests.support.verl_ulysses", 2, [kv1_ckpt, 2], tmp_path, HANG_TIMEOUT_S)
     assert results[0]["kv_heads"] == 1
+    _record("SP=2 (kv_heads=1)", results)
     _check_common(results, 2)
     for r in results:
         _check_equal(r["stock_sp"]["memory"])
@@ -100,6 +126,7 @@ def test_sp2_dp2_matches_stock(tiny_ckpt, tmp_path):
 
     results = run_ranks("tests.support.verl_ulysses", 4, [tiny_ckpt, 2], tmp_path, HANG_TIMEOUT_S)
     assert results[0]["kv_heads"] == 2
+    _record("SP=2 x DP=2", results)
     _check_common(results, 2)
     # the two SP groups hold different batches
     assert results[0]["zorro_mb_tokens"] != results[2]["zorro_mb_tokens"]
