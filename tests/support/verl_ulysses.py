@@ -11,7 +11,10 @@ inference (log-probs, entropy) and one training step (loss, grad norm, every gra
   flash-attn kernel call inside it is replaced by a plain-torch varlen stand-in (:func:`install_cpu_varlen`);
 * ``stock``: verl's stock engine without SP (``sdpa``; all ``WORLD`` ranks are DP ranks, SP-group peers hold the
   same batch, so it computes the same global step);
-* ``zorro_sp``: the zorro engine with the same SP.
+* ``zorro_sp``: the zorro engine with the same SP (in the single-group run also with ``logits_optimization=memory``
+  and gradient checkpointing, and with verl's fused kernels).
+
+Each also runs the inference pass with a dynamic token budget.
 
 ``torch.distributed.all_to_all`` is wrapped to count the bytes each engine hands it per training step. Results
 (errors against both stock engines, bytes, tokens) go to ``OUT_JSON``.
@@ -63,6 +66,12 @@ def install_cpu_varlen() -> None:
     monkey_patch._flash_attention_forward = _cpu_varlen_kernel
 
 
+#: Per-GPU token budget of the dynamic-batch-size inference pass (x sp per SP group: several micro-batches).
+DYN_BUDGET = 16
+#: verl's fused kernels, torch backend (the model config's flag; verl's worker copies it into the engine config).
+FUSED_MODEL = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": "torch"}}
+
+
 class _A2ACounter:
     """Wraps ``torch.distributed.all_to_all``; counts the bytes of the tensors this rank hands it."""
 
@@ -94,6 +103,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
     counter = _A2ACounter()
 
     import verl.workers.engine  # noqa: F401  (registers the zorro engine before its module is imported here)
+    from verl.utils import tensordict_utils as tu
 
     from tests.support.verl_engines import build_engine, engine_grads, make_engine_batch, ppo_loss_fn, response_values
     from zorro_verl.integrations.verl.v09.engine import row_lengths
@@ -105,13 +115,20 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
     mask = td["response_mask"].bool()
     p, r = row_lengths(td)
 
-    def run(engine):
+    # the same rows with a dynamic token budget (per GPU; verl and zorro budget DYN_BUDGET * sp per SP group)
+    dyn = td.clone()
+    tu.assign_non_tensor(dyn, use_dynamic_bsz=True, max_token_len_per_gpu=DYN_BUDGET)
+
+    def run(engine, batch=td):
         with engine.eval_mode():
-            inf = engine.infer_batch(td.clone(), loss_function=None)
+            inf = engine.infer_batch(batch.clone(), loss_function=None)
+            inf_dyn = engine.infer_batch(dyn.clone(), loss_function=None)
+        dyn_mbs = getattr(engine, "zorro_last_micro_batches", None)
         counter.bytes = 0
         with engine.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
-            tr = engine.train_batch(td.clone(), loss_function=ppo_loss_fn())
-        return {"inf": inf, "tr": tr, "grads": engine_grads(engine), "a2a_bytes": counter.bytes}
+            tr = engine.train_batch(batch.clone(), loss_function=ppo_loss_fn())
+        return {"inf": inf, "inf_dyn": inf_dyn, "tr": tr, "grads": engine_grads(engine), "a2a_bytes": counter.bytes,
+                "dyn_costs": None if dyn_mbs is None else [_dedup_tokens(td, b) for b in dyn_mbs.batches]}
 
     ulysses = {"ulysses_sequence_parallel_size": sp}
     runs = {"stock": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs)),
@@ -130,16 +147,27 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
            "zorro_mb_tokens": [_dedup_tokens(td, b) for b in zmb.batches],
            "stock_mb_tokens": [int((p[i: i + mbs] + r[i: i + mbs]).sum()) for i in range(0, len(p), mbs)],
            "fallback": runs["zorro_sp"]["tr"]["metrics"]["zorro/fallback_batches"],
+           "dyn_budget": DYN_BUDGET * sp, "zorro_dyn_mb_tokens": runs["zorro_sp"]["dyn_costs"],
            "a2a_bytes": {k: v["a2a_bytes"] for k, v in runs.items()}}
     for ref in ("stock_sp", "stock"):
         res[ref] = _compare(runs[ref], runs["zorro_sp"], td, mask)
-    if world == sp:  # the single-group run also checks the memory logits mode and the refusals
+    if world == sp:
+        # the single-group run also checks the memory logits mode (with gradient checkpointing: the exchanges run
+        # again in the recompute), verl's fused kernels and the refusals
         mem = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses,
-                           zorro_settings={"logits_optimization": "memory"})
+                           zorro_settings={"logits_optimization": "memory"}, gradient_checkpointing=True)
         mem.logits_chunk_size = 4  # several chunks per rank's head rows
         runs["zorro_sp_memory"] = run(mem)
-        res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
         res["stock_sp"]["memory"] = _compare(runs["stock_sp"], runs["zorro_sp_memory"], td, mask)
+        res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
+        # last: verl patches the model class's forward for fused kernels, for the whole process
+        fused_td = td.clone()
+        tu.assign_non_tensor(fused_td, use_fused_kernels=True)
+        tu.assign_non_tensor(dyn, use_fused_kernels=True)
+        fused = build_engine(ckpt, zorro=True, micro_batch_size=mbs, model_overrides=FUSED_MODEL,
+                             engine_overrides={**ulysses, "use_fused_kernels": True})
+        runs["zorro_sp_fused"] = run(fused, fused_td)
+        res["stock_sp"]["fused"] = _compare(runs["stock_sp"], runs["zorro_sp_fused"], td, mask)
     # the stock SP engine against the stock engine without SP (the reference's own agreement)
     d = (response_values(runs["stock"]["inf"]["model_output"]["log_probs"], td)
          - response_values(runs["stock_sp"]["inf"]["model_output"]["log_probs"], td))
@@ -158,6 +186,9 @@ def _compare(a: dict, b: dict, td, mask) -> dict:
     for key in ("log_probs", "entropy"):
         d = response_values(a["inf"]["model_output"][key], td) - response_values(b["inf"]["model_output"][key], td)
         cmp[f"{key}_max_abs"] = d[mask].abs().max().item()
+    d = response_values(a["inf_dyn"]["model_output"]["log_probs"], td) - response_values(
+        b["inf_dyn"]["model_output"]["log_probs"], td)
+    cmp["log_probs_dynamic_bsz_max_abs"] = d[mask].abs().max().item()
     cmp["log_probs_max"] = response_values(a["inf"]["model_output"]["log_probs"], td)[mask].abs().max().item()
     cmp["loss"] = (sum(a["tr"]["loss"]), sum(b["tr"]["loss"]))
     # verl reports grad_norm on the first rank of each SP group only (is_mp_src_rank_with_outputs)

@@ -5,8 +5,9 @@ inference pass and one training step (tests/support/verl_ulysses.py runs each ra
 Cases: SP = 2 in 2 processes on a model with one KV head (kv_heads < SP: repeated) and SP = 2 x DP = 2 in 4
 processes (two KV heads); 12 rows of 3 shuffled prompts per DP rank with a 1-token and an empty response, fixed
 micro-batches of 3 rows (4-row groups split across micro-batches), packed rows whose length SP does not divide.
-The 2-process run also checks the memory logits mode and the refusals (SP ranks with different batches; hybrid
-linear-attention layers). The all-to-all bytes are counted per training step and must equal the cost model.
+Every engine also runs the inference pass with a dynamic token budget. The 2-process run also checks the memory
+logits mode (with gradient checkpointing), verl's fused kernels and the refusals (SP ranks with different batches;
+hybrid linear-attention layers). The all-to-all bytes are counted per training step and must equal the cost model.
 
 Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
 <= 1e-5.
@@ -66,6 +67,7 @@ def _check_equal(cmp: dict) -> None:
     assert cmp["fallback"] == [0.0]
     assert cmp["log_probs_max"] > 1.0  # a real comparison, not zeros
     assert cmp["log_probs_max_abs"] <= ATOL and cmp["entropy_max_abs"] <= ATOL
+    assert cmp["log_probs_dynamic_bsz_max_abs"] <= ATOL
     la, lb = cmp["loss"]
     assert abs(la) > 1e-4 and abs(la - lb) <= RTOL * abs(la)
     if cmp["grad_norm"] is not None:  # verl reports it on the first rank of each SP group
@@ -92,12 +94,16 @@ def _check_bytes(r: dict, sp: int) -> None:
 
 
 def _check_common(results: list, sp: int) -> None:
-    assert len({r["micro_batches"] for r in results}) == 1  # the same count on every rank of the DP x SP mesh
+    # the same micro-batch counts on every rank of the DP x SP mesh
+    assert len({r["micro_batches"] for r in results}) == 1
+    assert len({len(r["zorro_dyn_mb_tokens"]) for r in results}) == 1
     for r in results:
         assert 0 in r["response_lens"] and 1 in r["response_lens"]
         assert r["split_groups"] > 0  # a group split across micro-batches
         assert any(t % sp for t in r["zorro_mb_tokens"])  # a packed row SP does not divide
         assert r["fallback"] == [0.0]
+        # dynamic batch size: the budget is per SP group, each prompt counted once
+        assert len(r["zorro_dyn_mb_tokens"]) > 1 and max(r["zorro_dyn_mb_tokens"]) <= r["dyn_budget"]
         for ref in ("stock_sp", "stock"):
             _check_equal(r[ref])
         assert r["stock_sp_vs_stock_log_probs_max_abs"] <= ATOL
@@ -114,7 +120,8 @@ def test_sp2_matches_stock_kv_heads_below_sp(kv1_ckpt, tmp_path):
     _record("SP=2 (kv_heads=1)", results)
     _check_common(results, 2)
     for r in results:
-        _check_equal(r["stock_sp"]["memory"])
+        _check_equal(r["stock_sp"]["memory"])  # with gradient checkpointing
+        _check_equal(r["stock_sp"]["fused"])
         ref = r["refusals"]
         assert "hold different batches" in ref["mismatch"]
         assert "hybrid linear-attention" in ref["hybrid_raise"] and "Ulysses" in ref["hybrid_raise"]
