@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "rank_main"]
 
 
 def run_ranks(module: str, world: int, args: list, tmp_path, timeout_s: int) -> list:
@@ -42,3 +42,15 @@ def run_ranks(module: str, world: int, args: list, tmp_path, timeout_s: int) -> 
     for rank, p in enumerate(procs):
         assert p.returncode == 0, logs[rank].read_text()[-4000:]
     return [json.loads(o.read_text()) for o in outs]
+
+
+def rank_main(run_rank, *arg_types) -> None:
+    """The ``__main__`` of a rank script launched by :func:`run_ranks`: parses ``RANK WORLD INIT_FILE *args
+    OUT_JSON`` (``args`` converted by ``arg_types``), calls ``run_rank(rank, world, init_file, *args)`` and writes its
+    result to ``OUT_JSON``."""
+    rank, world, init_file, *rest = sys.argv[1:]
+    *args, out = rest
+    assert len(args) == len(arg_types), f"expected {len(arg_types)} arguments after INIT_FILE, got {args}"
+    result = run_rank(int(rank), int(world), init_file, *(t(a) for t, a in zip(arg_types, args)))
+    with open(out, "w") as f:
+        json.dump(result, f)

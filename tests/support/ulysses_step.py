@@ -12,9 +12,7 @@ group's sum divided by ``WORLD`` (the row gather scales by SP, as verl's does, f
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 __all__ = ["run_rank"]
 
@@ -95,7 +93,6 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
 
 
 if __name__ == "__main__":
-    rank_, world_, init_file_, device_, out_ = sys.argv[1:6]
-    result = run_rank(int(rank_), int(world_), init_file_, device_)
-    with open(out_, "w") as f:
-        json.dump(result, f)
+    from tests.support.multi_rank import rank_main
+
+    rank_main(run_rank, str)

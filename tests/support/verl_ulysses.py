@@ -22,9 +22,7 @@ Each also runs the inference pass with a dynamic token budget.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 __all__ = ["run_rank", "install_cpu_varlen", "CPU_VARLEN_ATTN"]
 
@@ -249,7 +247,6 @@ def _dedup_tokens(td, rows) -> int:
 
 
 if __name__ == "__main__":
-    rank_, world_, init_file_, ckpt_, sp_, out_ = sys.argv[1:7]
-    result = run_rank(int(rank_), int(world_), init_file_, ckpt_, int(sp_))
-    with open(out_, "w") as f:
-        json.dump(result, f)
+    from tests.support.multi_rank import rank_main
+
+    rank_main(run_rank, str, int)
