@@ -113,25 +113,24 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
     mask = td["response_mask"].bool()
     p, r = row_lengths(td)
 
-    # the same rows with a dynamic token budget (per GPU; verl and zorro budget DYN_BUDGET * sp per SP group)
-    dyn = td.clone()
-    tu.assign_non_tensor(dyn, use_dynamic_bsz=True, max_token_len_per_gpu=DYN_BUDGET)
-
     def run(engine, batch=td):
+        # the same rows also with a dynamic token budget (per GPU; verl and zorro: DYN_BUDGET * sp per SP group)
+        dyn = batch.clone()
+        tu.assign_non_tensor(dyn, use_dynamic_bsz=True, max_token_len_per_gpu=DYN_BUDGET)
         with engine.eval_mode():
             inf = engine.infer_batch(batch.clone(), loss_function=None)
-            inf_dyn = engine.infer_batch(dyn.clone(), loss_function=None)
+            inf_dyn = engine.infer_batch(dyn, loss_function=None)
         dyn_mbs = getattr(engine, "zorro_last_micro_batches", None)
         counter.bytes = 0
         with engine.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
             tr = engine.train_batch(batch.clone(), loss_function=ppo_loss_fn())
         return {"inf": inf, "inf_dyn": inf_dyn, "tr": tr, "grads": engine_grads(engine), "a2a_bytes": counter.bytes,
-                "dyn_costs": None if dyn_mbs is None else [_dedup_tokens(td, b) for b in dyn_mbs.batches]}
+                "dyn_costs": None if dyn_mbs is None else [_dedup_tokens(batch, b) for b in dyn_mbs.batches]}
 
     ulysses = {"ulysses_sequence_parallel_size": sp}
-    runs = {"stock": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs)),
-            "stock_sp": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs, engine_overrides=ulysses,
-                                         attn_implementation=CPU_VARLEN_ATTN))}
+    stock_sp = build_engine(ckpt, zorro=False, micro_batch_size=mbs, engine_overrides=ulysses,
+                            attn_implementation=CPU_VARLEN_ATTN)
+    runs = {"stock": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs)), "stock_sp": run(stock_sp)}
     zorro = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses)
     runs["zorro_sp"] = run(zorro)
     zmb = zorro.zorro_last_micro_batches
@@ -158,10 +157,16 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
         runs["zorro_sp_memory"] = run(mem)
         res["stock_sp"]["memory"] = _compare(runs["stock_sp"], runs["zorro_sp_memory"], td, mask)
         res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
+        # one 24-token prompt, 4 short responses (T = 29): SP rank 0 holds prompt tokens only, so it runs the head
+        # on no row at all (the common case at long context) and still takes part in every exchange
+        long_td = make_engine_batch(batch_size=4, num_prompts=1, prompt_len=24, response_len=3, seed=5,
+                                    micro_batch_size=4, global_batch_size=4)
+        long_runs = [run(e, long_td) for e in (stock_sp, zorro)]
+        res["stock_sp"]["head_rows_on_one_rank"] = _compare(*long_runs, long_td, long_td["response_mask"].bool())
+        res["head_rows_per_rank"] = list(_shard_of(long_td, sp, rank).row_counts)
         # last: verl patches the model class's forward for fused kernels, for the whole process
         fused_td = td.clone()
         tu.assign_non_tensor(fused_td, use_fused_kernels=True)
-        tu.assign_non_tensor(dyn, use_fused_kernels=True)
         fused = build_engine(ckpt, zorro=True, micro_batch_size=mbs, model_overrides=FUSED_MODEL,
                              engine_overrides={**ulysses, "use_fused_kernels": True})
         runs["zorro_sp_fused"] = run(fused, fused_td)
@@ -230,6 +235,19 @@ def _refusals(ckpt: str, zorro, td, rank: int, ulysses: dict, mbs: int) -> dict:
         out["hybrid_warn_active"] = warn.zorro_active
         out["hybrid_warn_reason"] = warn._zorro_static_reason
     return out
+
+
+def _shard_of(td, sp: int, rank: int):
+    """The :class:`UlyssesShard` the zorro engine builds for ``td`` as one micro-batch."""
+    from zorro_verl.integrations.verl.v09.engine import _to_verl_padded, row_lengths
+    from zorro_verl.packing import build_plan
+    from zorro_verl.packing.ulysses import ulysses_shard
+
+    p, r = row_lengths(td)
+    ids, row, col = _to_verl_padded(td["input_ids"], p, r, int(p.max()), int(r.max()))
+    am = ids.new_zeros(ids.shape)
+    am[row, col] = 1
+    return ulysses_shard(build_plan(ids, am, int(r.max())), sp, rank)
 
 
 def _dedup_tokens(td, rows) -> int:

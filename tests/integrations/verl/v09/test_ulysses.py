@@ -6,8 +6,9 @@ Cases: SP = 2 in 2 processes on a model with one KV head (kv_heads < SP: repeate
 processes (two KV heads); 12 rows of 3 shuffled prompts per DP rank with a 1-token and an empty response, fixed
 micro-batches of 3 rows (4-row groups split across micro-batches), packed rows whose length SP does not divide.
 Every engine also runs the inference pass with a dynamic token budget. The 2-process run also checks the memory
-logits mode (with gradient checkpointing), verl's fused kernels and the refusals (SP ranks with different batches;
-hybrid linear-attention layers). The all-to-all bytes are counted per training step and must equal the cost model.
+logits mode (with gradient checkpointing), verl's fused kernels, a long-prompt batch in which one SP rank holds no
+response-predicting row (the common case at long context) and the refusals (SP ranks with different batches; hybrid
+linear-attention layers). The all-to-all bytes are counted per training step and must equal the cost model.
 
 Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
 <= 1e-5.
@@ -122,6 +123,8 @@ def test_sp2_matches_stock_kv_heads_below_sp(kv1_ckpt, tmp_path):
     for r in results:
         _check_equal(r["stock_sp"]["memory"])  # with gradient checkpointing
         _check_equal(r["stock_sp"]["fused"])
+        _check_equal(r["stock_sp"]["head_rows_on_one_rank"])
+        assert r["head_rows_per_rank"][0] == 0  # SP rank 0 computes no head row there
         ref = r["refusals"]
         assert "hold different batches" in ref["mismatch"]
         assert "hybrid linear-attention" in ref["hybrid_raise"] and "Ulysses" in ref["hybrid_raise"]
