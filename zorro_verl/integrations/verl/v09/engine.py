@@ -288,8 +288,8 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
 
     def _check_sp_batches_agree(self, data) -> None:
         """Every rank of an SP group must hold the same batch (verl all-gathers it over the SP group), since each
-        builds the plan the exchanges rely on. A fingerprint (rows, tokens, a position-weighted token sum) is
-        all-reduced MAX over the SP group as ``(x, -x)``; a mismatch raises on every rank of the group."""
+        builds the plan the exchanges rely on. A fingerprint (rows, tokens, a position-weighted token sum, the row
+        offsets) is all-reduced MAX over the SP group as ``(x, -x)``; a mismatch in any group raises on every rank."""
         ids = data["input_ids"]
         vals = ids.values().long()
         w = torch.arange(1, vals.numel() + 1, device=vals.device) % 1009 + 1
@@ -297,7 +297,11 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
                           device=vals.device), (vals * w).sum(), ids.offsets().long().sum()]).to(get_device_id())
         both = torch.cat([fp, -fp])
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.ulysses_parallel_group)
-        if not torch.equal(both[: fp.numel()], -both[fp.numel():]):
+        # then over the whole mesh, so that every rank raises (ranks of other SP groups would otherwise wait in the
+        # next collective)
+        bad = torch.tensor([0 if torch.equal(both[: fp.numel()], -both[fp.numel():]) else 1], device=both.device)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if int(bad.item()):
             raise ValueError("zorro engine: the ranks of a Ulysses sequence-parallel group hold different batches; "
                              "zorro builds the same plan on every SP rank from the batch, so they must agree (verl's "
                              "worker all-gathers the batch over the SP group: dispatch data by DP rank).")
