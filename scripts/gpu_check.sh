@@ -2,10 +2,11 @@
 # GPU checks of zorro_verl on one CUDA GPU (made for an H200), offline, in about 8 minutes:
 #   1. which backends and flash / flex kernels exist here (the registry's available_backends; flash-attn may be
 #      absent: PyTorch's built-in flash kernels are used);
-#   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex and the hybrid (delta-net) models vs fp64
-#      by the relative rule; zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with
-#      two or more GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path
-#      runs, the cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo);
+#   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex (also with sliding windows, sinks and
+#      soft-capping, and tiny gpt-oss / Gemma 2 models) and the hybrid (delta-net) models vs fp64 by the relative
+#      rule; zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with two or more
+#      GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
+#      cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo);
 #   3. the op-level attention benchmark (--preset gpu --ops): each GPU backend's split attention vs the ordinary
 #      per-row SDPA of the same batch, bf16, Qwen3-0.6B heads (16/8 of 128), fwd and fwd_bwd;
 #   4. the model-level benchmark (--preset gpu): bf16 Qwen3-0.6B-shaped model from config, scenarios

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up .venv (see setup_env.sh), run pytest, then the verl 0.7.1
-# legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2), the built wheel installed
+# legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2), the OpenRLHF integration tests
+# in theirs (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the built wheel installed
 # with verl in a fresh environment (.venv-wheel, see test_wheel.sh), then the end-to-end GRPO
 # runs (verl main_ppo + the CPU build of vLLM, zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh).
 set -euo pipefail
@@ -13,6 +14,9 @@ echo "[test] main suite took $(( $(date +%s) - start )) s"
 start=$(date +%s)
 bash scripts/test_verl07.sh
 echo "[test] verl 0.7.1 suite took $(( $(date +%s) - start )) s"
+start=$(date +%s)
+bash scripts/test_openrlhf.sh
+echo "[test] OpenRLHF suite (environment + tests) took $(( $(date +%s) - start )) s"
 start=$(date +%s)
 bash scripts/test_wheel.sh
 echo "[test] wheel install check took $(( $(date +%s) - start )) s"

@@ -22,6 +22,10 @@ def pytest_terminal_summary(terminalreporter):
     if mod is not None and any(mod.WORST.values()):
         worst = ", ".join(f"{k} {v:.2e}" for k, v in mod.WORST.items())
         terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny Qwen3/Qwen3-MoE), worst: {worst}")
+    fam = sys.modules.get("tests.integrations.transformers.test_families")
+    for kind, vals in (getattr(fam, "WORST", None) or {}).items():
+        worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
+        terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind}), worst: {worst}")
     mod = sys.modules.get("tests.integrations.verl.v09.test_ulysses")
     for case, line in (getattr(mod, "SUMMARY", None) or {}).items():
         for what, text in line.items():

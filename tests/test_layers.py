@@ -20,6 +20,7 @@ LAYERS = [
     ("zorro_verl.recurrent", "recurrent"),
     ("zorro_verl.integrations.transformers", "transformers"),
     ("zorro_verl.integrations.verl", "verl"),
+    ("zorro_verl.integrations.openrlhf", "openrlhf"),
     ("zorro_verl.integrations", "integrations"),
     ("zorro_verl.api", "api"),
     ("zorro_verl.testing", "testing"),
@@ -41,6 +42,9 @@ ALLOWED = {
     "integrations": ({"integrations"}, set()),
     "api": (CORE | {"transformers", "api"}, {"torch"}),
     "verl": (CORE | {"transformers", "verl", "integrations"}, {"torch", "verl", "wrapt", "omegaconf"}),
+    # OpenRLHF, Ray, transformers only lazily; of the verl layer only its verl-free settings and common (checked below)
+    "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"},
+                 {"torch", "openrlhf", "wrapt", "ray", "transformers"}),
     "root": ({"api", "packing", "root"}, set()),
     "data": (set(), set()),  # the Hydra presets: package data, no code
     "testing": (None, None),  # may use anything
@@ -49,7 +53,9 @@ ALLOWED = {
 }
 #: Who may import the test/benchmark support: only themselves and the command-line entry points.
 SUPPORT_IMPORTERS = {"testing": {"testing", "bench", "entry"}, "bench": {"bench", "entry"}}
-LAZY_ONLY = {"flash_attn", "flash_attn_interface", "transformers", "wrapt"}
+LAZY_ONLY = {"flash_attn", "flash_attn_interface", "transformers", "wrapt", "openrlhf", "ray"}
+#: The verl-layer modules the OpenRLHF integration may import: they import no verl (the shared settings and refusals).
+VERL_FREE = {"zorro_verl.integrations.verl.settings", "zorro_verl.integrations.verl.common"}
 
 
 def _module_name(path: Path) -> str:
@@ -119,7 +125,7 @@ def test_imports_follow_the_layers(mod):
         if third is not None:
             if third_ok is not None:
                 assert third in third_ok, f"{where}: layer {layer!r} may import only {sorted(third_ok)}"
-            if third in LAZY_ONLY and layer in CORE | {"transformers", "verl", "api", "root"}:
+            if third in LAZY_ONLY and layer in CORE | {"transformers", "verl", "openrlhf", "api", "root"}:
                 assert not top, f"{where}: optional dependency imported at module level (import it lazily)"
             continue
         if not name.startswith("zorro_verl"):
@@ -127,6 +133,8 @@ def test_imports_follow_the_layers(mod):
         target = _layer(name)
         if own_ok is not None:
             assert target in own_ok, f"{where}: layer {layer!r} may import only {sorted(own_ok)}"
+        if layer == "openrlhf" and target == "verl":
+            assert name in VERL_FREE, f"{where}: the OpenRLHF integration may import only {sorted(VERL_FREE)} of verl's"
         if target in SUPPORT_IMPORTERS:
             assert layer in SUPPORT_IMPORTERS[target], f"{where}: only {sorted(SUPPORT_IMPORTERS[target])} may " \
                                                        f"import {target!r}"
@@ -175,8 +183,10 @@ def test_core_imports_without_transformers_or_verl():
     import subprocess
 
     code = ("import sys, zorro_verl, zorro_verl.api, zorro_verl.integrations.transformers, "
-            "zorro_verl.integrations.verl.settings, zorro_verl.integrations.verl.common\n"
-            "bad = sorted(m for m in ('transformers', 'verl', 'flash_attn') if m in sys.modules)\n"
+            "zorro_verl.integrations.verl.settings, zorro_verl.integrations.verl.common, "
+            "zorro_verl.integrations.openrlhf.settings, zorro_verl.integrations.openrlhf.layout, "
+            "zorro_verl.integrations.openrlhf.boot\n"
+            "bad = sorted(m for m in ('transformers', 'verl', 'flash_attn', 'openrlhf') if m in sys.modules)\n"
             "assert not bad, bad\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

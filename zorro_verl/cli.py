@@ -1,5 +1,5 @@
-"""The ``zorro-verl`` command: ``demo`` (the main job), ``bench`` (the benchmark harness) and ``doctor`` (checks the
-setup of a zorro-enabled verl run)."""
+"""The ``zorro-verl`` command: ``demo`` (the main job), ``bench`` (the benchmark harness), ``doctor`` (checks the
+setup of a zorro-enabled verl run) and ``openrlhf`` (installs the OpenRLHF loader)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: zorro-verl {demo,bench,doctor} [options]   (zorro-verl demo --help for a command's options)"
+    usage = ("usage: zorro-verl {demo,bench,doctor,openrlhf} [options]   (zorro-verl demo --help for a command's "
+             "options)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -25,6 +26,10 @@ def main(argv=None) -> int:
         from zorro_verl.bench import main as bench_main
 
         return bench_main(rest)
+    if cmd == "openrlhf":
+        from zorro_verl.integrations.openrlhf.boot import main as openrlhf_main
+
+        return openrlhf_main(rest)
     print(f"zorro-verl: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
 

@@ -292,12 +292,12 @@ def test_model_without_interface_dispatch_is_refused():
     assert not is_installed(model)  # restored after the failed probe
 
 
-def test_sliding_window_layers_refused():
+def test_layer_types_zorro_does_not_handle_are_refused():
     from zorro_verl.integrations.transformers import install_zorro
 
     model = tiny_model("qwen3")
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(ValueError, match="sliding_attention"):
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
         install_zorro(model)
 
 
@@ -315,3 +315,19 @@ def test_actor_attention_backend_keyword_selects_any_registered_backend(model_di
             assert (actor.forward(b).logprobs - lp_ref).abs().max().item() <= 1e-9
     wrapped = DeduplicatedActor.from_model(tiny_model("qwen3"), attention_backend="standard")
     assert wrapped.backend == "standard"
+
+
+def test_actor_loads_a_model_without_sdpa_and_matches_ordinary(tmp_path):
+    """gpt-oss has no SDPA path: the actor loads it with eager attention (replaced by zorro) and its log-probs equal
+    the ordinary per-row forward (sliding / full layers, sinks, MoE; fp64)."""
+    from zorro_verl.testing import tiny_window_model
+
+    tiny_window_model("gpt_oss", exact=False, window=4).save_pretrained(tmp_path)
+    actor = _actor(str(tmp_path), attn_implementation="eager")
+    assert actor.model.config._attn_implementation == "eager"
+    actor.model.set_experts_implementation("eager")  # fp64: grouped_mm has no fp64 kernel
+    b = create_dummy_batch(6, 2, 9, 4, device="cpu", add_padding=True, shuffle=True, vocab_size=128, seed=2)
+    with torch.no_grad():
+        lp_ref, _ = ordinary_logprobs(tiny_window_model("gpt_oss", window=4), b["input_ids"], b["attention_mask"], 4)
+        assert (actor.forward(b).logprobs - lp_ref).abs().max().item() <= 1e-12
+    assert actor.model.zorro_features["sinks"] == [0, 1, 2]

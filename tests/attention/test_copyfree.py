@@ -152,17 +152,25 @@ def test_model_logprobs_and_grads_vs_per_row_oracle(variant, monkeypatch):
     assert err <= 1e-10, f"{name}: {err:.3e}"
 
 
+def window_of(left, right, causal):
+    """flash-attn's ``window_size`` back to the primitives' window; right must be 0 (causal) or -1 (unbounded)."""
+    assert (left, right) == (-1, -1) or right == (0 if causal else -1), (left, right, causal)
+    return None if left < 0 else left + 1
+
+
 def _fa_fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, return_softmax, block_table, leftpad_k=None, seqused_k=None):
-    o, lse, _ = PRIMS.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    o, lse, _ = PRIMS.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                          window_of(*window_size, causal), softcap or None)
     return o, lse, None, "rng"
 
 
 def _fa_bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, rng_state=None):
-    assert rng_state == "rng" and window_size == (-1, -1)
+    assert rng_state == "rng"
     for d, g in zip((dq, dk, dv), PRIMS.bwd(dout, q, k, v, out, softmax_lse, None, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal)):
+                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                          window_of(*window_size, causal), softcap or None)):
         d.copy_(g)
 
 
@@ -185,17 +193,9 @@ def _fa_bwd_27(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seq
 def test_flash_attn_adapter_builds_the_calls_of_each_version(fwd, bwd, monkeypatch):
     """The flash-attn 2 adapter (keyword names differ across 2.x) with stand-ins of those signatures that compute
     with the torch primitives: the copy-free attention through it equals the dense oracle."""
-    import sys
-    import types
-
     from zorro_verl.attention import primitives
 
-    fai = types.ModuleType("flash_attn.flash_attn_interface")
-    fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = fwd, bwd
-    fa = types.ModuleType("flash_attn")
-    fa.flash_attn_interface = fai
-    monkeypatch.setitem(sys.modules, "flash_attn", fa)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fai)
+    fake_flash_attn(monkeypatch, bwd, fwd)
     prims = primitives._flash_attn_primitives()
     plan = build_plan(IDS, MASK, 3)
     q, k, v = _qkv(plan, 4, 2)
@@ -206,13 +206,13 @@ def test_flash_attn_adapter_builds_the_calls_of_each_version(fwd, bwd, monkeypat
         assert (a - b).abs().max().item() <= TOL
 
 
-def _fake_flash_attn(monkeypatch, bwd):
-    """flash_attn stand-ins (flash-attn 2.7 signatures) whose backward is ``bwd``."""
+def fake_flash_attn(monkeypatch, bwd=_fa_bwd_27, fwd=_fa_fwd_27):
+    """flash_attn stand-ins (default: flash-attn 2.7 signatures, computing with the torch primitives)."""
     import sys
     import types
 
     fai = types.ModuleType("flash_attn.flash_attn_interface")
-    fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = _fa_fwd_27, bwd
+    fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward = fwd, bwd
     fa = types.ModuleType("flash_attn")
     fa.flash_attn_interface = fai
     monkeypatch.setitem(sys.modules, "flash_attn", fa)
@@ -234,7 +234,7 @@ def test_flash_attn_backward_honours_deterministic_env(env, want, monkeypatch):
         seen.append(kw["deterministic"])
         return _fa_bwd_27(*args, **kw)
 
-    _fake_flash_attn(monkeypatch, bwd)
+    fake_flash_attn(monkeypatch, bwd)
     monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
     prims = primitives._flash_attn_primitives()
     if env is not None:

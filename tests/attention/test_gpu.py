@@ -68,13 +68,21 @@ def test_attention_bf16_vs_fp64_relative_rule(backend, hq, hkv, d):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_model_logprobs_and_grads_bf16_vs_fp64(backend):
     """Tiny Qwen3 on CUDA: zorro bf16 (backend) vs fp64 per-row oracle, against the ordinary bf16 forward's error."""
+    from zorro_verl.testing import tiny_model
+
+    _model_bf16_vs_fp64(lambda dtype: tiny_model("qwen3", layers=2, hidden=128, heads=4, dtype=dtype), backend)
+
+
+def _model_bf16_vs_fp64(make, backend):
+    """``make(dtype)`` builds the same tiny model in fp64 and bf16 (moved to CUDA here); zorro's bf16 log-probs and
+    gradients vs the fp64 per-row oracle, against the ordinary bf16 forward's errors (2x, 3x)."""
     from zorro_verl.integrations.transformers import install_zorro, uninstall_zorro, zorro_step
     from zorro_verl.packing import build_plan
-    from zorro_verl.testing import create_dummy_batch, grads_of, ordinary_logprobs, tiny_model
+    from zorro_verl.testing import create_dummy_batch, grads_of, ordinary_logprobs
 
     b = create_dummy_batch(6, 2, 40, 16, device="cuda", add_padding=True, shuffle=True, seed=1, vocab_size=100)
     ids, am = b["input_ids"], b["attention_mask"]
-    m64 = tiny_model("qwen3", layers=2, hidden=128, heads=4, dtype=torch.float64).cuda()
+    m64 = make(torch.float64).cuda()
     lp64, _ = ordinary_logprobs(m64, ids, am, 16)
     lp64.sum().backward()
     g64 = grads_of(m64)
@@ -82,15 +90,14 @@ def test_model_logprobs_and_grads_bf16_vs_fp64(backend):
     def grads_err(g):
         return max(_rel(g[n], g64[n]) for n in g64)
 
-    m16 = tiny_model("qwen3", layers=2, hidden=128, heads=4, dtype=torch.bfloat16).cuda()
+    m16 = make(torch.bfloat16).cuda()
     lp_o, _ = ordinary_logprobs(m16, ids, am, 16)
     lp_o.sum().backward()
     e_lp_base, e_g_base = _rel(lp_o, lp64), grads_err(grads_of(m16))
     m16.zero_grad(set_to_none=True)
     install_zorro(m16)
     try:
-        plan = build_plan(ids, am, 16)
-        lp, _ = zorro_step(m16, plan, backend=backend)
+        lp, _ = zorro_step(m16, build_plan(ids, am, 16), backend=backend)
         lp.sum().backward()
     finally:
         uninstall_zorro(m16)
@@ -126,3 +133,56 @@ def test_flash_providers_agree():
         finally:
             del os.environ["ZORRO_FLASH_PROVIDER"]
     assert _rel(outs[0], outs[1].double()) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feat", ["window", "window_sinks", "softcap"])
+def test_features_bf16_vs_fp64_relative_rule(backend, feat):
+    """Sliding window (48 tokens: inside most prompts of 80..160), sinks and soft-capping on the GPU kernels
+    (flash-attn's window_size / softcap, flex's block mask / score_mod), by the relative rule incl. the sinks'
+    gradient."""
+    from zorro_verl.attention import AttentionFeatures, attend
+    from zorro_verl.attention.primitives import flash_provider
+    from zorro_verl.packing import build_plan
+    from zorro_verl.testing import dense_attention_oracle
+
+    if feat == "softcap" and backend != "flex" and flash_provider() != "flash_attn":
+        pytest.skip("PyTorch's built-in flash kernels have no soft-capping (refused by name; tested on CPU)")
+    b = _batch(seed=3)
+    plan = build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hq, hkv, d = 8, 2, 64
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float64, generator=g)  # noqa: E731
+    x64 = [mk(1, hq, plan.T, d), mk(1, hkv, plan.T, d), mk(1, hkv, plan.T, d)]
+    if feat != "softcap":
+        x64.append(mk(hq))
+    w = torch.randn(1, plan.T, hq, d, device="cuda", generator=g)
+    kw = {"window": 48 if feat.startswith("window") else None, "softcap": 2.0 if feat == "softcap" else None}
+
+    def run(fn, xs):
+        xs = [x.detach().requires_grad_(True) for x in xs]
+        sinks = xs[3] if len(xs) > 3 else None
+        out = fn(xs, sinks)
+        return (out, *torch.autograd.grad((out.double() * w.double()).sum(), xs))
+
+    ref = run(lambda xs, s: dense_attention_oracle(plan, *xs[:3], d ** -0.5, sinks=s, **kw), x64)
+    bf = [x.to(torch.bfloat16) for x in x64]
+    base = run(lambda xs, s: attend(plan, "sdpa", *xs[:3], d ** -0.5, AttentionFeatures(sinks=s, **kw)), bf)
+    got = run(lambda xs, s: attend(plan, backend, *xs[:3], d ** -0.5, AttentionFeatures(sinks=s, **kw)), bf)
+    for name, r, b0, x, factor in zip(("out", "dq", "dk", "dv", "dsinks"), ref, base, got, (2, 3, 3, 3, 3)):
+        e_base, e_got = _rel(b0, r), _rel(x, r)
+        assert e_got <= factor * e_base, f"{backend} {feat} {name}: {e_got:.2e} > {factor} x sdpa-bf16 {e_base:.2e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma2"])
+def test_window_family_bf16_vs_fp64(backend, kind):
+    """Tiny gpt-oss (sliding / full layers, sinks, MoE) and Gemma 2 (soft-caps) on CUDA: zorro bf16 vs the fp64
+    per-row oracle, against the ordinary bf16 (eager) forward's error, window 24 inside prompts of 20..40."""
+    from zorro_verl.attention.primitives import flash_provider
+    from zorro_verl.testing import tiny_window_model
+
+    if kind == "gemma2" and backend != "flex" and flash_provider() != "flash_attn":
+        pytest.skip("PyTorch's built-in flash kernels have no soft-capping (refused by name; tested on CPU)")
+    kw = dict(window=24, hidden=128, heads=4, vocab_size=100, layers=2)
+    _model_bf16_vs_fp64(lambda dtype: tiny_window_model(kind, dtype=dtype, **kw), backend)

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 __all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "infer", "output_values", "response_values",
-           "engine_grads", "rank_batches", "ray_engine_worker_class"]
+           "engine_grads", "rank_batches", "ray_engine_worker_class", "padded_stock_vs_zorro",
+           "assert_matches_stock"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
@@ -21,7 +22,8 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                  model_overrides: Optional[dict] = None, attn_implementation: str = "sdpa"):
     """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``;
     ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
-    config (e.g. ``ulysses_sequence_parallel_size``), ``attn_implementation`` is the model's stock attention."""
+    config (e.g. ``ulysses_sequence_parallel_size``); ``attn_implementation`` is the stock model's attention (zorro
+    replaces it)."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead
@@ -122,6 +124,57 @@ def engine_grads(engine) -> dict:
             g = p.grad
             out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
+
+
+def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa") -> dict:
+    """The stock engine run padded (``use_remove_padding=False``) vs the zorro engine (``True``) on one 8-row,
+    2-prompt batch of ragged, shuffled rows: inference (log-probs, entropy at temperature 0.8) and one training step
+    (verl's PPO loss, micro-batches of 4). For models whose CPU stock remove-padding path is not a reference (a
+    packed row that CPU attention / delta-net kernels cannot separate).
+
+    Returns the max abs log-prob / entropy differences over valid response tokens (``log_probs``, ``entropy``),
+    the stock values' max magnitudes (``log_probs_scale``, ``entropy_scale``), ``loss`` and ``grad_norm`` pairs
+    (stock, zorro), the gradient relative error ``grad_rel``, the zorro ``dedup_ratio`` and the zorro grads' names.
+    """
+    from zorro_verl.testing import grad_rel_error
+
+    batches = [make_engine_batch(batch_size=8, num_prompts=2, prompt_len=9, response_len=5, seed=5, shuffle=True,
+                                 temperature=0.8, calculate_entropy=True, micro_batch_size=4, use_remove_padding=z)
+               for z in (False, True)]
+    mask = batches[1]["response_mask"].bool()  # the same in both batches
+    infer_out, train, grads = [], [], []
+    for z, td in zip((False, True), batches):
+        eng = build_engine(ckpt, zorro=z, micro_batch_size=4, use_remove_padding=z,
+                           attn_implementation=attn_implementation)
+        with eng.eval_mode():
+            infer_out.append(eng.infer_batch(td.clone(), loss_function=None))
+        with eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+            train.append(eng.train_batch(td.clone(), loss_function=ppo_loss_fn()))
+        grads.append(engine_grads(eng))
+    res = {}
+    for key in ("log_probs", "entropy"):
+        a, b = (response_values(o["model_output"][key], t) for o, t in zip(infer_out, batches))
+        res[key] = (a - b)[mask].abs().max().item()
+        res[f"{key}_scale"] = a[mask].abs().max().item()
+    res["loss"] = (sum(train[0]["loss"]), sum(train[1]["loss"]))
+    res["grad_norm"] = (float(train[0]["metrics"]["grad_norm"]), float(train[1]["metrics"]["grad_norm"]))
+    res["grad_rel"] = grad_rel_error(grads[0], grads[1])
+    res["dedup_ratio"] = infer_out[1]["metrics"]["zorro/dedup_ratio"][0]
+    res["grad_names"] = sorted(grads[1])
+    return res
+
+
+def assert_matches_stock(r: dict, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """The fp32 engine tolerances on a :func:`padded_stock_vs_zorro` result: log-probs / entropy max abs <= atol
+    (on values that are not trivially small), loss, grad norm and gradients relative <= rtol, zorro deduplicated."""
+    for key in ("log_probs", "entropy"):
+        assert r[f"{key}_scale"] > 0.1 and r[key] <= atol, (key, r[key])
+    assert r["dedup_ratio"] > 1.0
+    (loss_a, loss_b), (gn_a, gn_b) = r["loss"], r["grad_norm"]
+    assert abs(loss_a) > 1e-4 and gn_a > 1e-4
+    assert abs(loss_a - loss_b) <= rtol * abs(loss_a)
+    assert abs(gn_a - gn_b) <= rtol * gn_a
+    assert r["grad_rel"] <= rtol
 
 
 def rank_batches(rank: int, use_dynamic_bsz: bool):

@@ -1,6 +1,8 @@
 """Split attention over a :class:`~zorro_verl.packing.ZorroPlan`, one backend per file behind one registry.
 
-``attend(plan, backend, query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, D], scaling) -> [1, T, Hq, D]``
+``attend(plan, backend, query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, D], scaling, features)
+-> [1, T, Hq, D]``, where ``features`` (:class:`AttentionFeatures`: sliding window, sinks, soft-cap) describes the
+layer.
 
 Imports torch and the packing layer; flash-attn is imported lazily by :mod:`.primitives`.
 """
@@ -10,14 +12,20 @@ from __future__ import annotations
 import torch
 
 from zorro_verl.attention.base import Backend
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures
 from zorro_verl.attention.registry import BACKEND_NAMES, BACKENDS, available_backends, flash_available, get_backend
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["attend", "Backend", "BACKENDS", "BACKEND_NAMES", "get_backend", "available_backends", "flash_available"]
+__all__ = ["attend", "AttentionFeatures", "NO_FEATURES", "Backend", "BACKENDS", "BACKEND_NAMES", "get_backend",
+           "available_backends", "flash_available"]
 
 
 def attend(plan: ZorroPlan, backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float) -> torch.Tensor:
+           scaling: float, features: AttentionFeatures | None = None) -> torch.Tensor:
     """Split attention of ``plan`` with the registered ``backend``. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]``
-    -> ``[1, T, Hq, D]``."""
-    return get_backend(backend).attend(plan, query, key, value, scaling)
+    -> ``[1, T, Hq, D]``. ``features`` (None: plain attention): the layer's window (in original positions), sinks
+    ``[Hq]`` and soft-cap; a window no row is long enough to reach past is dropped first (exact)."""
+    b = get_backend(backend)
+    features = (features or NO_FEATURES).for_plan(plan)
+    features.check_heads(query.shape[1])
+    return b.attend(plan, query, key, value, scaling, features)

@@ -2,11 +2,12 @@
 
 A backend computes split attention over a plan's packed row (docs/DESIGN.md §2)::
 
-    attend(plan, query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, D], scaling) -> [1, T, Hq, D]
+    attend(plan, query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, D], scaling, features) -> [1, T, Hq, D]
 
-and owns the index set it derives from the plan's core tensors (``index(plan)``, memoised in ``plan.memo`` under the
-backend's key, built without a host sync: every size it needs is a Python int of the plan). ``available(device)``
-says whether it runs forward *and* backward on that device here.
+with ``features`` an :class:`~zorro_verl.attention.features.AttentionFeatures` (window, sinks, soft-cap) that
+every backend honours exactly, and owns the index set it derives from the plan's core tensors (``index(plan)``,
+memoised in ``plan.memo`` under the backend's key, built without a host sync: every size it needs is a Python int
+of the plan). ``available(device)`` says whether it runs forward *and* backward on that device here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Backend:
     """One registered split-attention implementation (see the module docstring for the contract)."""
 
     name: str
-    attend: Callable[[ZorroPlan, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    attend: Callable[..., torch.Tensor]  # (plan, q, k, v, scaling, features) -> out
     index: Callable[[ZorroPlan], dict]
     available: Callable[[torch.device], bool]
     summary: str

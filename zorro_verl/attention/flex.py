@@ -2,6 +2,7 @@
 plan (docs/DESIGN.md §2).
 
 ``mask(q, kv) = kv <= q  &  group[q] == group[kv]  &  (is_prompt[kv] | segment[q] == segment[kv])``
+(``& pos[q] - pos[kv] < W`` in a sliding-window layer)
 
 (for a response query every prompt key of its group precedes it, so ``kv <= q`` keeps "all of the prompt").
 On CUDA the kernel is compiled once per process; on CPU flex runs its unfused forward only (no backward there,
@@ -10,9 +11,12 @@ so ``available`` is False on CPU; the forward still runs for tests).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from zorro_verl.attention.base import Backend
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["BACKEND", "attend_flex", "block_mask_for"]
@@ -20,21 +24,24 @@ __all__ = ["BACKEND", "attend_flex", "block_mask_for"]
 _COMPILED = None
 
 
-def block_mask_for(plan: ZorroPlan):
-    """The plan's ``BlockMask`` over ``[T, T]`` (memoised in the plan under ``"flex"``)."""
+def block_mask_for(plan: ZorroPlan, window: Optional[int] = None):
+    """The plan's ``BlockMask`` over ``[T, T]`` (memoised in the plan under ``"flex"``, one per window); a window
+    adds ``pos[q] - pos[kv] < window`` on the original positions (``plan.position_ids``)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
         group, seg, is_prompt = plan.token_layout()
+        pos = plan.position_ids
 
         def mask_mod(b, h, q_idx, kv_idx):
             same_group = group[q_idx] == group[kv_idx]
             visible = is_prompt[kv_idx] | (seg[q_idx] == seg[kv_idx])
-            return (kv_idx <= q_idx) & same_group & visible
+            keep = (kv_idx <= q_idx) & same_group & visible
+            return keep if window is None else keep & (pos[q_idx] - pos[kv_idx] < window)
 
         return create_block_mask(mask_mod, None, None, plan.T, plan.T, device=plan.device)
 
-    return plan.memo.get("flex", build)
+    return plan.memo.get("flex" if window is None else ("flex", window), build)
 
 
 def _flex(device: torch.device):
@@ -50,14 +57,30 @@ def _flex(device: torch.device):
 
 
 def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scaling: float) -> torch.Tensor:
-    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
-    if query.device.type == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad):
+                scaling: float, features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
+    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``. ``features``: the window in the block mask,
+    soft-capping as a ``score_mod``, the sinks merged into flex's returned log-sum-exp."""
+    sinks = features.sinks
+    if query.device.type == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad
+                                       or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled())):
         raise ValueError("attention backend 'flex': FlexAttention has no backward on CPU. Use attention backend "
                          "'sdpa' (attn_implementation='sdpa') for training on CPU, or run flex on CUDA.")
-    out = _flex(query.device)(query, key, value, block_mask=block_mask_for(plan), scale=scaling,
-             enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2)
+    cap = features.softcap
+    score_mod = None if cap is None else (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap)
+    kw = {}
+    if sinks is not None:  # the log-sum-exp (natural log): return_aux from torch 2.9 on, return_lse before
+        from torch.nn.attention import flex_attention as fa
+
+        kw = {"return_aux": fa.AuxRequest(lse=True)} if hasattr(fa, "AuxRequest") else {"return_lse": True}
+    out = _flex(query.device)(query, key, value, score_mod=score_mod,
+                              block_mask=block_mask_for(plan, features.window), scale=scaling,
+                              enable_gqa=query.shape[1] != key.shape[1], **kw)
+    if sinks is None:
+        return out.transpose(1, 2)
+    out, aux = out  # [1, Hq, T, D], lse [1, Hq, T]
+    lse = aux.lse if hasattr(aux, "lse") else aux
+    lse2 = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])  # the sink once per query, differentiable
+    return (out * torch.exp(lse - lse2)[..., None].to(out.dtype)).transpose(1, 2)
 
 
 

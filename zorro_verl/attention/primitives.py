@@ -3,13 +3,17 @@
 The ``flash`` and ``flash_copyfree`` backends are written over these two functions (flash-attn vocabulary:
 ``cu_seqlens`` int32 ``[n+1]``, ``max_seqlen`` Python ints):
 
-* ``fwd(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, scale, causal) -> (out [Tq, Hq, D],
-  lse [Hq, Tq] fp32, state)``;
-* ``bwd(dout, q, k, v, out, lse [Hq, Tq], state, cu_q, cu_k, max_q, max_k, scale, causal) -> (dq, dk, dv)``
-  — the gradient of the attention whose softmax statistics are ``out``/``lse`` (which may be merged ones).
+* ``fwd(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None)
+  -> (out [Tq, Hq, D], lse [Hq, Tq] fp32, state)``;
+* ``bwd(dout, q, k, v, out, lse [Hq, Tq], state, cu_q, cu_k, max_q, max_k, scale, causal, window=None,
+  softcap=None) -> (dq, dk, dv)`` — the gradient of the attention whose softmax statistics are ``out``/``lse``
+  (which may be merged ones).
 
-``causal`` aligns the mask bottom-right when ``seqlen_k > seqlen_q`` (query i sees key j iff
-``j <= i + lk - lq``), as flash-attn >= 2.1 does.
+Masks are aligned bottom-right (as flash-attn >= 2.1 does): with ``d = (i + lk - lq) - j`` for query ``i`` and key
+``j`` of a segment, ``causal`` keeps ``d >= 0`` and ``window`` ``W`` keeps ``d < W`` (flash-attn's
+``window_size = (W - 1, 0 | -1)``). A segment whose queries are the last ``lq`` of its keys' contiguous positions
+(every call zorro makes) has ``d = pos_q - pos_k``: the window is transformers' ``pos_q - pos_k < W``. ``softcap``
+``c`` turns scores into ``c * tanh(scores / c)`` (flash-attn >= 2.6; PyTorch's built-in kernels have none).
 
 Providers: ``flash_attn`` (flash-attn 2's internal varlen fwd/bwd, imported lazily), ``torch`` (PyTorch's built-in
 flash kernels, ``aten::_flash_attention_forward/backward``, CUDA sm80+; used when flash-attn is not installed, with
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from zorro_verl.attention.features import add_sink, sink_grad
 
 __all__ = ["VarlenPrimitives", "flash_available", "flash_primitives", "flash_provider", "torch_primitives",
            "varlen_attention", "check_flash_inputs", "flash_deterministic", "DETERMINISTIC_ENV"]
@@ -77,34 +83,43 @@ def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(c[:-1], c[1:]))
 
 
-def _allowed(lq: int, lk: int, causal: bool, device) -> Optional[torch.Tensor]:
-    """``[lq, lk]`` bool, bottom-right aligned causal (query i sees key j iff j <= i + lk - lq), or None."""
-    if not causal:
+def _allowed(lq: int, lk: int, causal: bool, device, window: Optional[int] = None) -> Optional[torch.Tensor]:
+    """``[lq, lk]`` bool, bottom-right aligned: ``d = i + lk - lq - j``, causal ``d >= 0``, window ``d < W``; None
+    when neither applies."""
+    if not causal and window is None:
         return None
     i = torch.arange(lq, device=device)[:, None]
     j = torch.arange(lk, device=device)[None, :]
-    return j <= i + (lk - lq)
+    d = i + (lk - lq) - j
+    ok = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+    return ok if window is None else ok & (d < window)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _segment_scores(q, k, v, qs_range, ks_range, rep: int, acc: torch.dtype, scale: float, causal: bool):
+def _segment_scores(q, k, v, qs_range, ks_range, rep: int, acc: torch.dtype, scale: float, causal: bool,
+                    window: Optional[int], softcap: Optional[float]):
     """One (query segment, key segment) pair of the reference: ``qs [Hq, lq, D]``, ``ks/vs [Hq, lk, D]`` (kv heads
-    repeated), masked scores ``s [Hq, lq, lk]``, all in ``acc``."""
+    repeated), masked (soft-capped) scores ``s [Hq, lq, lk]`` and the cap's derivative ``dcap`` (1 without a cap),
+    all in ``acc``."""
     (a, b), (c, d) = qs_range, ks_range
     qs = q[a:b].transpose(0, 1).to(acc)
     ks = k[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
     vs = v[c:d].transpose(0, 1).to(acc).repeat_interleave(rep, 0)
     s = qs @ ks.transpose(1, 2) * scale
-    m = _allowed(b - a, d - c, causal, q.device)
+    dcap = 1.0
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s, dcap = t * softcap, 1.0 - t * t  # d(c tanh(x / c)) / dx
+    m = _allowed(b - a, d - c, causal, q.device, window)
     if m is not None:
         s = s.masked_fill(~m, float("-inf"))
-    return qs, ks, vs, s
+    return qs, ks, vs, s, dcap
 
 
-def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     Tq, Hq, D = q.shape
     rep = Hq // k.shape[1]
     acc = _acc_dtype(q.dtype)
@@ -113,7 +128,7 @@ def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
         if b == a or d == c:
             continue
-        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
+        qs, ks, vs, s, _ = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal, window, softcap)
         ls = torch.logsumexp(s, -1)  # [Hq, lq]
         p = torch.exp(s - ls[..., None]).nan_to_num(0.0)  # fully masked rows (lse = -inf) give 0
         out[a:b] = (p @ vs).transpose(0, 1).to(q.dtype)
@@ -121,7 +136,7 @@ def _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     return out, lse, None
 
 
-def _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
+def _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     Hq, Hkv = q.shape[1], k.shape[1]
     rep = Hq // Hkv
     acc = _acc_dtype(q.dtype)
@@ -131,13 +146,13 @@ def _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, 
     for (a, b), (c, d) in zip(_segments(cu_q), _segments(cu_k)):
         if b == a or d == c:
             continue
-        qs, ks, vs, s = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal)
+        qs, ks, vs, s, dcap = _segment_scores(q, k, v, (a, b), (c, d), rep, acc, scale, causal, window, softcap)
         do = dout[a:b].transpose(0, 1).to(acc)  # [Hq, lq, D]
         o = out[a:b].transpose(0, 1).to(acc)
         p = torch.exp(s - lse[:, a:b].to(acc)[..., None]).nan_to_num(0.0)  # [Hq, lq, lk] under the given lse
         delta = (do * o).sum(-1, keepdim=True)  # [Hq, lq, 1] = rowsum(dO * O) with the given (merged) O
         dp = do @ vs.transpose(1, 2)
-        ds = p * (dp - delta)
+        ds = p * (dp - delta) * dcap  # through the soft-cap: d/d(raw score)
         dq[a:b] += (ds @ ks).transpose(0, 1) * scale
         dk_h = (ds.transpose(1, 2) @ qs) * scale  # [Hq, lk, D] -> sum over the q heads of each kv head
         dv_h = p.transpose(1, 2) @ do
@@ -183,17 +198,26 @@ def _aten_primitives() -> VarlenPrimitives:
     """PyTorch's built-in flash kernels (FlashAttention-2 inside ATen), CUDA only."""
     ops = torch.ops.aten
 
-    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    def window_kw(causal, window, softcap):
+        if softcap is not None:
+            raise ValueError("attention backend 'flash'/'flash_copyfree': this model soft-caps attention logits and "
+                             "PyTorch's built-in flash kernels have no soft-capping. Install flash-attn >= 2.6 "
+                             "(`pip install zorro-verl[flash]`) or use attention backend 'sdpa'.")
+        if window is None:
+            return {}
+        return {"window_size_left": window - 1, "window_size_right": 0 if causal else -1}
+
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         out, lse, rng, unused, _ = ops._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **window_kw(causal, window, softcap))
         return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng, unused)
 
-    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
+    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         like, rng, unused = state
         with _aten_deterministic(flash_deterministic()):
             dq, dk, dv = ops._flash_attention_backward(
                 dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), cu_q, cu_k, max_q, max_k, 0.0,
-                causal, rng, unused, scale=scale)
+                causal, rng, unused, scale=scale, **window_kw(causal, window, softcap))
         return dq, dk, dv
 
     return VarlenPrimitives("torch", fwd, bwd)
@@ -211,17 +235,23 @@ def _flash_attn_primitives() -> VarlenPrimitives:
 
     fwd_params, bwd_params = params_of(f_fwd), params_of(f_bwd)
 
-    def common(params, causal, scale):
-        kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0, "alibi_slopes": None,
-              "block_table": None}
+    def common(params, causal, scale, window, softcap):
+        if softcap is not None and "softcap" not in params:
+            raise ValueError("attention backend 'flash'/'flash_copyfree': this model soft-caps attention logits and "
+                             "the installed flash-attn has no soft-capping. Install flash-attn >= 2.6 or use "
+                             "attention backend 'sdpa'.")
+        kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": softcap or 0.0,
+              "alibi_slopes": None, "block_table": None}
+        # flash-attn's window: key j of query i (bottom-right aligned) iff i + lk - lq - left <= j <= ... + right
+        left, right = (-1, -1) if window is None else (window - 1, 0 if causal else -1)
         if "window_size" in params:
-            kw["window_size"] = (-1, -1)
+            kw["window_size"] = (left, right)
         else:
-            kw.update(window_size_left=-1, window_size_right=-1)
+            kw.update(window_size_left=left, window_size_right=right)
         return {k: val for k, val in kw.items() if k in params}
 
-    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        kw = common(fwd_params, causal, scale)
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
+        kw = common(fwd_params, causal, scale, window, softcap)
         if "return_softmax" in fwd_params:
             kw["return_softmax"] = False
         ret = f_fwd(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
@@ -231,10 +261,10 @@ def _flash_attn_primitives() -> VarlenPrimitives:
             out, lse, rng = ret[0], ret[5], ret[7]
         return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng)
 
-    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal):
+    def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         like, rng = state
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kw = common(bwd_params, causal, scale)
+        kw = common(bwd_params, causal, scale, window, softcap)
         kw["deterministic"] = flash_deterministic()
         kw["rng_state"] = rng
         kw = {k2: val for k2, val in kw.items() if k2 in bwd_params}
@@ -295,24 +325,32 @@ def check_flash_inputs(name: str, query: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------------------ one varlen call
 class _VarlenAttention(torch.autograd.Function):
-    """One varlen attention call over primitives, differentiable: ``q [Tq, Hq, D], k/v [Tk, Hkv, D] -> out``."""
+    """One varlen attention call over primitives, differentiable: ``q [Tq, Hq, D], k/v [Tk, Hkv, D] -> out``, with
+    the layer's window / soft-cap passed to the kernels and its sinks (``[Hq]`` or None) merged into the result."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims):
-        out, lse, state = prims.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (state, max_q, max_k, scale, causal, prims)
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, prims):
+        out, lse, state = prims.fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap)
+        out, lse = add_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
+        ctx.args = (state, max_q, max_k, scale, causal, window, softcap, prims)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        state, max_q, max_k, scale, causal, prims = ctx.args
-        dq, dk, dv = prims.bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+        state, max_q, max_k, scale, causal, window, softcap, prims = ctx.args
+        # the kernel backward under the statistics with the sink: exact dq/dk/dv (docs/DESIGN.md §2)
+        dq, dk, dv = prims.bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window,
+                               softcap)
+        ds = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, ds, None, None, None, None, None, None, None, None, None
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims: VarlenPrimitives):
-    """Differentiable varlen attention over ``prims``. ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]`` -> ``[Tq, Hq, D]``."""
-    return _VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, scale,
-                                  causal, prims)
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, prims: VarlenPrimitives, *,
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None):
+    """Differentiable varlen attention over ``prims``. ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]`` -> ``[Tq, Hq, D]``;
+    ``window`` / ``softcap`` as in the module doc, ``sinks [Hq]`` merged once per query."""
+    return _VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_q, cu_k, max_q, max_k,
+                                  scale, causal, window, softcap, prims)

@@ -19,38 +19,14 @@ fewer copies (measured ~10% faster on CPU there).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from zorro_verl.attention.base import Backend, always
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, dense_attention, window_visible
 from zorro_verl.attention.standard import attend_standard
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import scatter_valid
 
-__all__ = ["SDPA", "EAGER", "attend_reference", "dense_attention", "reference_index"]
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
-                    mask: torch.Tensor | None = None, causal: bool = False, math: str = "sdpa") -> torch.Tensor:
-    """Batched attention. ``q [n, Hq, Lq, D]``, ``k/v [n, Hkv, Lk, D]``, ``mask`` bool broadcastable to
-    ``[n, Hq, Lq, Lk]`` (True = attend) or ``causal`` (top-left aligned, only for ``Lq == Lk``) -> ``[n, Hq, Lq, D]``.
-    """
-    hq, hkv = q.shape[1], k.shape[1]
-    if math == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              scale=scaling, enable_gqa=hq != hkv)
-    if hq != hkv:  # repeat_kv semantics: kv head j serves q heads [j*n_rep, (j+1)*n_rep)
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [n, Hq, Lq, Lk]
-    if causal and mask is None:
-        lq, lk = q.shape[2], k.shape[2]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    # Half precisions take the softmax in fp32 (as every production kernel does); fp32/fp64 stay as they are.
-    sm_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    probs = torch.softmax(scores.to(sm_dtype), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v)
+__all__ = ["SDPA", "EAGER", "attend_reference", "dense_attention", "reference_index", "reference_window_masks"]
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -144,10 +120,33 @@ def reference_index(plan: ZorroPlan) -> dict:
     return plan.memo.get("reference", build)
 
 
+def reference_window_masks(plan: ZorroPlan, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference blocks' masks of a sliding-window layer (memoised per window): ``(prompt [G, 1, Pmax, Pmax],
+    response [B, 1, Rmax, Pmax + Rmax])`` bool = the split-attention rule and ``pos_q - pos_k < window`` on each
+    slot's original position (``plan.position_ids``; pad slots read token 0, position 0, and still see a key)."""
+
+    def build():
+        lay = reference_index(plan)
+        G, B, Pm, Rm = plan.G, plan.B, plan.max_prompt_len, plan.max_response_len
+        pos = plan.position_ids
+        pp = pos[lay["p_src"]].view(G, Pm)  # [G, Pmax]
+        qr = pos[lay["r_src"]].view(B, Rm)  # [B, Rmax]
+        kr = pos[lay["kv_src"]].view(B, Pm + Rm)  # [B, Pmax + Rmax]
+        causal = torch.ones(Pm, Pm, dtype=torch.bool, device=plan.device).tril()
+        prompt = causal & window_visible(pp[:, :, None], pp[:, None, :], window)
+        resp = lay["response_mask"][:, 0] & window_visible(qr[:, :, None], kr[:, None, :], window)
+        return prompt[:, None], resp[:, None]
+
+    return plan.memo.get(("reference", "window", window), build)
+
+
 def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scaling: float, math: str = "sdpa") -> torch.Tensor:
-    """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+                     scaling: float, math: str = "sdpa", features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
+    """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+    ``features``: a window becomes part of both calls' masks; sinks / soft-capping run the explicit math."""
     lay = reference_index(plan)
+    p_mask, r_mask = (None, lay["response_mask"]) if features.window is None else \
+        reference_window_masks(plan, features.window)
     G, B, T, Pm, Rm = plan.G, plan.B, plan.T, plan.max_prompt_len, plan.max_response_len
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[3]
     rows = lambda x: _tokens_first(x).reshape(T, -1)  # noqa: E731  [1, H, T, D] -> [T, H*D] (a view if possible)
@@ -157,12 +156,12 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
     kp, kr = _ToBlocks.apply(rows(key), p_src, lay["kv_src"], p_dst, lay["kv_dst"])  # [.., Hkv*D]: r [B*(Pm+Rm)]
     vp, vr = _ToBlocks.apply(rows(value), p_src, lay["kv_src"], p_dst, lay["kv_dst"])
     blk = lambda x, n, L, H: x.view(n, L, H, D).transpose(1, 2)  # noqa: E731  [n*L, H*D] -> [n, H, L, D]
-    out_p = dense_attention(blk(qp, G, Pm, Hq), blk(kp, G, Pm, Hkv), blk(vp, G, Pm, Hkv), scaling, causal=True,
-                            math=math)  # [G, Hq, Pmax, D]
+    out_p = dense_attention(blk(qp, G, Pm, Hq), blk(kp, G, Pm, Hkv), blk(vp, G, Pm, Hkv), scaling,
+                            mask=p_mask, causal=p_mask is None, math=math, features=features)  # [G, Hq, Pmax, D]
     out_p = out_p.transpose(1, 2).reshape(G * Pm, Hq * D)
     if plan.N > 0:
         out_r = dense_attention(blk(qr, B, Rm, Hq), blk(kr, B, Pm + Rm, Hkv), blk(vr, B, Pm + Rm, Hkv), scaling,
-                                mask=lay["response_mask"], math=math)  # [B, Hq, Rmax, D]
+                                mask=r_mask, math=math, features=features)  # [B, Hq, Rmax, D]
         out_r = out_r.transpose(1, 2).reshape(B * Rm, Hq * D)
     else:  # no response token anywhere: the response blocks are empty (Rmax = 0)
         out_r = qr
@@ -171,15 +170,15 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
 
 
 def _attend_sdpa(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float) -> torch.Tensor:
+                 scaling: float, features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
     if plan.G == plan.B:  # no shared prompt: the row layout is the same attention with one causal call
-        return attend_standard(plan, query, key, value, scaling)
-    return attend_reference(plan, query, key, value, scaling, math="sdpa")
+        return attend_standard(plan, query, key, value, scaling, features)
+    return attend_reference(plan, query, key, value, scaling, math="sdpa", features=features)
 
 
 def _attend_eager(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
-    return attend_reference(plan, query, key, value, scaling, math="eager")
+                  scaling: float, features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
+    return attend_reference(plan, query, key, value, scaling, math="eager", features=features)
 
 
 SDPA = Backend("sdpa", _attend_sdpa, reference_index, always,

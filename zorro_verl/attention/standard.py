@@ -7,9 +7,9 @@ itself is not deduplicated (docs/DESIGN.md §2).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from zorro_verl.attention.base import Backend, always
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, dense_attention, window_visible
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import scatter_valid
 
@@ -45,15 +45,29 @@ def row_index(plan: ZorroPlan) -> dict:
     return plan.memo.get("standard", build)
 
 
+def row_window_mask(plan: ZorroPlan, window: int) -> torch.Tensor:
+    """``[B, 1, Lmax, Lmax] bool`` of a sliding-window layer in the row layout (memoised per window): causal and
+    ``pos_q - pos_k < window`` on the original positions (pad slots read token 0; a valid query never sees one)."""
+
+    def build():
+        pos = plan.position_ids[row_index(plan)["row_index"]]  # [B, Lmax]
+        Lm = plan.max_row_len
+        causal = torch.ones(Lm, Lm, dtype=torch.bool, device=plan.device).tril()
+        return (causal & window_visible(pos[:, :, None], pos[:, None, :], window))[:, None]
+
+    return plan.memo.get(("standard", "window", window), build)
+
+
 def attend_standard(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+                    scaling: float, features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
+    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]`` (``features``: window as a mask over the
+    rows' original positions; sinks / soft-capping by :func:`~zorro_verl.attention.features.dense_attention`)."""
     idx = row_index(plan)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     ri = idx["row_index"]  # [B, Lmax]
-    out = F.scaled_dot_product_attention(q[ri].transpose(1, 2), k[ri].transpose(1, 2), v[ri].transpose(1, 2),
-                                         is_causal=True, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])  # [B, Hq, Lmax, D]
+    mask = None if features.window is None else row_window_mask(plan, features.window)
+    out = dense_attention(q[ri].transpose(1, 2), k[ri].transpose(1, 2), v[ri].transpose(1, 2), scaling,
+                          mask=mask, causal=mask is None, features=features)  # [B, Hq, Lmax, D]
     out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[idx["out_index"]]  # [T, Hq, D]
     return out.unsqueeze(0)
 

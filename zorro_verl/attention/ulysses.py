@@ -20,10 +20,12 @@ Imports torch (``torch.distributed``) and the packing layer.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
-from zorro_verl.attention.registry import get_backend
+from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.ulysses import UlyssesShard
 
@@ -82,11 +84,13 @@ def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
 
 
 def ulysses_attend(plan: ZorroPlan, backend: str, shard: UlyssesShard, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, scaling: float) -> torch.Tensor:
+                   value: torch.Tensor, scaling: float, features: AttentionFeatures | None = None) -> torch.Tensor:
     """Split attention of ``plan`` over the SP group of ``shard``.
 
     Args:
         query: ``[1, Hq, L, D]``; key/value: ``[1, Hkv, L, D]`` — this rank's slice of the padded packed row.
+        features: the layer's window / sinks ``[Hq]`` / soft-cap (:func:`~zorro_verl.attention.attend`); the sinks
+            of this rank's heads are used (the slice keeps their gradient).
 
     Returns:
         ``[1, L, Hq, D]``: this rank's slice of the attention output.
@@ -98,7 +102,11 @@ def ulysses_attend(plan: ZorroPlan, backend: str, shard: UlyssesShard, query: to
     key, value = _repeat_kv(key, rep), _repeat_kv(value, rep)
     # [1, H, L, D] -> [1, H/sp, T_pad, D], then drop the pad tokens
     q, k, v = (_AllToAll.apply(x, group, 1, 2)[:, :, :T] for x in (query, key, value))
-    out = get_backend(backend).attend(plan, q, k, v, scaling)  # [1, T, Hq/sp, D]
+    if features is not None and features.sinks is not None:
+        features.check_heads(hq)
+        h = hq // sp  # this rank's query heads: [rank * h, (rank + 1) * h)
+        features = replace(features, sinks=features.sinks[shard.rank * h: (shard.rank + 1) * h])
+    out = attend(plan, backend, q, k, v, scaling, features)  # [1, T, Hq/sp, D]
     pad = shard.padded_len - T
     if pad:
         out = torch.cat([out, out.new_zeros(1, pad, *out.shape[2:])], 1)

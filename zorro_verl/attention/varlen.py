@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.attention.base import Backend
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures
 from zorro_verl.attention.primitives import (
     VarlenPrimitives,
     check_flash_inputs,
@@ -29,7 +30,7 @@ from zorro_verl.attention.primitives import (
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import cu_seqlens, segments_to_tokens
 
-__all__ = ["BACKEND", "attend_varlen", "varlen_index"]
+__all__ = ["BACKEND", "attend_varlen", "varlen_index", "window_index"]
 
 
 def varlen_index(plan: ZorroPlan) -> dict:
@@ -72,9 +73,66 @@ def varlen_index(plan: ZorroPlan) -> dict:
     return plan.memo.get("flash", build)
 
 
+def window_index(plan: ZorroPlan, window: int) -> dict:
+    """Response call of a sliding-window layer (memoised per window): each non-empty response against
+    ``[the window tail of its prompt ; itself]``, causal + window, bottom-right aligned.
+
+    A response token at position ``p + t`` sees prompt keys with ``pos >= p + t - W + 1``; the first (``t = 0``)
+    sees the most, the last ``L = min(p, W - 1)`` prompt tokens, so only that tail is gathered — prompt blocks
+    entirely outside the window are never copied, and the kernel's band (``d = pos_q - pos_k < W``) does the rest.
+    The tail lengths are not host ints, so the gathered keys fill a buffer of the bound
+    ``K = Bnz * min(Pmax, W - 1) + N`` (Python ints of the plan: no host sync): ``resp_kv_index [K]`` (the unused
+    rest reads token 0), ``resp_kv_valid [K] bool``, ``cu_seqlens_k [Bnz+1] int32`` (segments cover only the valid
+    part) and ``max_seqlen_k`` (a bound); queries as in :func:`varlen_index`.
+    """
+
+    def build():
+        v = varlen_index(plan)
+        rows = plan.nonempty_rows()
+        r = plan.response_lens[rows]
+        p = plan.row_prompt_lens[rows]
+        tail = p.clamp(max=window - 1)  # [Bnz] prompt keys within the window of the response's first token
+        lk = min(plan.max_prompt_len, window - 1)
+        K = plan.num_nonempty_responses * lk + plan.N
+        starts = torch.stack([plan.prompt_start[plan.row_group[rows]] + p - tail, plan.response_start[rows]], 1)
+        lens = torch.stack([tail, r], 1).flatten()
+        used = lens.sum()
+        # one trailing filler segment (token 0) makes the expansion exactly K long without reading `used` on host
+        kv_tok = segments_to_tokens(torch.cat([starts.flatten(), starts.new_zeros(1)]),
+                                    torch.cat([lens, (K - used)[None]]), K)
+        return {"resp_kv_index": kv_tok, "resp_kv_valid": torch.arange(K, device=plan.device) < used,
+                "cu_seqlens_k": cu_seqlens(tail + r), "max_seqlen_k": lk + plan.max_response_len,
+                "cu_seqlens_q": v["cu_seqlens_q"], "max_seqlen_q": v["max_seqlen_q"]}
+
+    return plan.memo.get(("flash", "window", window), build)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x [T, H, D] -> x[index] [K, H, D]``; backward adds only the ``valid`` rows' gradients back (rows outside
+    every varlen segment may hold whatever the kernel left there)."""
+
+    @staticmethod
+    def forward(ctx, x, index, valid):
+        ctx.save_for_backward(index, valid)
+        ctx.T = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, g):
+        index, valid = ctx.saved_tensors
+        dx = g.new_zeros((ctx.T, *g.shape[1:]))
+        dx.index_add_(0, index, torch.where(valid[:, None, None], g, 0))
+        return dx, None, None
+
+
 def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scaling: float, prims: Optional[VarlenPrimitives] = None) -> torch.Tensor:
+                  scaling: float, features: AttentionFeatures = NO_FEATURES,
+                  prims: Optional[VarlenPrimitives] = None) -> torch.Tensor:
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+
+    ``features``: the window and soft-cap go to the kernels (both calls' segments end at their queries' last
+    position, so the bottom-right window is ``pos_q - pos_k < W``); a windowed layer's response call gathers only
+    each prompt's window tail (:func:`window_index`); the sinks are merged once per query.
 
     ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only). Tests pass
     :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same index logic on CPU in fp64.
@@ -87,11 +145,18 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
     pi = idx["prompt_token_index"]
     cu_p = idx["cu_seqlens_prompt"]
     mp = idx["max_seqlen_prompt"]
-    parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims)]
-    if plan.N > 0:
+    kw = dict(window=features.window, softcap=features.softcap, sinks=features.sinks)
+    parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims, **kw)]
+    if plan.N > 0 and features.window is None:
         qi, kvi = idx["resp_q_index"], idx["resp_kv_index"]
         parts.append(varlen_attention(q[qi], k[kvi], v[kvi], idx["cu_seqlens_q"], idx["cu_seqlens_k"],
-                                      idx["max_seqlen_q"], idx["max_seqlen_k"], scaling, True, prims))
+                                      idx["max_seqlen_q"], idx["max_seqlen_k"], scaling, True, prims, **kw))
+    elif plan.N > 0:  # only the prompt tail inside the window is gathered (window_index)
+        w = window_index(plan, features.window)
+        kvi, ok = w["resp_kv_index"], w["resp_kv_valid"]
+        parts.append(varlen_attention(q[idx["resp_q_index"]], _GatherRows.apply(k, kvi, ok),
+                                      _GatherRows.apply(v, kvi, ok), w["cu_seqlens_q"], w["cu_seqlens_k"],
+                                      w["max_seqlen_q"], w["max_seqlen_k"], scaling, True, prims, **kw))
     return torch.cat(parts, 0)[idx["out_index"]].unsqueeze(0)  # [1, T, Hq, D]
 
 

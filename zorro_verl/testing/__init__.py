@@ -3,9 +3,10 @@ inside the functions that build models).
 
 * :mod:`~zorro_verl.testing.batches` — :func:`create_dummy_batch`, GRPO-shaped batches in verl's layout.
 * :mod:`~zorro_verl.testing.models` — tiny models built offline from a config (:func:`tiny_model`,
-  :func:`tiny_hybrid_model` and their configs).
+  :func:`tiny_hybrid_model`, :func:`tiny_window_model` and their configs).
 * :mod:`~zorro_verl.testing.fp64` — per-instance swaps that keep fp64 end to end (:func:`exact_fp64_norms`,
-  :func:`exact_fp64_hybrid`), so fp64 comparisons measure zorro, not transformers' fp32 casts.
+  :func:`exact_fp64_hybrid`) and an fp64 eager attention for the oracles (``"fp64_eager"``), so fp64 comparisons
+  measure zorro, not transformers' fp32 casts.
 * :mod:`~zorro_verl.testing.oracles` — the references: the ordinary per-row / batched forwards, and the dense mask and
   attention of a plan's packed row.
 * :mod:`~zorro_verl.testing.compare` — gradient collection and error measures.
@@ -16,11 +17,14 @@ from zorro_verl.testing.compare import grad_rel_error, grads_of, max_rel_grad_er
 from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_norms
 from zorro_verl.testing.models import (
     HYBRID_KINDS,
+    WINDOW_KINDS,
     model_from_config,
     tiny_config,
     tiny_hybrid_config,
     tiny_hybrid_model,
     tiny_model,
+    tiny_window_config,
+    tiny_window_model,
 )
 from zorro_verl.testing.oracles import dense_attention_oracle, dense_mask, ordinary_logprobs, ordinary_logprobs_padded
 
@@ -32,6 +36,9 @@ __all__ = [
     "tiny_hybrid_config",
     "tiny_hybrid_model",
     "model_from_config",
+    "WINDOW_KINDS",
+    "tiny_window_config",
+    "tiny_window_model",
     "exact_fp64_norms",
     "exact_fp64_hybrid",
     "ordinary_logprobs",

@@ -3,7 +3,7 @@
 transformers computes RMSNorms, MoE routers and the gated delta-net log-decay in fp32 whatever the input dtype. In
 fp64 that rounding, summed in a different order by the ordinary and the deduplicated backward, leaves ~1e-8 relative
 gradient differences that are not zorro's. The swaps here replace ``forward`` on module *instances* (never a class),
-so only the test models are affected. transformers is never imported here.
+so only the test models are affected. transformers is imported only inside :func:`register_fp64_eager_attention`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["exact_fp64_norms", "exact_fp64_hybrid"]
+__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "FP64_EAGER", "register_fp64_eager_attention"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -109,7 +109,8 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
 
 
 def exact_fp64_norms(model) -> None:
-    """Make RMSNorm (``weight * x / rms(x)``) and top-k MoE router instances keep fp64 in fp64.
+    """Make RMSNorm (``weight * x / rms(x)``; Gemma's ``(1 + weight) * x / rms(x)``) and top-k MoE router
+    instances keep fp64 in fp64.
 
     transformers' RMSNorm and Qwen3-MoE router cast to fp32 whatever the input dtype; in fp64 that rounding,
     differently summed by the ordinary and the deduplicated backward, leaves ~1e-8 relative gradient differences
@@ -122,6 +123,9 @@ def exact_fp64_norms(model) -> None:
         elif all(hasattr(mod, a) for a in ("top_k", "num_experts", "norm_topk_prob", "hidden_dim")) and \
                 isinstance(w, torch.Tensor) and w.dim() == 2:
             mod.forward = types.MethodType(_exact_topk_router_forward, mod)
+        elif type(mod).__name__.startswith("Gemma") and type(mod).__name__.endswith("RMSNorm") and \
+                hasattr(mod, "eps") and isinstance(w, torch.Tensor) and w.dim() == 1:
+            mod.forward = types.MethodType(_exact_offset_rmsnorm_forward, mod)  # Gemma: (1 + weight) * x / rms(x)
 
 
 def exact_fp64_hybrid(model) -> None:
@@ -150,3 +154,52 @@ def exact_fp64_hybrid(model) -> None:
             mod.chunk_gated_delta_rule = chunk_gated_delta_rule_ref
             mod.recurrent_gated_delta_rule = recurrent_gated_delta_rule_ref
             mod.forward = types.MethodType(_exact_gated_deltanet_forward, mod)
+
+
+#: Name of :func:`fp64_eager_attention` in transformers' attention and mask interfaces (test oracles only).
+FP64_EAGER = "fp64_eager"
+
+
+def fp64_eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                         softcap=None, s_aux=None, **kwargs):
+    """transformers' eager attention of the Gemma 2/3 and gpt-oss families with the softmax in the input dtype.
+
+    Their own eager functions upcast the softmax to fp32 (Gemma; ~1e-8 in fp64) — gpt-oss keeps the dtype and is
+    what this one reproduces: ``scores = q k^T * scaling``, soft-capped (``softcap * tanh(scores / softcap)``), plus
+    transformers' additive mask (causal and the layer's sliding window, built by its own ``eager_mask``), the sink
+    logits ``s_aux [Hq]`` as one extra softmax column dropped after the softmax, times ``v``. The sliding window
+    reaches this function only through the mask, as in the ordinary eager path.
+
+    Args:
+        query: ``[b, Hq, L, D]``; key/value: ``[b, Hkv, L, D]``; attention_mask: ``[b, 1, L, L]`` additive or None.
+
+    Returns:
+        ``([b, L, Hq, D], None)``.
+    """
+    if dropout:
+        raise ValueError(f"fp64 eager oracle: dropout {dropout}; expected 0 (oracle forwards are deterministic).")
+    hq, hkv = query.shape[1], key.shape[1]
+    k = key.repeat_interleave(hq // hkv, 1)
+    v = value.repeat_interleave(hq // hkv, 1)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    s = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if attention_mask is not None:
+        s = s + attention_mask
+    if s_aux is not None:
+        sink = s_aux.to(s.dtype).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.matmul(p.to(value.dtype), v).transpose(1, 2).contiguous(), None
+
+
+def register_fp64_eager_attention() -> None:
+    """Register :func:`fp64_eager_attention` (with transformers' eager mask) as ``"fp64_eager"`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(FP64_EAGER, fp64_eager_attention)
+    AttentionMaskInterface.register(FP64_EAGER, eager_mask)

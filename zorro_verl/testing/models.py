@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_norms
+from zorro_verl.testing.fp64 import FP64_EAGER, exact_fp64_hybrid, exact_fp64_norms, register_fp64_eager_attention
 
 __all__ = ["tiny_config", "tiny_model", "HYBRID_KINDS", "tiny_hybrid_config", "tiny_hybrid_model",
-           "model_from_config"]
+           "model_from_config", "WINDOW_KINDS", "tiny_window_config", "tiny_window_model"]
 
 
 def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab_size: int = 128,
@@ -36,7 +36,7 @@ def model_from_config(cfg, dtype: torch.dtype, seed: int, attn_implementation: s
     from transformers import AutoModelForCausalLM
 
     cfg._attn_implementation = attn_implementation
-    if hasattr(cfg, "num_experts") and dtype == torch.float64:
+    if (hasattr(cfg, "num_experts") or hasattr(cfg, "num_local_experts")) and dtype == torch.float64:
         cfg._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -52,6 +52,15 @@ def tiny_model(kind: str = "qwen3", *, dtype: torch.dtype = torch.float64, seed:
     if exact_norms:
         exact_fp64_norms(model)
     return model
+
+
+def _perturb_vectors(model) -> None:
+    """Random offsets on 1-D parameters (norm weights, biases, sinks, decays), not their zero/one init, so every
+    parameter matters in the tests."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
 
 
 #: ``kind`` names of :func:`tiny_hybrid_config`.
@@ -101,10 +110,72 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
     With ``exact`` (default) and fp64, :func:`exact_fp64_hybrid` makes the oracle keep fp64 end to end.
     """
     model = model_from_config(tiny_hybrid_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
-    with torch.no_grad():  # random, not the zero/one init, so every parameter matters in the tests
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    _perturb_vectors(model)
     if exact:
         exact_fp64_hybrid(model)
+    return model
+
+
+#: ``kind`` names of :func:`tiny_window_config`: model families with sliding-window layers, sinks or soft-capping.
+WINDOW_KINDS = ("gpt_oss", "gemma2", "gemma3", "mistral")
+
+
+def tiny_window_config(kind: str, *, window: int = 5, layers: int = 3, vocab_size: int = 128, hidden: int = 32,
+                       heads: int = 4, gqa: bool = True, attn_softcap: float = 1.0, final_softcap: float = 3.0):
+    """A small config of a family whose attention is more than causal softmax, built offline.
+
+    * ``gpt_oss``: sliding / full layers alternating (starting with sliding), per-head sink logits, a 4-expert
+      top-2 MoE with biases;
+    * ``gemma2``: sliding / full alternating, attention logit soft-cap ``attn_softcap``, final logit soft-cap
+      ``final_softcap`` (small values, so ``tanh`` is far from the identity at these scales), query_pre_attn_scalar
+      != head_dim (scaling is not ``D ** -0.5``);
+    * ``gemma3``: Gemma 3's text model, sliding layers with a full layer last, q/k norms, two RoPE bases;
+    * ``mistral``: one ``sliding_window`` for every layer (no layer types).
+    """
+    kv = heads // 2 if gqa else heads
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=hidden // heads, max_position_embeddings=4096,
+                  tie_word_embeddings=False, attention_dropout=0.0, sliding_window=window)
+    if kind == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(intermediate_size=hidden, num_local_experts=4, num_experts_per_tok=2,
+                            layer_types=alternating, **common)
+    if kind == "gemma2":
+        from transformers import Gemma2Config
+
+        return Gemma2Config(intermediate_size=2 * hidden, layer_types=alternating, attn_logit_softcapping=attn_softcap,
+                            final_logit_softcapping=final_softcap, query_pre_attn_scalar=hidden // heads * 2,
+                            **common)
+    if kind == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        return Gemma3TextConfig(intermediate_size=2 * hidden, layer_types=types, query_pre_attn_scalar=hidden // heads,
+                                **common)
+    if kind == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(intermediate_size=2 * hidden, **common)
+    raise ValueError(f"kind: expected one of {WINDOW_KINDS}, got {kind!r}.")
+
+
+def tiny_window_model(kind: str, *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                      attn_implementation: str | None = None, exact: bool = True, **cfg_kwargs):
+    """A randomly initialised ``*ForCausalLM`` of :func:`tiny_window_config`; deterministic per ``seed``.
+
+    ``attn_implementation`` None: the fp64-exact eager oracle attention (``"fp64_eager"``, transformers' own eager
+    mask incl. the sliding window) for fp64, ``"eager"`` otherwise (gpt-oss has no SDPA path; Gemma 2's SDPA path
+    has no soft-cap). With ``exact`` and fp64, norms keep fp64 (:func:`exact_fp64_norms`). 1-D parameters (norm
+    weights, sinks, biases) get a random offset so every one of them matters.
+    """
+    if attn_implementation is None:
+        attn_implementation = FP64_EAGER if dtype == torch.float64 else "eager"
+    if attn_implementation == FP64_EAGER:
+        register_fp64_eager_attention()
+    model = model_from_config(tiny_window_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    _perturb_vectors(model)
+    if exact:
+        exact_fp64_norms(model)
     return model

@@ -57,15 +57,18 @@ def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def dense_mask(plan) -> torch.Tensor:
+def dense_mask(plan, window: int | None = None) -> torch.Tensor:
     """The full attention mask of a plan's packed row. O(T^2): tests and tiny batches only.
 
     Uses the plan's core fields only: ``T``, ``G``, ``B``, ``row_group [B]``, ``prompt_start [G]``,
-    ``prompt_lens [G]``, ``response_start [B]``, ``response_lens [B]`` (int64, packed-row coordinates).
+    ``prompt_lens [G]``, ``response_start [B]``, ``response_lens [B]`` (int64, packed-row coordinates) and, with a
+    ``window``, each token's original position recomputed from those segments (a prompt token's index in its prompt;
+    a response token's ``P_g`` + its index in the response) — not ``plan.position_ids``, which the backends read.
 
     Returns:
-        ``[T, T] bool``: ``mask[q, k]`` is True iff ``k <= q``, ``q`` and ``k`` belong to the same group, and ``k``
-        is a prompt token or lies in ``q``'s own segment (its prompt, or its own response).
+        ``[T, T] bool``: ``mask[q, k]`` is True iff ``k <= q``, ``q`` and ``k`` belong to the same group, ``k``
+        is a prompt token or lies in ``q``'s own segment (its prompt, or its own response), and (with a window)
+        ``pos[q] - pos[k] < window`` (transformers' sliding-window rule).
 
     Raises:
         ValueError: the prompt and response segments do not tile ``[0, T)`` exactly once.
@@ -93,17 +96,29 @@ def dense_mask(plan) -> torch.Tensor:
     causal = ar[None, :] <= ar[:, None]
     same_group = group[:, None] == group[None, :]
     visible = is_prompt[None, :] | (seg[:, None] == seg[None, :])  # key is a prompt token, or in q's own segment
-    return causal & same_group & visible
+    mask = causal & same_group & visible
+    if window is not None:
+        seg_pos0 = torch.cat([torch.zeros(G, dtype=torch.long, device=dev), plan.prompt_lens.long()[plan.row_group]])
+        pos = torch.empty(T, dtype=torch.long, device=dev)
+        pos[tok] = seg_pos0[seg_of] + torch.arange(total, device=dev) - _excl_cumsum(lens)[seg_of]
+        mask = mask & (pos[:, None] - pos[None, :] < window)
+    return mask
 
 
-def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``softmax(q k^T * scaling, masked by dense_mask(plan)) v`` over the whole packed row. O(T^2), tests only.
+def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
+                           window: int | None = None, sinks: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """``softmax(cap(q k^T * scaling), masked by dense_mask(plan, window), with the sinks) v`` over the whole
+    packed row. O(T^2), tests only.
 
     Args:
         plan: a :class:`~zorro_verl.packing.ZorroPlan` (see :func:`dense_mask`).
         q: ``[1, Hq, T, D]``; k, v: ``[1, Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA: each key head serves
             ``Hq // Hkv`` consecutive query heads). Any float dtype; the result keeps it (fp64 stays fp64).
         scaling: the softmax scale (``1 / sqrt(D)`` for most models).
+        window: sliding window (``pos_q - pos_k < window``), or None.
+        sinks: ``[Hq]`` sink logits (gpt-oss): an extra softmax column per head with no value, or None.
+        softcap: ``c`` (Gemma 2): scores ``c * tanh(scores / c)`` before the mask, or None.
 
     Returns:
         ``[1, T, Hq, D]`` in ``q``'s dtype (the layout attention functions return).
@@ -119,5 +134,10 @@ def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     k = k.repeat_interleave(hq // hkv, 1)
     v = v.repeat_interleave(hq // hkv, 1)
     s = (q @ k.transpose(-1, -2)) * scaling
-    s = s.masked_fill(~dense_mask(plan).to(q.device), float("-inf"))  # every token sees itself: no all -inf row
-    return (torch.softmax(s, -1) @ v).transpose(1, 2)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~dense_mask(plan, window).to(q.device), float("-inf"))  # every token sees itself
+    if sinks is None:
+        return (torch.softmax(s, -1) @ v).transpose(1, 2)
+    col = sinks.to(s.dtype).view(1, hq, 1, 1).expand(1, hq, T, 1)
+    return (torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v).transpose(1, 2)

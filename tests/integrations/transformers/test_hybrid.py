@@ -196,11 +196,11 @@ def test_unsupported_layer_type_raises_at_install():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8, intermediate_size=32, use_sliding_window=True,
-                      sliding_window=4, max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
+                      num_key_value_heads=1, head_dim=8, intermediate_size=32,
+                      layer_types=["full_attention", "chunked_attention"])
     model = AutoModelForCausalLM.from_config(cfg)
     prev = model.config._attn_implementation
-    with pytest.raises(ValueError, match="sliding_attention"):
+    with pytest.raises(ValueError, match="chunked_attention"):
         install_zorro(model)
     assert model.config._attn_implementation == prev
 

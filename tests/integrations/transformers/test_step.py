@@ -31,10 +31,12 @@ def _loss(lp, ent, batch):
 
 
 def run_pair(kind="qwen3", backend="sdpa", mode="none", temperature=1.0, checkpointing=False, batch=None,
-             model_kwargs=None):
+             model_kwargs=None, make=tiny_model):
+    """The ordinary per-row forward+backward of one model and zorro's of an identical copy (``make(kind,
+    **model_kwargs)`` builds each); returns the plan, the log-prob / entropy / loss errors and the worst gradient."""
     model_kwargs = model_kwargs or {}
-    ref_model = tiny_model(kind, **model_kwargs)
-    z_model = tiny_model(kind, **model_kwargs)
+    ref_model = make(kind, **model_kwargs)
+    z_model = make(kind, **model_kwargs)
     install_zorro(z_model)
     for m in (ref_model, z_model):
         m.train()

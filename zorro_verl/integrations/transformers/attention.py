@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from zorro_verl.attention import attend
+from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.attention.ulysses import ulysses_attend
 from zorro_verl.integrations.transformers.context import StepContext, require_context
 
@@ -20,11 +20,25 @@ __all__ = ["ZORRO_ATTN_NAME", "register_zorro_attention", "zorro_attention_forwa
 ZORRO_ATTN_NAME = "zorro"
 
 
+#: Keywords transformers' decoders pass to every attention function that do not change the attention's math here:
+#: positions (zorro's come from the plan, which the step also passes as position_ids), cache and output switches.
+_INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
+                           "output_hidden_states", "return_dict"})
+
+
 def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                            softcap: Optional[float] = None, zorro_ctx: Optional[StepContext] = None, **kwargs):
+                            softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
+                            zorro_ctx: Optional[StepContext] = None, **kwargs):
     """The attention function registered as ``"zorro"``.
+
+    Every keyword that changes the math is honoured or refused, none ignored: ``scaling`` (default
+    ``D ** -0.5``), ``sliding_window`` (this layer's window, on the original per-row positions), ``softcap``
+    (attention logit soft-capping, Gemma 2) and ``s_aux`` (per-head sink logits ``[Hq]``, gpt-oss) become the
+    layer's :class:`~zorro_verl.attention.AttentionFeatures`; ``dropout > 0``, a non-causal module
+    (``module.is_causal`` False: bidirectional attention), ``is_causal=False``, ``output_attentions=True`` and any
+    keyword not known to be inert raise ``ValueError``.
 
     Args:
         query: ``[1, Hq, T, D]``; key/value: ``[1, Hkv, T, D]`` (RoPE / q-k-norm applied, GQA not expanded); under
@@ -46,20 +60,29 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         what = "one packed row" if shard is None else f"this rank's slice of {shard.sp_size}"
         raise ValueError(f"zorro attention: expected query [1, Hq, {length}, D] ({what}), got "
                          f"{tuple(query.shape)}. Run the model through zorro_step (it passes the right input_ids).")
-    if sliding_window is not None:
-        raise ValueError(f"zorro attention: sliding-window attention (window {sliding_window}) is not supported; "
-                         "disable use_sliding_window in the model config or do not use zorro for this model.")
-    if softcap is not None:
-        raise ValueError("zorro attention: attention logit soft-capping is not supported.")
     if dropout:
-        raise ValueError(f"zorro attention: attention dropout {dropout} is not supported (RL training uses 0); "
-                         "set config.attention_dropout = 0.")
+        raise ValueError(f"zorro attention: attention dropout {dropout} in training mode is not supported (RL "
+                         "training uses 0: dropout would make the two forwards of a step differ anyway); set "
+                         "config.attention_dropout = 0.")
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal", True) is False:
+        raise ValueError(f"zorro attention: {type(module).__name__} attends bidirectionally (is_causal=False, e.g. "
+                         "use_bidirectional_attention=True); split attention is causal only. Use a causal model.")
+    if kwargs.get("output_attentions"):
+        raise ValueError("zorro attention: output_attentions=True is not supported (zorro never materialises the "
+                         "attention weights). Call the model with output_attentions=False.")
+    unknown = sorted(set(kwargs) - _INERT_KWARGS - {"is_causal", "output_attentions"})
+    if unknown:
+        raise ValueError(f"zorro attention: {type(module).__name__} passed keyword(s) {unknown} that zorro does not "
+                         "know; they may change the attention's math, so they are refused rather than ignored. "
+                         "This model is not supported by zorro.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    features = AttentionFeatures(window=sliding_window, sinks=s_aux, softcap=softcap)
     ctx.calls.attention += 1
+    ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling)
     if shard is not None:  # Ulysses: exchange sequence shards for head shards around the backend
-        return ulysses_attend(plan, ctx.backend, shard, query, key, value, scaling), None
-    return attend(plan, ctx.backend, query, key, value, scaling), None
+        return ulysses_attend(plan, ctx.backend, shard, query, key, value, scaling, features), None
+    return attend(plan, ctx.backend, query, key, value, scaling, features), None
 
 
 def register_zorro_attention() -> None:

@@ -19,17 +19,25 @@ __all__ = ["LayerCalls", "StepContext", "require_context"]
 
 @dataclass
 class LayerCalls:
-    """Counts of one forward: zorro attention calls, gated delta-net calls, and layer calls that ran a slower
-    fallback kernel because a fast GPU library is missing (``fallbacks[library]``)."""
+    """Counts of one forward: zorro attention calls, gated delta-net calls, layer calls that ran a slower fallback
+    kernel because a fast GPU library is missing (``fallbacks[library]``), and the features each attention call
+    received."""
 
     attention: int = 0
     recurrent: int = 0
     fallbacks: dict = field(default_factory=dict)
+    #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling)``
+    #: — what the install probe reports and checks against the model's layer types.
+    features: list = field(default_factory=list)
 
     def reset(self) -> None:
         self.attention = 0
         self.recurrent = 0
         self.fallbacks.clear()
+        self.features.clear()
+
+    def record_features(self, layer_idx, features, scaling: float) -> None:
+        self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling))
 
 
 class StepContext:

@@ -21,10 +21,12 @@ from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.packing import build_plan
 
 __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_calls", "check_layer_calls",
-           "forward_packed"]
+           "forward_packed", "expected_windows", "check_windows", "probe_report"]
 
-#: config.layer_types entries zorro handles: full attention (registered function) and linear attention (hybrid.py).
-_HANDLED_LAYER_TYPES = ("full_attention", hybrid.LINEAR_ATTENTION)
+#: config.layer_types entries zorro handles: full and sliding-window attention (registered function) and linear
+#: attention (hybrid.py).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION)
 
 
 def is_installed(model) -> bool:
@@ -33,14 +35,15 @@ def is_installed(model) -> bool:
 
 def expected_layer_calls(model) -> tuple[int, int]:
     """``(attention layers, linear-attention layers)`` one forward must run through zorro: the ``full_attention``
-    entries of ``config.layer_types`` when the config lists them (hybrid models), else ``num_hidden_layers``."""
+    and ``sliding_attention`` entries of ``config.layer_types`` when the config lists them, else
+    ``num_hidden_layers``."""
     cfg = hybrid.text_config(model)
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
         raise ValueError(f"model: cannot tell its decoder layer count (config.num_hidden_layers is {n!r}); zorro "
                          "supports decoder-only language models.")
     types = getattr(cfg, "layer_types", None)
-    attn = sum(t == "full_attention" for t in types[:n]) if types else n
+    attn = sum(t in _ATTENTION_LAYER_TYPES for t in types[:n]) if types else n
     return attn, len(hybrid.linear_attention_modules(model))
 
 
@@ -55,12 +58,74 @@ def _check_layer_types(model) -> None:
                 f"{list(_HANDLED_LAYER_TYPES)} are handled). Running them over the packed row would let one response "
                 "see its siblings — refused. Use a model whose layers are all of the handled types.")
     hybrid.check_linear_attention_supported(model)
+    cfg = hybrid.text_config(model)
+    drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
+    if drop:
+        raise ValueError(f"model: config.attention_dropout = {drop}; zorro's attention has no dropout (training-mode "
+                         "dropout would also make the step's forwards differ). Set config.attention_dropout = 0 "
+                         "(as RL training does) before install_zorro.")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError("model: config.use_bidirectional_attention = True; split attention is causal only. Use the "
+                         "causal model.")
+
+
+def expected_windows(model) -> dict:
+    """``{layer_idx: window | None}`` of the attention layers, as the model's ordinary masks apply them: from
+    ``config.layer_types`` (``sliding_attention`` layers get ``config.sliding_window``), else one
+    ``config.sliding_window`` for every layer (Mistral) unless ``use_sliding_window`` is False."""
+    cfg = hybrid.text_config(model)
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return {i: (window if t == "sliding_attention" else None) for i, t in enumerate(types[:n])
+                if t in _ATTENTION_LAYER_TYPES}
+    if getattr(cfg, "use_sliding_window", True) is False:
+        window = None
+    return {i: window for i in range(n)}
+
+
+def check_windows(model, calls: LayerCalls) -> None:
+    """Every attention call's window equals the one its layer type gives (:func:`expected_windows`); raises
+    ``ValueError`` otherwise — the ordinary forward's mask follows the layer types, zorro follows the call."""
+    expect = expected_windows(model)
+    for i, (layer, window, *_) in enumerate(calls.features):
+        layer = i if layer is None else layer
+        if layer in expect and window != expect[layer]:
+            raise ValueError(f"model: attention layer {layer} passed sliding_window={window} but its layer type "
+                             f"gives {expect[layer]} (config.layer_types / config.sliding_window); the ordinary "
+                             "forward's mask and zorro would differ. This model is not supported by zorro.")
+
+
+def probe_report(model, calls: LayerCalls) -> dict:
+    """What one forward's attention calls received, checked against the model's layer types.
+
+    Returns ``{"attention_layers", "linear_attention_layers", "sliding_window" ({layer: window} of the windowed
+    layers), "sinks" (layers with sink logits), "attn_logit_softcapping" ({layer: cap}), "scaling" (sorted distinct
+    values), "final_logit_softcapping"}``. Raises ``ValueError`` when a layer's window differs from the one its
+    layer type gives (the ordinary forward's mask follows the layer types; zorro follows the call)."""
+    check_windows(model, calls)
+    windows, sinks, caps, scales = {}, [], {}, set()
+    for i, (layer, window, has_sinks, cap, scaling) in enumerate(calls.features):
+        layer = i if layer is None else layer
+        if window is not None:
+            windows[layer] = window
+        if has_sinks:
+            sinks.append(layer)
+        if cap is not None:
+            caps[layer] = cap
+        scales.add(scaling)
+    attn, rec = expected_layer_calls(model)
+    return {"attention_layers": attn, "linear_attention_layers": rec, "sliding_window": windows, "sinks": sinks,
+            "attn_logit_softcapping": caps, "scaling": sorted(scales),
+            "final_logit_softcapping": getattr(hybrid.text_config(model), "final_logit_softcapping", None)}
 
 
 def check_layer_calls(model, calls: LayerCalls) -> None:
-    """After one forward: every full-attention layer called the zorro attention once and every linear-attention
-    layer ran zorro's gated delta-net forward once. Raises ``ValueError`` otherwise (a layer bypassed zorro: the
-    deduplicated result would be wrong)."""
+    """After one forward: every full-attention layer called the zorro attention once, every linear-attention
+    layer ran zorro's gated delta-net forward once, and every attention call got its layer type's window. Raises
+    ``ValueError`` otherwise (a layer bypassed zorro, or the deduplicated result would differ from the ordinary
+    one)."""
     attn, rec = expected_layer_calls(model)
     if calls.attention != attn:
         raise ValueError(
@@ -72,6 +137,7 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
             f"model: {rec} linear-attention layers but zorro's gated delta-net forward ran {calls.recurrent} times; a "
             "linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) again "
             "after changing the model.")
+    check_windows(model, calls)
 
 
 def forward_packed(model, ctx: StepContext, **model_kwargs):
@@ -93,27 +159,30 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
     return out
 
 
-def install_zorro(model, *, probe: bool = True) -> None:
+def install_zorro(model, *, probe: bool = True) -> dict | None:
     """Switch ``model`` to zorro attention (idempotent) and, with ``probe``, verify every layer dispatches to it.
 
     The probe is a no-grad forward of a 2-row, 1-group batch of a few tokens. Raises ``ValueError`` (restoring the
-    model's previous attention) when a layer would bypass zorro. Verl's engines install without the probe (it would
+    model's previous attention) when a layer would bypass zorro or its features disagree with its layer types.
+    Returns the probe's :func:`probe_report` (the model features it saw: windows, sinks, soft-caps, scalings), also
+    kept as ``model.zorro_features``; None without the probe. Verl's engines install without the probe (it would
     call submodules outside the FSDP root's forward) and rely on the check of every :func:`forward_packed`.
     """
     register_zorro_attention()
     _check_layer_types(model)
     if is_installed(model):
         hybrid.wrap_linear_attention(model)  # idempotent
-        return
+        return getattr(model, "zorro_features", None)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model.set_attn_implementation(ZORRO_ATTN_NAME)
     try:
         hybrid.wrap_linear_attention(model)
-        if probe:
-            _probe(model)
+        report = _probe(model) if probe else None
     except Exception:
         uninstall_zorro(model)
         raise
+    model.zorro_features = report
+    return report
 
 
 def uninstall_zorro(model) -> None:
@@ -132,8 +201,10 @@ def _probe(model) -> None:
     plan = build_plan(ids, None, 2)
     was_training = model.training
     model.eval()
+    ctx = StepContext(plan, "sdpa")
     try:
         with torch.no_grad():
-            forward_packed(model, StepContext(plan, "sdpa"), logits_to_keep=plan.logit_index)
+            forward_packed(model, ctx, logits_to_keep=plan.logit_index)
     finally:
         model.train(was_training)
+    return probe_report(model, ctx.calls)

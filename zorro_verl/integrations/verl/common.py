@@ -1,5 +1,6 @@
 """What both verl generations' zorro actors share (docs/DESIGN.md §8): the settings-driven state, the loud
-refusal of settings zorro cannot run exactly, and the dedup metrics. Imports no verl."""
+refusal of settings zorro cannot run exactly, and the dedup metrics. Imports no verl, so the OpenRLHF integration
+(docs/DESIGN.md §12) builds on it too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Optional
 from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.logprob import DEFAULT_CHUNK
 
-__all__ = ["ZorroActorMixin", "report_unsupported", "dedup_metrics", "setup_unsupported", "METRIC_KEYS"]
+__all__ = ["ZorroActorMixin", "report_unsupported", "dedup_metrics", "setup_unsupported", "METRIC_KEYS",
+           "VERL_FIX_HINT"]
 
 #: The metrics every zorro actor reports (each step; lists of per-call values in verl 0.9).
 METRIC_KEYS = ("zorro/dedup_ratio", "zorro/prompt_tokens_saved", "zorro/split_groups", "zorro/fallback_batches")
@@ -42,12 +44,18 @@ def setup_unsupported(ulysses_sp: int = 1, lora_rank: int = 0, hf_config=None, *
     return None
 
 
-def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log: logging.Logger) -> None:
+#: How a verl user switches zorro off or to ``warn`` (the tail of :func:`report_unsupported`'s message).
+VERL_FIX_HINT = ("disable zorro (fsdp_config.zorro.enable=false), or set fsdp_config.zorro.on_unsupported=warn to "
+                 "run the stock forward for such batches")
+
+
+def report_unsupported(settings: "ZorroSettings", reason: str, warned: set, log: logging.Logger,
+                       fix_hint: str = VERL_FIX_HINT) -> None:
     """A setting zorro cannot run exactly: raise (``on_unsupported=raise``) or warn once per reason (``warn``; the
-    caller then runs the stock forward and counts the batch in ``zorro/fallback_batches``)."""
-    msg = (f"zorro: unsupported setting: {reason}. Fix the setting, disable zorro "
-           "(fsdp_config.zorro.enable=false), or set fsdp_config.zorro.on_unsupported=warn to run the stock "
-           "forward for such batches (counted in zorro/fallback_batches).")
+    caller then runs the stock forward and counts the batch in ``zorro/fallback_batches``). ``fix_hint`` says how
+    this framework's user disables zorro or switches to ``warn``."""
+    msg = (f"zorro: unsupported setting: {reason}. Fix the setting, {fix_hint} (counted in "
+           "zorro/fallback_batches).")
     if settings.on_unsupported == "raise":
         raise ValueError(msg)
     if reason not in warned:
@@ -60,6 +68,8 @@ class ZorroActorMixin:
 
     #: Rows per chunk of the ``compute`` / ``memory`` logits modes (an attribute so tests can make it small).
     logits_chunk_size = DEFAULT_CHUNK
+    #: The framework's way to disable zorro or switch to ``warn``, quoted in refusals.
+    zorro_fix_hint = VERL_FIX_HINT
 
     def _zorro_setup(self, settings: "ZorroSettings", device_type: str) -> None:
         self.zorro = settings
@@ -79,4 +89,5 @@ class ZorroActorMixin:
         return self.zorro.enable and self._zorro_static_reason is None
 
     def _zorro_unsupported(self, reason: str) -> None:
-        report_unsupported(self.zorro, reason, self._zorro_warned, logging.getLogger(type(self).__module__))
+        report_unsupported(self.zorro, reason, self._zorro_warned, logging.getLogger(type(self).__module__),
+                           self.zorro_fix_hint)

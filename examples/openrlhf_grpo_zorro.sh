@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# OpenRLHF GRPO with zorro on: the deduplicated actor / old-log-prob / reference forwards and group-aware batching.
+# Worker logs show "zorro: OpenRLHF actor forward active (deduplicated forward; backend=..., ...)"; the step metrics
+# OpenRLHF logs gain zorro/dedup_ratio, zorro/prompt_tokens_saved, zorro/split_groups and zorro/fallback_batches.
+EXP="${EXP:-openrlhf_grpo_zorro}" ZORRO_OPENRLHF=1 exec bash "$(dirname "${BASH_SOURCE[0]}")/openrlhf_grpo_common.sh" "$@"
