@@ -5,7 +5,8 @@ whole packed row on one rank, no verl involved.
 Run as ``python -m tests.support.ulysses_step RANK WORLD INIT_FILE DEVICE OUT_JSON`` (``DEVICE``: ``cpu`` = fp64 over
 gloo with the ``sdpa`` backend; ``cuda`` = bf16 over NCCL with the ``flash`` backend, plus an fp64 ``sdpa`` oracle for
 the relative rule). Models: tiny Qwen3s with 4 query / 2 KV heads and with 2 query / 1 KV head (fewer KV heads than
-SP ranks when ``WORLD = 2``); the batch has 3 shuffled prompts, a 1-token and an empty response and an odd packed
+SP ranks when ``WORLD = 2``), on CPU also tiny gpt-oss (sliding windows, attention sinks) and Gemma 2 (windows,
+soft-capping); the batch has 3 shuffled prompts, a 1-token and an empty response and an odd packed
 length. Loss ``sum(w1 * log_probs) + sum(w2 * entropy)`` with fixed random weights; the SP gradient is the SP
 group's sum divided by ``WORLD`` (the row gather scales by SP, as verl's does, for FSDP's averaging).
 """
@@ -45,6 +46,7 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
     from zorro_verl.packing import build_plan
     from zorro_verl.packing.ulysses import ulysses_shard
     from zorro_verl.testing import create_dummy_batch, tiny_model
+    from zorro_verl.testing.models import tiny_window_model
 
     dev = torch.device(device, rank) if cuda else torch.device("cpu")
     b = create_dummy_batch(batch_size=7, num_unique_prompts=3, prompt_len=6, response_len=5, device="cpu",
@@ -87,6 +89,15 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
                 got = step(models[torch.float64], "sdpa", shard, mode)
                 out[mode] = {"sp_vs_ref": _errors(ref, got)}
         res[f"heads{heads}"] = out
+    if not cuda:
+        # attention features under SP: gpt-oss (sliding windows, per-head sinks, sliced to each rank's heads, with
+        # their gradient) and Gemma 2 (windows, logit soft-capping; its final-logit soft-cap rules out memory mode)
+        for kind, modes in (("gpt_oss", ("none", "memory")), ("gemma2", ("none",))):
+            m = tiny_window_model(kind, dtype=torch.float64, seed=0, window=4)
+            install_zorro(m)
+            shard = ulysses_shard(plan, world, rank, dist.group.WORLD)
+            res[kind] = {mode: {"sp_vs_ref": _errors(step(m, "sdpa", None, mode), step(m, "sdpa", shard, mode))}
+                         for mode in modes}
     dist.barrier()
     dist.destroy_process_group()
     return res

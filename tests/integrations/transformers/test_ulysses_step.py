@@ -3,7 +3,8 @@ row, without verl: every rank of an SP group runs its slice of the padded row, e
 shards around the backend, runs the head at the rows it holds and all-gathers them (tests/support/ulysses_step.py).
 
 CPU: SP = 2 in two processes over gloo, fp64, backend ``sdpa``, modes ``none`` and ``memory``, models with 2 and with
-1 KV head (fewer KV heads than SP ranks), a packed row of odd length, a 1-token and an empty response:
+1 KV head (fewer KV heads than SP ranks), tiny gpt-oss (sliding windows, attention sinks sliced per rank's heads)
+and Gemma 2 (windows, soft-capping), a packed row of odd length, a 1-token and an empty response:
 log-probs, entropy and the gradient relative (Frobenius) <= 1e-12.
 GPU (``gpu``): SP = 2 over NCCL with two GPUs, else SP = 1 on one GPU (the exchange degenerates to a copy; the
 shard, gather and backend path still run), bf16, backend ``flash``, by the relative rule against an fp64 ``sdpa``
@@ -31,6 +32,10 @@ def test_sp2_step_matches_whole_row_fp64(tmp_path):
             for mode in MODES:
                 err = r[case][mode]["sp_vs_ref"]
                 assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (case, mode, err)
+        for kind, modes in (("gpt_oss", MODES), ("gemma2", ("none",))):  # windows, sinks, soft-capping
+            for mode in modes:
+                err = r[kind][mode]["sp_vs_ref"]
+                assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (kind, mode, err)
 
 
 @pytest.mark.gpu
