@@ -119,10 +119,11 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         self._zorro_setup(settings_of(engine_config), get_device_name())
         if not self.zorro.enable:
             return
-        logger.warning("zorro: FSDP engine active on rank %d (%s; backend=%s, logits=%s, on_unsupported=%s)",
-                       self.rank, "deduplicated forward" if self._zorro_static_reason is None
+        logger.warning("zorro: FSDP engine active on rank %d (%s; backend=%s, logits=%s, on_unsupported=%s, "
+                       "ulysses_sp=%d)", self.rank, "deduplicated forward" if self._zorro_static_reason is None
                        else f"stock forward: {self._zorro_static_reason}", self._zorro_backend,
-                       self.zorro.logits_optimization, self.zorro.on_unsupported)
+                       self.zorro.logits_optimization, self.zorro.on_unsupported,
+                       self.engine_config.ulysses_sequence_parallel_size)
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self):
