@@ -44,6 +44,20 @@ def block_mask_for(plan: ZorroPlan, window: Optional[int] = None):
     return plan.memo.get("flex" if window is None else ("flex", window), build)
 
 
+_SCORE_MODS: dict = {}
+
+
+def _softcap_mod(cap: float):
+    """``score_mod`` of a soft-cap, one function object per value: the compiled kernel guards on the function, so a
+    fresh closure per layer call would recompile it every call."""
+    if cap not in _SCORE_MODS:
+        def mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / cap) * cap
+
+        _SCORE_MODS[cap] = mod
+    return _SCORE_MODS[cap]
+
+
 def _flex(device: torch.device):
     """Compiled flex_attention on CUDA (compiled once per process), the unfused eager one on CPU."""
     global _COMPILED
@@ -65,8 +79,7 @@ def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: 
                                        or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled())):
         raise ValueError("attention backend 'flex': FlexAttention has no backward on CPU. Use attention backend "
                          "'sdpa' (attn_implementation='sdpa') for training on CPU, or run flex on CUDA.")
-    cap = features.softcap
-    score_mod = None if cap is None else (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap)
+    score_mod = None if features.softcap is None else _softcap_mod(features.softcap)
     kw = {}
     if sinks is not None:  # the log-sum-exp (natural log): return_aux from torch 2.9 on, return_lse before
         from torch.nn.attention import flex_attention as fa
