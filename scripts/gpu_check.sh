@@ -4,7 +4,9 @@
 #      absent: PyTorch's built-in flash kernels are used);
 #   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex (also with sliding windows, sinks and
 #      soft-capping, and tiny gpt-oss / Gemma 2 models) and the hybrid (delta-net) models vs fp64 by the relative
-#      rule;
+#      rule; zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with two or more
+#      GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
+#      cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo);
 #   3. the op-level attention benchmark (--preset gpu --ops): each GPU backend's split attention vs the ordinary
 #      per-row SDPA of the same batch, bf16, Qwen3-0.6B heads (16/8 of 128), fwd and fwd_bwd;
 #   4. the model-level benchmark (--preset gpu): bf16 Qwen3-0.6B-shaped model from config, scenarios
@@ -55,6 +57,13 @@ echo "== GPU tests"
 timeout 150 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -ge 2 ]; then SP_NOTE="SP = 2 over NCCL on 2 GPUs"; else SP_NOTE="SP = 1 on 1 GPU (note: SP > 1 needs 2+ GPUs; covered on CPU over gloo)"; fi
+echo "== Ulysses sequence-parallel step: $SP_NOTE"
+timeout 120 "$PY" -m pytest -q -s -m gpu tests/integrations/transformers/test_ulysses_step.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_ulysses.log"
+SP_RC=${PIPESTATUS[0]}
+[ "$SP_RC" -eq 0 ] || TESTS_RC=$SP_RC
+
 echo "== GPU attention-op benchmark (--preset gpu --ops, backends $BACKENDS,sdpa)"
 timeout 70 "$PY" -m zorro_verl.bench --preset gpu --ops --backends "${BACKENDS:+$BACKENDS,}sdpa" \
     --json "$OUT_DIR/gpu_ops.json" 2>&1 | tee "$OUT_DIR/gpu_ops.log"
@@ -72,7 +81,7 @@ timeout 90 "$PY" -m zorro_verl.bench --tree --device cuda --dtype bfloat16 --clo
 TREE_RC=${PIPESTATUS[0]}
 
 echo
-echo "== summary: tests rc=$TESTS_RC, ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
+echo "== summary: tests rc=$TESTS_RC (Ulysses: $SP_NOTE, rc=$SP_RC), ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
 for f in gpu_ops gpu_bench; do
     if [ -f "$OUT_DIR/$f.json" ]; then
         echo

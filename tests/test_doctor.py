@@ -52,9 +52,11 @@ def test_config_checks_in_process():
     s, detail = status(["actor_rollout_ref.actor.strategy=megatron"], "zorro (actor)")
     assert s == "FAIL" and "strategy 'megatron'" in detail
     assert status(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"], "zorro (actor)")[0] == "note"
-    s, detail = status(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "zorro (actor)")
-    assert s == "FAIL" and "Ulysses" in detail
-    s, detail = status(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    # the 0.9 engine runs zorro under Ulysses sequence parallelism
+    assert status(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "zorro (actor)")[0] == "ok"
+    s, detail = status(["actor_rollout_ref.model.lora_rank=8"], "zorro (actor)")
+    assert s == "FAIL" and "LoRA" in detail
+    s, detail = status(["actor_rollout_ref.model.lora_rank=8",
                         "actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=warn"], "zorro (ref)")
     assert s == "note" and "zorro/fallback_batches" in detail
     norm = ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]

@@ -171,7 +171,7 @@ def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
         if strategy not in ("fsdp", "fsdp2"):
             problems.append(f"strategy {strategy!r}: the zorro engine supports fsdp / fsdp2")
         reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1),
-                                   int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0))
+                                   int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0), ulysses_supported=True)
         if role == "actor" and reason is None:  # the actor's loss settings (the ref runs no loss)
             padded = {"response_mask": torch.zeros(1, 1)}  # the V0 trainer's [B, R] response mask
             reason = loss_unsupported(functools.partial(_no_loss, config=node),

@@ -22,7 +22,8 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                  model_overrides: Optional[dict] = None, attn_implementation: str = "sdpa"):
     """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``;
     ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
-    config; ``attn_implementation`` is the stock model's attention (zorro replaces it)."""
+    config (e.g. ``ulysses_sequence_parallel_size``); ``attn_implementation`` is the stock model's attention (zorro
+    replaces it)."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead

@@ -10,9 +10,7 @@ rank 0 only makes *both* ranks run the stock forward (``on_unsupported = warn``)
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 __all__ = ["run_rank"]
 
@@ -92,7 +90,6 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
 
 
 if __name__ == "__main__":
-    rank_, world_, init_file_, ckpt_, out_ = sys.argv[1:6]
-    result = run_rank(int(rank_), int(world_), init_file_, ckpt_)
-    with open(out_, "w") as f:
-        json.dump(result, f)
+    from tests.support.multi_rank import rank_main
+
+    rank_main(run_rank, str)

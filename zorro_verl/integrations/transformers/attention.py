@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.attention import AttentionFeatures, attend
+from zorro_verl.attention.ulysses import ulysses_attend
 from zorro_verl.integrations.transformers.context import StepContext, require_context
 
 __all__ = ["ZORRO_ATTN_NAME", "register_zorro_attention", "zorro_attention_forward"]
@@ -40,21 +41,25 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     keyword not known to be inert raise ``ValueError``.
 
     Args:
-        query: ``[1, Hq, T, D]``; key/value: ``[1, Hkv, T, D]`` (RoPE / q-k-norm applied, GQA not expanded).
+        query: ``[1, Hq, T, D]``; key/value: ``[1, Hkv, T, D]`` (RoPE / q-k-norm applied, GQA not expanded); under
+            Ulysses sequence parallelism (``zorro_ctx.shard``) this rank's slice ``[1, H, L, D]``.
         attention_mask: must be ``None`` (zorro registers no mask function; the plan carries the structure).
         zorro_ctx: the :class:`StepContext` of the call (plan, backend, layer-call counter).
 
     Returns:
-        ``([1, T, Hq, D], None)``.
+        ``([1, T, Hq, D], None)`` (``[1, L, Hq, D]``, this rank's slice, under sequence parallelism).
     """
     ctx = require_context(zorro_ctx, "zorro attention")
     plan = ctx.plan
     if attention_mask is not None:
         raise ValueError("zorro attention: got an attention_mask; the model built a mask although zorro registers "
                          "none. Call the model without attention_mask (the plan carries the structure).")
-    if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != plan.T:
-        raise ValueError(f"zorro attention: expected query [1, Hq, T={plan.T}, D] (one packed row), got "
-                         f"{tuple(query.shape)}. Pass input_ids=plan.input_ids[None].")
+    shard = ctx.shard
+    length = plan.T if shard is None else shard.local_len
+    if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != length:
+        what = "one packed row" if shard is None else f"this rank's slice of {shard.sp_size}"
+        raise ValueError(f"zorro attention: expected query [1, Hq, {length}, D] ({what}), got "
+                         f"{tuple(query.shape)}. Run the model through zorro_step (it passes the right input_ids).")
     if dropout:
         raise ValueError(f"zorro attention: attention dropout {dropout} in training mode is not supported (RL "
                          "training uses 0: dropout would make the two forwards of a step differ anyway); set "
@@ -75,6 +80,8 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     features = AttentionFeatures(window=sliding_window, sinks=s_aux, softcap=softcap)
     ctx.calls.attention += 1
     ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling)
+    if shard is not None:  # Ulysses: exchange sequence shards for head shards around the backend
+        return ulysses_attend(plan, ctx.backend, shard, query, key, value, scaling, features), None
     return attend(plan, ctx.backend, query, key, value, scaling, features), None
 
 

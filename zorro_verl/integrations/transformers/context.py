@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from zorro_verl.attention import get_backend
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.ulysses import UlyssesShard
 
 __all__ = ["LayerCalls", "StepContext", "require_context"]
 
@@ -40,16 +41,29 @@ class LayerCalls:
 
 
 class StepContext:
-    """``plan`` (:class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a registered attention backend name) and
-    ``calls`` (:class:`LayerCalls`) of one deduplicated model call."""
+    """``plan`` (:class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a registered attention backend name),
+    ``calls`` (:class:`LayerCalls`) of one deduplicated model call, and ``shard``
+    (:class:`~zorro_verl.packing.ulysses.UlyssesShard`) when the call runs one slice of the row under Ulysses
+    sequence parallelism (None otherwise)."""
 
-    __slots__ = ("plan", "backend", "calls")
+    __slots__ = ("plan", "backend", "calls", "shard")
 
-    def __init__(self, plan: ZorroPlan, backend: str = "sdpa", calls: LayerCalls | None = None):
+    def __init__(self, plan: ZorroPlan, backend: str = "sdpa", calls: LayerCalls | None = None,
+                 shard: UlyssesShard | None = None):
         if not isinstance(plan, ZorroPlan):
             raise TypeError(f"plan: expected a ZorroPlan (zorro_verl.packing.build_plan), got {type(plan).__name__}.")
+        if shard is not None and not isinstance(shard, UlyssesShard):
+            raise TypeError(f"shard: expected an UlyssesShard (zorro_verl.packing.ulysses.ulysses_shard) or None, got "
+                            f"{type(shard).__name__}.")
         get_backend(backend)  # ValueError naming the registered backends
         self.plan, self.backend, self.calls = plan, backend, calls if calls is not None else LayerCalls()
+        self.shard = shard
+
+    def model_inputs(self) -> tuple:
+        """``(input_ids [1, L], position_ids [1, L])`` the model runs on: the packed row (``L = T``), or this rank's
+        slice of it under sequence parallelism."""
+        src = self.plan if self.shard is None else self.shard
+        return src.input_ids[None], src.position_ids[None]
 
 
 def require_context(ctx, who: str) -> StepContext:

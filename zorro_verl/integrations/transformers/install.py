@@ -141,7 +141,8 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
 
 
 def forward_packed(model, ctx: StepContext, **model_kwargs):
-    """Run ``model`` (the root ``*ForCausalLM``, possibly FSDP-wrapped) on ``ctx.plan``'s packed row.
+    """Run ``model`` (the root ``*ForCausalLM``, possibly FSDP-wrapped) on ``ctx.plan``'s packed row (or, with
+    ``ctx.shard``, on this rank's sequence-parallel slice of it).
 
     ``model_kwargs`` go to the model call (e.g. ``logits_to_keep``). Returns the model's output; raises if zorro
     is not installed or a layer bypassed it.
@@ -150,10 +151,10 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
         raise ValueError("model: zorro is not installed on this model (its attn_implementation is "
                          f"{getattr(model.config, '_attn_implementation', None)!r}). Call install_zorro(model) "
                          "or DeduplicatedActor.patch() first.")
-    plan = ctx.plan
     ctx.calls.reset()
-    out = model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=None,
-                zorro_ctx=ctx, use_cache=False, **model_kwargs)
+    input_ids, position_ids = ctx.model_inputs()
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx, use_cache=False,
+                **model_kwargs)
     check_layer_calls(model, ctx.calls)
     return out
 

@@ -10,6 +10,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from zorro_verl.attention.ulysses import gather_rows
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.hybrid import text_config
 from zorro_verl.integrations.transformers.install import forward_packed
@@ -21,6 +22,7 @@ from zorro_verl.logprob import (
     logits_logprobs,
 )
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.ulysses import UlyssesShard
 
 __all__ = ["zorro_step", "HeadFn", "head_fn_unsupported"]
 
@@ -50,7 +52,8 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
                temperature: Union[float, torch.Tensor] = 1.0, calculate_entropy: bool = False,
                logits_optimization: str = "none", chunk_size: int = DEFAULT_CHUNK,
                calls: Optional[LayerCalls] = None,
-               head_fn: Optional[HeadFn] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               head_fn: Optional[HeadFn] = None,
+               shard: Optional[UlyssesShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Deduplicated forward of ``plan``: log-probs (and entropy) of every valid response token, original row order.
 
     Args:
@@ -70,31 +73,45 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             ``head_fn(hidden [N, H], head module, targets [N] int64, temperature: float, calculate_entropy) ->
             (log_probs [N], entropy [N] | None)``. It runs as the head module's forward (see :func:`_head_step`):
             use the head's parameters (e.g. :func:`~zorro_verl.logprob.linear_head_params`), never call the module.
+        shard: this rank's part under Ulysses sequence parallelism (:func:`~zorro_verl.packing.ulysses.ulysses_shard`
+            of ``plan``; every rank of the SP group calls with the same plan): the model runs on the rank's slice
+            of the packed row, the head at the response-predicting rows it holds, and the outputs are all-gathered
+            (autograd-aware) into ``[N]`` on every SP rank.
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` — fp32 (fp64 for fp64 models); ``plan.to_padded`` gives ``[B, R]``.
     """
     mode = check_logits_optimization(logits_optimization)
-    ctx = StepContext(plan, backend, calls)
+    ctx = StepContext(plan, backend, calls, shard)
     divisors = None
     if isinstance(temperature, torch.Tensor):
         temperature, divisors = _per_row_temperature(temperature, plan, memory=mode == "memory" or head_fn is not None)
+    # the head rows this call computes: all N, or (sequence parallel) the ones whose predicting row this rank holds
+    keep, targets = (plan.logit_index, plan.target_ids) if shard is None else (shard.logit_index, shard.target_ids)
+    index = None  # prefix trees: the head runs once per distinct position, head_inverse maps outputs to its rows
+    if plan.head_index is not None:
+        if shard is not None:
+            raise ValueError("shard: prefix-tree plans (sharing='prefix') under Ulysses sequence parallelism are not "
+                             "supported; use sharing='prompt' with ulysses_sequence_parallel_size > 1.")
+        keep, index = plan.head_index, plan.head_inverse
+    if divisors is not None and shard is not None:
+        divisors = divisors[shard.rows]
     if head_fn is None and mode == "memory":
         head_fn = _chunked_head(chunk_size)
     if head_fn is not None:
-        return _head_step(model, ctx, head_fn, temperature, calculate_entropy)
-    if plan.head_index is not None:  # a prefix tree: the head runs once per distinct position [Nh]
-        logits = forward_packed(model, ctx, logits_to_keep=plan.head_index).logits[0]  # [Nh, V]
-        index = plan.head_inverse
-        if divisors is not None:  # rows sharing a position may have different temperatures: one logit row each
-            logits, index = logits[index], None
+        logp, ent = _head_step(model, ctx, head_fn, keep, targets, temperature, calculate_entropy, index)
     else:
-        logits = forward_packed(model, ctx, logits_to_keep=plan.logit_index).logits[0]  # [N, V]
-        index = None
-    if divisors is not None:  # same op and dtype as verl's per-sample temperature scaling
-        logits = logits / divisors.clamp(min=1e-8).to(logits.dtype)[:, None]
-    return logits_logprobs(logits, plan.target_ids, temperature=temperature, calculate_entropy=calculate_entropy,
-                           logits_optimization=mode, chunk_size=chunk_size, index=index)
+        logits = forward_packed(model, ctx, logits_to_keep=keep).logits[0]  # [N, Nh or N_s, V]
+        if divisors is not None:  # same op and dtype as verl's per-sample temperature scaling
+            if index is not None:  # rows sharing a position may have different temperatures: one logit row each
+                logits, index = logits[index], None
+            logits = logits / divisors.clamp(min=1e-8).to(logits.dtype)[:, None]
+        logp, ent = logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=calculate_entropy,
+                                    logits_optimization=mode, chunk_size=chunk_size, index=index)
+    if shard is not None:
+        logp = gather_rows(logp, shard)
+        ent = None if ent is None else gather_rows(ent, shard)
+    return logp, ent
 
 
 def _chunked_head(chunk_size: int) -> HeadFn:
@@ -121,8 +138,11 @@ def head_fn_unsupported(model):
     return None
 
 
-def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, calculate_entropy: bool):
-    """Run ``head_fn`` on the ``[N, H]`` response-predicting hidden states *as the head module's forward*.
+def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, targets: torch.Tensor,
+               temperature: float, calculate_entropy: bool, expand: Optional[torch.Tensor] = None):
+    """Run ``head_fn`` on the ``[N, H]`` response-predicting hidden states *as the head module's forward* (``keep``
+    the rows of the model's input to compute, ``targets`` the tokens they predict; ``expand [N]``: a prefix tree's
+    ``head_inverse``, the kept row of each output).
 
     The root forward runs as usual (FSDP hooks, final norm) and calls its head on ``hidden[:, logit_index]``; the
     head's forward is swapped, for this call only, for one that returns ``head_fn``'s results stacked ``[1, 2, N]``.
@@ -130,16 +150,15 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
     backward hooks fire on the returned tensor before the gradient reaches ``head_fn``'s graph. The root must hand
     the head's output through unchanged as ``logits`` (checked): models that post-process logits are refused.
     """
-    plan = ctx.plan
     head = model.get_output_embeddings()
     reason = head_fn_unsupported(model)
     if reason is not None:
         raise ValueError(f"logits_optimization: {reason}")
     returned = {}
 
-    def forward(x):  # x: [1, N, H] ([1, Nh, H] for a prefix tree: its distinct positions, expanded per output here)
-        h = x[0] if plan.head_index is None else x[0][plan.head_inverse]
-        logp, ent = head_fn(h, head, plan.target_ids, temperature, calculate_entropy)
+    def forward(x):  # x: [1, N, H] ([1, Nh, H] for a prefix tree: its distinct positions, expanded per output)
+        h = x[0] if expand is None else x[0][expand]
+        logp, ent = head_fn(h, head, targets, temperature, calculate_entropy)
         # a fresh tensor, not a view: FSDP2 registers its pre-backward hook on the module's output
         out = torch.cat([logp[None, None], (ent if ent is not None else torch.zeros_like(logp))[None, None]], 1)
         returned["out"] = out
@@ -149,7 +168,6 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, temperature: float, cal
     saved = head.__dict__.get("forward")
     head.forward = forward
     try:
-        keep = plan.logit_index if plan.head_index is None else plan.head_index
         out = forward_packed(model, ctx, logits_to_keep=keep).logits
     finally:
         if had_own:

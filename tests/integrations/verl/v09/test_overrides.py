@@ -47,3 +47,37 @@ def test_readme_overrides_build_the_zorro_engine_for_actor_and_ref():
                                                               "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                                                               "data.train_batch_size=8"])
     assert not settings_of(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).engine).enable
+
+
+def test_readme_ulysses_launch_line_composes_with_the_preset():
+    """The README's long-context line (16K prompts, n = 16, SP = 4) composes with the preset into zorro engine
+    configs with SP = 4 for actor and reference, and its token budget holds a whole group per SP group."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from zorro_verl.integrations.verl.presets import preset_dir
+    from zorro_verl.integrations.verl.settings import settings_of
+
+    text = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"<!-- zorro-ulysses -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "README.md lost its Ulysses launch block"
+    overrides = [t for t in block.group(1).split() if "=" in t and not t.startswith("--")]
+    with initialize_config_dir(config_dir=preset_dir(), version_base=None):
+        cfg = compose(config_name="zorro_ppo_trainer", overrides=overrides + [
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.train_batch_size=16"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    node = cfg.actor_rollout_ref.ref
+    with open_dict(node):  # verl's engine worker renames the ref's log_prob_* keys the same way before building it
+        node.ppo_mini_batch_size = actor.ppo_mini_batch_size
+        for old, new in (("log_prob_micro_batch_size", "ppo_micro_batch_size"),
+                         ("log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                         ("log_prob_use_dynamic_bsz", "use_dynamic_bsz"),
+                         ("log_prob_max_token_len_per_gpu", "ppo_max_token_len_per_gpu")):
+            node[new] = node.pop(old, None)
+    ref = omega_conf_to_dataclass(node)
+    for c in (actor, ref):
+        assert c.ulysses_sequence_parallel_size == 4 and c.engine.ulysses_sequence_parallel_size == 4
+        assert settings_of(c.engine).enable
+    group = cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.n * cfg.data.max_response_length
+    assert group <= actor.ppo_max_token_len_per_gpu * 4

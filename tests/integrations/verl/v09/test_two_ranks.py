@@ -6,11 +6,6 @@ Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; los
 <= 1e-5.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
@@ -22,30 +17,9 @@ HANG_TIMEOUT_S = 180
 
 
 def test_two_ranks_memory_and_compute_match_stock(tiny_ckpt, tmp_path):
-    from tests.support import REPO_ROOT
+    from tests.support.multi_rank import run_ranks
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    init = tmp_path / "rendezvous"
-    procs, outs = [], []
-    for rank in (0, 1):
-        out = tmp_path / f"rank{rank}.json"
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.support.verl_two_ranks", str(rank), "2", str(init), tiny_ckpt, str(out)],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        outs.append(out)
-    try:
-        for p in procs:
-            p.wait(timeout=HANG_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        tail = (tmp_path / "rank0.log").read_text()[-3000:]
-        pytest.fail(f"the two ranks did not finish within {HANG_TIMEOUT_S} s (a collective hang?); rank 0 log:\n{tail}")
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
-    results = [json.loads(o.read_text()) for o in outs]
+    results = run_ranks("tests.support.verl_two_ranks", 2, [tiny_ckpt], tmp_path, HANG_TIMEOUT_S)
     assert [r["rows"] for r in results] == [8, 12]  # different row counts per rank
     for mode in ("memory", "compute"):
         rs = [r[mode] for r in results]

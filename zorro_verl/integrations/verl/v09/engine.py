@@ -12,6 +12,10 @@ Data path (one ``forward_backward_batch`` call = one mini-batch of this DP rank)
          (row b's slice [p_b - 1, p_b + r_b - 1) holds its response log-probs; other entries are 0 and never read)
       -> verl's loss function unchanged (global token normalisation), outputs back in original row order.
 
+Under Ulysses sequence parallelism (``ulysses_sequence_parallel_size = sp > 1``) every rank of an SP group builds
+the same plan from the same batch, runs its slice of the padded packed row, exchanges sequence shards for head
+shards around zorro's attention and all-gathers the head's rows (docs/DESIGN.md §8).
+
 With ``zorro.enable = false`` (or a stock ``FSDPEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly raise, or with ``on_unsupported = warn`` run the stock forward for that batch, warn once and count the
 batch in ``zorro/fallback_batches``.
@@ -30,7 +34,9 @@ from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
+from zorro_verl.attention.ulysses import check_ulysses_heads
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
+from zorro_verl.integrations.transformers.hybrid import linear_attention_modules, text_config
 from zorro_verl.integrations.transformers.step import head_fn_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
@@ -40,6 +46,7 @@ from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
 from zorro_verl.packing.tree import tree_row_costs
+from zorro_verl.packing.ulysses import ulysses_shard
 
 __all__ = ["ZorroFSDPEngineWithLMHead", "row_lengths", "row_group_ids"]
 
@@ -113,16 +120,21 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         self._zorro_setup(settings_of(engine_config), get_device_name())
         if not self.zorro.enable:
             return
-        logger.warning("zorro: FSDP engine active on rank %d (%s; backend=%s, logits=%s, on_unsupported=%s)",
-                       self.rank, "deduplicated forward" if self._zorro_static_reason is None
+        logger.warning("zorro: FSDP engine active on rank %d (%s; backend=%s, logits=%s, on_unsupported=%s, "
+                       "ulysses_sp=%d)", self.rank, "deduplicated forward" if self._zorro_static_reason is None
                        else f"stock forward: {self._zorro_static_reason}", self._zorro_backend,
-                       self.zorro.logits_optimization, self.zorro.on_unsupported)
+                       self.zorro.logits_optimization, self.zorro.on_unsupported,
+                       self.engine_config.ulysses_sequence_parallel_size)
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self):
         mc = self.model_config
-        return setup_unsupported(self.engine_config.ulysses_sequence_parallel_size, getattr(mc, "lora_rank", 0),
-                                 getattr(mc, "hf_config", None))
+        sp = self.engine_config.ulysses_sequence_parallel_size
+        if self.zorro.sharing == "prefix" and sp > 1:
+            return ("sharing=prefix with Ulysses sequence parallel > 1 (the prefix tree is not sharded over SP "
+                    "ranks: use sharing=prompt, or ulysses_sequence_parallel_size=1)")
+        return setup_unsupported(sp, getattr(mc, "lora_rank", 0), getattr(mc, "hf_config", None),
+                                 ulysses_supported=True)
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
@@ -165,8 +177,21 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             self._install()
 
     def _zorro_model_unsupported(self):
-        """Static refusals that need the built model: the ``memory`` logits mode computes the head as
-        ``F.linear(hidden, weight, bias)`` and needs the head's output returned unchanged as the logits."""
+        """Static refusals that need the built model: hybrid linear-attention layers or unshardable head counts under
+        Ulysses; the ``memory`` logits mode computes the head as ``F.linear(hidden, weight, bias)`` and needs the
+        head's output returned unchanged as the logits."""
+        sp = self.ulysses_sequence_parallel_size
+        if sp > 1:
+            if linear_attention_modules(self.module):
+                return ("hybrid linear-attention layers (gated delta-net) under Ulysses sequence parallel > 1: their "
+                        "recurrence runs over the whole sequence and zorro does not exchange it across SP ranks (set "
+                        "ulysses_sequence_parallel_size=1)")
+            cfg = text_config(self.module)
+            try:
+                check_ulysses_heads(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+                                    or cfg.num_attention_heads, sp)
+            except ValueError as e:
+                return str(e)
         if self.zorro.logits_optimization != "memory":
             return None
         try:
@@ -204,8 +229,10 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         reason = (self._zorro_static_reason or self._zorro_batch_unsupported(data)
                   or loss_unsupported(loss_function, data))
         if self._zorro_static_reason is None:
-            # The two paths issue different collectives: every DP rank must take the same one.
+            # The two paths issue different collectives: every rank of the DP x SP mesh must take the same one.
             reason = self._zorro_agreed_reason(reason)
+        if reason is None and self.ulysses_sequence_parallel_size > 1:
+            self._check_sp_batches_agree(data)
         if reason is not None:
             if self._zorro_static_reason is None:
                 self._zorro_unsupported(reason)
@@ -264,11 +291,32 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         of the flag, so that if any rank's batch is unsupported all ranks raise, or all run the stock forward (the
         zorro and stock paths issue different collectives; diverging would hang). One collective per call."""
         flag = torch.tensor([0 if reason is None else 1], device=get_device_id())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group())
+        # the whole mesh (DP x SP): FSDP's collectives and the Ulysses exchanges span all ranks
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if reason is None and int(flag.item()):
             return ("the batch of another data-parallel rank is unsupported (see that rank's message); all ranks "
                     "take the same path")
         return reason
+
+    def _check_sp_batches_agree(self, data) -> None:
+        """Every rank of an SP group must hold the same batch (verl all-gathers it over the SP group), since each
+        builds the plan the exchanges rely on. A fingerprint (rows, tokens, a position-weighted token sum, the row
+        offsets) is all-reduced MAX over the SP group as ``(x, -x)``; a mismatch in any group raises on every rank."""
+        ids = data["input_ids"]
+        vals = ids.values().long()
+        w = torch.arange(1, vals.numel() + 1, device=vals.device) % 1009 + 1
+        fp = torch.stack([torch.tensor(ids.shape[0], device=vals.device), torch.tensor(vals.numel(),
+                          device=vals.device), (vals * w).sum(), ids.offsets().long().sum()]).to(get_device_id())
+        both = torch.cat([fp, -fp])
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.ulysses_parallel_group)
+        # then over the whole mesh, so that every rank raises (ranks of other SP groups would otherwise wait in the
+        # next collective)
+        bad = torch.tensor([0 if torch.equal(both[: fp.numel()], -both[fp.numel():]) else 1], device=both.device)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if int(bad.item()):
+            raise ValueError("zorro engine: the ranks of a Ulysses sequence-parallel group hold different batches; "
+                             "zorro builds the same plan on every SP rank from the batch, so they must agree (verl's "
+                             "worker all-gathers the batch over the SP group: dispatch data by DP rank).")
 
     @staticmethod
     def _add_metrics(out, values: dict) -> None:
@@ -292,13 +340,15 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             g = row_group_ids(data, p)
         sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            # the budget of one SP group's micro-batch (as verl: per-GPU budget x sp), each prompt counted once
             max_tok = int(tu.get(data, "max_token_len_per_gpu")) * sp
             mbs = dynamic_microbatches(g, p, r, max_tok, split_response_lens=r_split)
         else:
             mbs = fixed_size_microbatches(g, p, r, int(tu.get(data, "micro_batch_size_per_gpu")))
         # FSDP collectives need the same number of forward/backward calls on every DP rank.
+        # Over the whole DP x SP mesh: the ranks of an SP group hold the same batch (checked) and agree anyway.
         count = torch.tensor([len(mbs)], device=get_device_id())
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         count = int(count.item())
         if count > len(mbs):
             mbs = split_to_count(mbs, count, g, p, r)
@@ -320,6 +370,11 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         if plan.tree is not None and getattr(self, "_zorro_tree_stats", None) is not None:
             self._zorro_tree_stats[0] += plan.T
             self._zorro_tree_stats[1] = max(self._zorro_tree_stats[1], plan.tree.levels)
+        shard = None
+        if self.ulysses_sequence_parallel_size > 1:
+            group = self.ulysses_parallel_group
+            shard = ulysses_shard(plan, self.ulysses_sequence_parallel_size,
+                                  torch.distributed.get_rank(group), group)
 
         temperature = micro_batch["temperature"]
         use_fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
@@ -333,12 +388,12 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         with autocast_ctx:
             if use_fused:  # verl's fused linear + log-prob kernel as the head (fused.py), one float temperature
                 logp, ent = zorro_fused_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
-                                             calculate_entropy=calculate_entropy)
+                                             calculate_entropy=calculate_entropy, shard=shard)
             else:
                 logp, ent = zorro_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
                                        calculate_entropy=calculate_entropy,
                                        logits_optimization=self.zorro.logits_optimization,
-                                       chunk_size=self.logits_chunk_size)
+                                       chunk_size=self.logits_chunk_size, shard=shard)
 
             offsets = micro_batch["input_ids"].offsets()
             # predict-next layout: the token at column j of row b's response is predicted at row position p_b-1+j

@@ -100,7 +100,8 @@ def _zorro_root_forward(self, input_ids=None, position_ids=None, attention_mask=
     return CausalLMOutputForPPO(logits=self.get_output_embeddings()(hidden[:, keep]))
 
 
-def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: float, calculate_entropy: bool):
+def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: float, calculate_entropy: bool,
+                     shard=None):
     """``zorro_step`` of ``plan`` on a model verl patched for fused kernels (see the module docstring).
 
     Args:
@@ -109,6 +110,7 @@ def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: floa
         backend: the attention backend name.
         temperature: the batch's one float temperature (verl's fused kernels take no per-sample tensor).
         calculate_entropy: also return the entropy.
+        shard: this rank's ``UlyssesShard`` under sequence parallelism (see ``zorro_step``), or None.
 
     Returns:
         ``(log_probs [N] fp32, entropy [N] | None)`` in original row order, entropy in verl's fused dtype.
@@ -122,7 +124,7 @@ def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: floa
     module.forward = _zorro_root_forward.__get__(module)
     try:
         logp, ent = zorro_step(module, plan, backend=backend, temperature=float(temperature),
-                               calculate_entropy=calculate_entropy, head_fn=head)
+                               calculate_entropy=calculate_entropy, head_fn=head, shard=shard)
     finally:
         if had_own:
             module.forward = saved

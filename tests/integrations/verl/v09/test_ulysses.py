@@ -1,0 +1,142 @@
+"""zorro under verl's Ulysses sequence parallelism (docs/DESIGN.md §8): the zorro engine with SP = 2 against verl's
+stock engine with the same SP and against the stock engine without SP, on CPU over gloo (FSDP2, fp32), in one
+inference pass and one training step (tests/support/verl_ulysses.py runs each rank).
+
+Cases: SP = 2 in 2 processes on a model with one KV head (kv_heads < SP: repeated) and SP = 2 x DP = 2 in 4
+processes (two KV heads); 12 rows of 3 shuffled prompts per DP rank with a 1-token and an empty response, fixed
+micro-batches of 3 rows (4-row groups split across micro-batches), packed rows whose length SP does not divide.
+Every engine also runs the inference pass with a dynamic token budget. The 2-process run also checks the memory
+logits mode (with gradient checkpointing), verl's fused kernels, a long-prompt batch in which one SP rank holds no
+response-predicting row (the common case at long context) and the refusals (SP ranks with different batches; hybrid
+linear-attention layers). The all-to-all bytes are counted per training step and must equal the cost model.
+
+Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
+<= 1e-5.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
+
+ATOL = 1e-5
+RTOL = 1e-5
+#: Seconds the ranks get before the test fails as a hang (a normal run takes well under half of it).
+HANG_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def kv1_ckpt(tmp_path_factory):
+    """The tiny Qwen3 of ``tiny_ckpt`` with one KV head (4 query heads): fewer KV heads than SP ranks."""
+    from zorro_verl.testing.models import model_from_config, tiny_config
+
+    cfg = tiny_config("qwen3")
+    cfg.num_key_value_heads = 1
+    path = tmp_path_factory.mktemp("tiny_qwen3_kv1")
+    model = model_from_config(cfg, torch.float32, 0, "sdpa")
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.save_pretrained(path)
+    return str(path)
+
+
+#: Worst figures over the ranks, printed in the pytest summary (tests/conftest.py): errors against each stock engine
+#: and the all-to-all bytes of a training step (zorro / stock SP) next to the deduplicated token ratio.
+SUMMARY: dict = {}
+
+
+def _record(name: str, results: list) -> None:
+    def rel(pair):
+        return abs(pair[0] - pair[1]) / abs(pair[0])
+
+    line = {}
+    for ref in ("stock_sp", "stock"):
+        cs = [r[ref] for r in results]
+        line[f"vs {ref}"] = (f"log-prob {max(c['log_probs_max_abs'] for c in cs):.1e}, entropy "
+                     f"{max(c['entropy_max_abs'] for c in cs):.1e}, loss rel {max(rel(c['loss']) for c in cs):.1e}, "
+                     f"grad-norm rel {max(rel(c['grad_norm']) for c in cs if c['grad_norm']):.1e}, grad rel "
+                     f"{max(c['grad_rel'] for c in cs):.1e}")
+    # one rank per SP group (the ranks of a group exchange the same volume)
+    first = [r for r in results if r["rank"] % 2 == 0]
+    bz, bs = (sum(r["a2a_bytes"][k] for r in first) for k in ("zorro_sp", "stock_sp"))
+    tz, ts = (sum(r[k] for r in first) for k in ("dedup_tokens", "ordinary_tokens"))
+    line["all-to-all"] = (f"zorro / stock SP bytes per training step {bz} / {bs} = {bz / bs:.3f}; tokens "
+                          f"{tz} / {ts} = {tz / ts:.3f}")
+    SUMMARY[name] = line
+
+
+def _check_equal(cmp: dict) -> None:
+    assert cmp["fallback"] == [0.0]
+    assert cmp["log_probs_max"] > 1.0  # a real comparison, not zeros
+    assert cmp["log_probs_max_abs"] <= ATOL and cmp["entropy_max_abs"] <= ATOL
+    assert cmp["log_probs_dynamic_bsz_max_abs"] <= ATOL
+    la, lb = cmp["loss"]
+    assert abs(la) > 1e-4 and abs(la - lb) <= RTOL * abs(la)
+    if cmp["grad_norm"] is not None:  # verl reports it on the first rank of each SP group
+        ga, gb = cmp["grad_norm"]
+        assert ga > 1e-5 and abs(ga - gb) <= RTOL * ga
+    assert cmp["grad_rel"] <= RTOL
+
+
+def _check_bytes(r: dict, sp: int) -> None:
+    """Each engine hands all_to_all exactly the cost model's bytes: per attention layer, forward and backward,
+    ``(2 Hq + 2 Hkv') * L * D * 4`` with ``L = ceil(tokens / sp)`` of each micro-batch's packed row (zorro: each
+    prompt once; stock: every row whole)."""
+    from zorro_verl.attention.ulysses import all_to_all_bytes
+
+    def expected(tokens):
+        return sum(2 * r["layers"] * all_to_all_bytes(-(-t // sp), sp, r["heads"], r["kv_heads"], r["head_dim"], 4)
+                   for t in tokens)
+
+    assert sum(r["zorro_mb_tokens"]) == r["dedup_tokens"]
+    assert r["a2a_bytes"]["zorro_sp"] == expected(r["zorro_mb_tokens"])
+    assert r["a2a_bytes"]["stock_sp"] == expected(r["stock_mb_tokens"])
+    assert r["a2a_bytes"]["stock"] == 0
+    assert r["a2a_bytes"]["zorro_sp"] < r["a2a_bytes"]["stock_sp"]
+
+
+def _check_common(results: list, sp: int) -> None:
+    # the same micro-batch counts on every rank of the DP x SP mesh
+    assert len({r["micro_batches"] for r in results}) == 1
+    assert len({len(r["zorro_dyn_mb_tokens"]) for r in results}) == 1
+    for r in results:
+        assert 0 in r["response_lens"] and 1 in r["response_lens"]
+        assert r["split_groups"] > 0  # a group split across micro-batches
+        assert any(t % sp for t in r["zorro_mb_tokens"])  # a packed row SP does not divide
+        assert r["fallback"] == [0.0]
+        # dynamic batch size: the budget is per SP group, each prompt counted once
+        assert len(r["zorro_dyn_mb_tokens"]) > 1 and max(r["zorro_dyn_mb_tokens"]) <= r["dyn_budget"]
+        for ref in ("stock_sp", "stock"):
+            _check_equal(r[ref])
+        assert r["stock_sp_vs_stock_log_probs_max_abs"] <= ATOL
+        _check_bytes(r, sp)
+    first = [r for r in results if r["rank"] % sp == 0]
+    assert first and all(r["stock"]["grad_norm"] is not None for r in first)
+
+
+def test_sp2_matches_stock_kv_heads_below_sp(kv1_ckpt, tmp_path):
+    from tests.support.multi_rank import run_ranks
+
+    results = run_ranks("tests.support.verl_ulysses", 2, [kv1_ckpt, 2], tmp_path, HANG_TIMEOUT_S)
+    assert results[0]["kv_heads"] == 1
+    _record("SP=2 (kv_heads=1)", results)
+    _check_common(results, 2)
+    for r in results:
+        _check_equal(r["stock_sp"]["memory"])  # with gradient checkpointing
+        _check_equal(r["stock_sp"]["fused"])
+        _check_equal(r["stock_sp"]["head_rows_on_one_rank"])
+        assert r["head_rows_per_rank"][0] == 0  # SP rank 0 computes no head row there
+        ref = r["refusals"]
+        assert "hold different batches" in ref["mismatch"]
+        assert "hybrid linear-attention" in ref["hybrid_raise"] and "Ulysses" in ref["hybrid_raise"]
+        assert ref["hybrid_warn_active"] is False and "hybrid" in ref["hybrid_warn_reason"]
+
+
+def test_sp2_dp2_matches_stock(tiny_ckpt, tmp_path):
+    from tests.support.multi_rank import run_ranks
+
+    results = run_ranks("tests.support.verl_ulysses", 4, [tiny_ckpt, 2], tmp_path, HANG_TIMEOUT_S)
+    assert results[0]["kv_heads"] == 2
+    _record("SP=2 x DP=2", results)
+    _check_common(results, 2)
+    # the two SP groups hold different batches
+    assert results[0]["zorro_mb_tokens"] != results[2]["zorro_mb_tokens"]

@@ -1,0 +1,270 @@
+"""One rank of the Ulysses sequence-parallel engine check (tests/integrations/verl/v09/test_ulysses.py): gloo with a
+``file://`` rendezvous, the CPU platform, FSDP2 fp32 over all ``sp * dp`` ranks.
+
+Run as ``python -m tests.support.verl_ulysses RANK WORLD INIT_FILE CKPT SP OUT_JSON``. The ranks of one SP group
+hold the same batch (DP rank ``d = RANK // SP`` gets seed ``3 + d``: 12 rows of 3 shuffled prompts, uneven lengths
+with a 1-token and an empty response; fixed micro-batches of 3 rows, so 4-row groups are split). Three engines run
+inference (log-probs, entropy) and one training step (loss, grad norm, every gradient) on it:
+
+* ``stock_sp``: verl's stock engine with the same SP. verl's Ulysses attention is its patched flash-attention path
+  (all-to-all, KV repeat, position-id all-gather, varlen boundaries from position resets); on CPU the one
+  flash-attn kernel call inside it is replaced by a plain-torch varlen stand-in (:func:`install_cpu_varlen`);
+* ``stock``: verl's stock engine without SP (``sdpa``; all ``WORLD`` ranks are DP ranks, SP-group peers hold the
+  same batch, so it computes the same global step);
+* ``zorro_sp``: the zorro engine with the same SP (in the single-group run also with ``logits_optimization=memory``
+  and gradient checkpointing, and with verl's fused kernels).
+
+Each also runs the inference pass with a dynamic token budget.
+
+``torch.distributed.all_to_all`` is wrapped to count the bytes each engine hands it per training step. Results
+(errors against both stock engines, bytes, tokens) go to ``OUT_JSON``.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["run_rank", "install_cpu_varlen", "CPU_VARLEN_ATTN"]
+
+#: The attention implementation name the stock SP engine runs under on CPU (no "flash" in it: transformers would
+#: then require flash-attn).
+CPU_VARLEN_ATTN = "cpu_varlen"
+
+
+def _cpu_varlen_kernel(query, key, value, attention_mask, query_length, *args, position_ids=None, is_causal=True,
+                       softmax_scale=None, **kwargs):
+    """Stand-in for transformers' ``_flash_attention_forward`` on CPU, with flash-attn's packed-sequence rule:
+    sequences start where ``position_ids == 0``; causal inside each. ``q [1, S, H, D]``, ``k/v [1, S, Hk, D]`` ->
+    ``[1, S, H, D]``."""
+    import torch
+
+    assert attention_mask is None and position_ids is not None and query.shape[0] == 1
+    seg = torch.cumsum((position_ids[0] == 0).long(), 0)  # [S]
+    S = seg.numel()
+    causal = torch.ones(S, S, dtype=torch.bool).tril() if is_causal else torch.ones(S, S, dtype=torch.bool)
+    mask = (seg[:, None] == seg[None, :]) & causal
+    rep = query.shape[2] // key.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (query, key.repeat_interleave(rep, 2), value.repeat_interleave(rep, 2)))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+    return out.transpose(1, 2)
+
+
+def install_cpu_varlen() -> None:
+    """Register :data:`CPU_VARLEN_ATTN` as transformers' flash-attention integration (so verl's Ulysses patch of
+    ``_flash_attention_forward`` wraps it) and put :func:`_cpu_varlen_kernel` where verl's Ulysses wrapper calls
+    the flash-attn kernel function."""
+    from transformers import AttentionInterface
+    from transformers.integrations import flash_attention
+    from verl.models.transformers import monkey_patch
+
+    def cpu_varlen_attention(*args, **kwargs):
+        return flash_attention.flash_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register(CPU_VARLEN_ATTN, cpu_varlen_attention)
+    monkey_patch._flash_attention_forward = _cpu_varlen_kernel
+
+
+#: Per-GPU token budget of the dynamic-batch-size inference pass (x sp per SP group: several micro-batches).
+DYN_BUDGET = 16
+#: verl's fused kernels, torch backend (the model config's flag; verl's worker copies it into the engine config).
+FUSED_MODEL = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": "torch"}}
+
+
+class _A2ACounter:
+    """Wraps ``torch.distributed.all_to_all``; counts the bytes of the tensors this rank hands it."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.bytes = 0
+        self._orig = dist.all_to_all
+
+        def counted(output_list, input_list, *args, **kwargs):
+            self.bytes += sum(t.numel() * t.element_size() for t in input_list)
+            return self._orig(output_list, input_list, *args, **kwargs)
+
+        dist.all_to_all = counted
+
+
+def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      VERL_ENGINE_DEVICE="cpu", OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from tests.support.verl_cpu_platform import use_cpu_platform
+
+    use_cpu_platform()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    install_cpu_varlen()
+    counter = _A2ACounter()
+
+    import verl.workers.engine  # noqa: F401  (registers the zorro engine before its module is imported here)
+    from verl.utils import tensordict_utils as tu
+
+    from tests.support.verl_engines import build_engine, engine_grads, make_engine_batch, ppo_loss_fn, response_values
+    from zorro_verl.integrations.verl.v09.engine import row_lengths
+
+    dp = world // sp
+    mbs = 3
+    td = make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6, seed=3 + rank // sp,
+                           shuffle=True, temperature=0.8, micro_batch_size=mbs, global_batch_size=12 * dp)
+    mask = td["response_mask"].bool()
+    p, r = row_lengths(td)
+
+    def run(engine, batch=td):
+        # the same rows also with a dynamic token budget (per GPU; verl and zorro: DYN_BUDGET * sp per SP group)
+        dyn = batch.clone()
+        tu.assign_non_tensor(dyn, use_dynamic_bsz=True, max_token_len_per_gpu=DYN_BUDGET)
+        with engine.eval_mode():
+            inf = engine.infer_batch(batch.clone(), loss_function=None)
+            inf_dyn = engine.infer_batch(dyn, loss_function=None)
+        dyn_mbs = getattr(engine, "zorro_last_micro_batches", None)
+        counter.bytes = 0
+        with engine.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+            tr = engine.train_batch(batch.clone(), loss_function=ppo_loss_fn())
+        return {"inf": inf, "inf_dyn": inf_dyn, "tr": tr, "grads": engine_grads(engine), "a2a_bytes": counter.bytes,
+                "dyn_costs": None if dyn_mbs is None else [_dedup_tokens(batch, b) for b in dyn_mbs.batches]}
+
+    ulysses = {"ulysses_sequence_parallel_size": sp}
+    stock_sp = build_engine(ckpt, zorro=False, micro_batch_size=mbs, engine_overrides=ulysses,
+                            attn_implementation=CPU_VARLEN_ATTN)
+    runs = {"stock": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs)), "stock_sp": run(stock_sp)}
+    zorro = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses)
+    runs["zorro_sp"] = run(zorro)
+    zmb = zorro.zorro_last_micro_batches
+
+    cfg = zorro.module.config
+    res = {"rank": rank, "rows": int(mask.shape[0]), "response_lens": sorted(r.tolist()),
+           "kv_heads": cfg.num_key_value_heads, "heads": cfg.num_attention_heads, "layers": cfg.num_hidden_layers,
+           "head_dim": cfg.head_dim, "micro_batches": len(zmb), "split_groups": zmb.split_groups,
+           "dedup_tokens": zmb.dedup_tokens, "ordinary_tokens": int((p + r).sum()),
+           # tokens of each zorro micro-batch's packed row and of each stock micro-batch (rows in order, mbs each)
+           "zorro_mb_tokens": [_dedup_tokens(td, b) for b in zmb.batches],
+           "stock_mb_tokens": [int((p[i: i + mbs] + r[i: i + mbs]).sum()) for i in range(0, len(p), mbs)],
+           "fallback": runs["zorro_sp"]["tr"]["metrics"]["zorro/fallback_batches"],
+           "dyn_budget": DYN_BUDGET * sp, "zorro_dyn_mb_tokens": runs["zorro_sp"]["dyn_costs"],
+           "a2a_bytes": {k: v["a2a_bytes"] for k, v in runs.items()}}
+    for ref in ("stock_sp", "stock"):
+        res[ref] = _compare(runs[ref], runs["zorro_sp"], td, mask)
+    if world == sp:
+        # the single-group run also checks the memory logits mode (with gradient checkpointing: the exchanges run
+        # again in the recompute), verl's fused kernels and the refusals
+        mem = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses,
+                           zorro_settings={"logits_optimization": "memory"}, gradient_checkpointing=True)
+        mem.logits_chunk_size = 4  # several chunks per rank's head rows
+        runs["zorro_sp_memory"] = run(mem)
+        res["stock_sp"]["memory"] = _compare(runs["stock_sp"], runs["zorro_sp_memory"], td, mask)
+        res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
+        # one 24-token prompt, 4 short responses (T = 29): SP rank 0 holds prompt tokens only, so it runs the head
+        # on no row at all (the common case at long context) and still takes part in every exchange
+        long_td = make_engine_batch(batch_size=4, num_prompts=1, prompt_len=24, response_len=3, seed=5,
+                                    micro_batch_size=4, global_batch_size=4)
+        long_runs = [run(e, long_td) for e in (stock_sp, zorro)]
+        res["stock_sp"]["head_rows_on_one_rank"] = _compare(*long_runs, long_td, long_td["response_mask"].bool())
+        res["head_rows_per_rank"] = list(_shard_of(long_td, sp, rank).row_counts)
+        # last: verl patches the model class's forward for fused kernels, for the whole process
+        fused_td = td.clone()
+        tu.assign_non_tensor(fused_td, use_fused_kernels=True)
+        fused = build_engine(ckpt, zorro=True, micro_batch_size=mbs, model_overrides=FUSED_MODEL,
+                             engine_overrides={**ulysses, "use_fused_kernels": True})
+        runs["zorro_sp_fused"] = run(fused, fused_td)
+        res["stock_sp"]["fused"] = _compare(runs["stock_sp"], runs["zorro_sp_fused"], td, mask)
+    # the stock SP engine against the stock engine without SP (the reference's own agreement)
+    d = (response_values(runs["stock"]["inf"]["model_output"]["log_probs"], td)
+         - response_values(runs["stock_sp"]["inf"]["model_output"]["log_probs"], td))
+    res["stock_sp_vs_stock_log_probs_max_abs"] = d[mask].abs().max().item()
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def _compare(a: dict, b: dict, td, mask) -> dict:
+    """Errors of run ``b`` against run ``a``: log-probs / entropy max abs, losses, grad norms, gradient rel."""
+    from tests.support.verl_engines import response_values
+    from zorro_verl.testing import grad_rel_error
+
+    cmp = {}
+    for key in ("log_probs", "entropy"):
+        d = response_values(a["inf"]["model_output"][key], td) - response_values(b["inf"]["model_output"][key], td)
+        cmp[f"{key}_max_abs"] = d[mask].abs().max().item()
+    d = response_values(a["inf_dyn"]["model_output"]["log_probs"], td) - response_values(
+        b["inf_dyn"]["model_output"]["log_probs"], td)
+    cmp["log_probs_dynamic_bsz_max_abs"] = d[mask].abs().max().item()
+    cmp["log_probs_max"] = response_values(a["inf"]["model_output"]["log_probs"], td)[mask].abs().max().item()
+    cmp["loss"] = (sum(a["tr"]["loss"]), sum(b["tr"]["loss"]))
+    # verl reports grad_norm on the first rank of each SP group only (is_mp_src_rank_with_outputs)
+    norms = [x["tr"]["metrics"].get("grad_norm") for x in (a, b)]
+    cmp["grad_norm"] = None if None in norms else [float(n) for n in norms]
+    cmp["grad_rel"] = grad_rel_error(a["grads"], b["grads"])
+    cmp["fallback"] = b["tr"]["metrics"].get("zorro/fallback_batches")
+    return cmp
+
+
+def _refusals(ckpt: str, zorro, td, rank: int, ulysses: dict, mbs: int) -> dict:
+    """What zorro refuses under SP: SP ranks holding different batches (raises on every rank of the group), and a
+    hybrid linear-attention model (raises at initialisation; with ``warn`` the engine runs the stock forward)."""
+    import tempfile
+
+    import torch
+
+    from tests.support.verl_engines import build_engine, make_engine_batch
+    from zorro_verl.testing import tiny_hybrid_model
+
+    out = {}
+    other = td if rank == 0 else make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6,
+                                                   seed=99, micro_batch_size=mbs)
+    try:
+        with zorro.eval_mode():
+            zorro.infer_batch(other.clone(), loss_function=None)
+        out["mismatch"] = "no error"
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    with tempfile.TemporaryDirectory() as d:
+        model = tiny_hybrid_model("qwen3_next", dtype=torch.float32, seed=0, exact=False)
+        model.config.architectures = [type(model).__name__]
+        model.save_pretrained(d)
+        try:
+            build_engine(d, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses)
+            out["hybrid_raise"] = "no error"
+        except ValueError as e:
+            out["hybrid_raise"] = str(e)
+        warn = build_engine(d, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses,
+                            zorro_settings={"on_unsupported": "warn"})
+        out["hybrid_warn_active"] = warn.zorro_active
+        out["hybrid_warn_reason"] = warn._zorro_static_reason
+    return out
+
+
+def _shard_of(td, sp: int, rank: int):
+    """The :class:`UlyssesShard` the zorro engine builds for ``td`` as one micro-batch."""
+    from zorro_verl.integrations.verl.v09.engine import _to_verl_padded, row_lengths
+    from zorro_verl.packing import build_plan
+    from zorro_verl.packing.ulysses import ulysses_shard
+
+    p, r = row_lengths(td)
+    ids, row, col = _to_verl_padded(td["input_ids"], p, r, int(p.max()), int(r.max()))
+    am = ids.new_zeros(ids.shape)
+    am[row, col] = 1
+    return ulysses_shard(build_plan(ids, am, int(r.max())), sp, rank)
+
+
+def _dedup_tokens(td, rows) -> int:
+    """Tokens of the packed row of ``rows``: each prompt once plus every response."""
+    import torch
+
+    from zorro_verl.integrations.verl.v09.engine import row_group_ids, row_lengths
+
+    p, r = row_lengths(td)
+    g = row_group_ids(td, p)
+    idx = torch.tensor(rows)
+    groups = torch.unique(g[idx])
+    first = torch.stack([idx[g[idx] == k][0] for k in groups])
+    return int(p[first].sum() + r[idx].sum())
+
+
+if __name__ == "__main__":
+    from tests.support.multi_rank import rank_main
+
+    rank_main(run_rank, str, int)
