@@ -113,3 +113,10 @@ def test_bad_sharing_arguments():
         build_plan(ids, None, 1, min_shared_len=4)
     with pytest.raises(ValueError, match="left padded"):  # the layout checks of the prompt plan apply
         build_plan(ids, torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]), 1, sharing="prefix")
+
+
+def test_prompt_plan_layouts_refuse_tree_plans():
+    _, p = _plan([([1, 2], [3]), ([1, 2], [4])])
+    for name in ("token_layout", "nonempty_rows", "response_positions"):
+        with pytest.raises(ValueError, match="prefix tree"):
+            getattr(p, name)()

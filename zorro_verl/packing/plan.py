@@ -156,6 +156,12 @@ class ZorroPlan:
         """Gather ``[B, R, ...]`` at the valid response tokens -> ``[N, ...]`` (original row order)."""
         return padded[self.out_row, self.out_col]
 
+    def _prompt_plan_only(self, name: str) -> None:
+        """Layouts of prompt / response segments do not exist for a prefix tree (its segments are the nodes)."""
+        if self.tree is not None:
+            raise ValueError(f"plan.{name}: a layout of the prompt plan; this plan is a prefix tree "
+                             "(sharing='prefix'), whose segments are plan.tree's nodes.")
+
     # ------------------------------------------------------------------ derived layouts (memoised)
     def full_index(self) -> torch.Tensor:
         """``[B, S]``: the packed position each token of the verl batch maps to (-1 on pads)."""
@@ -181,6 +187,7 @@ class ZorroPlan:
 
     def response_positions(self) -> torch.Tensor:
         """``[N]``: packed position of each valid response token, original row order."""
+        self._prompt_plan_only("response_positions")
         return self.memo.get("response_positions", lambda: self.response_start[self.out_row] + self.out_col)
 
     def packed_response_order(self) -> torch.Tensor:
@@ -190,6 +197,7 @@ class ZorroPlan:
     def token_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per packed token: ``(group [T] int64, segment [T] int64, is_prompt [T] bool)``; a prompt's segment is
         its group id, a response's is ``G + row``."""
+        self._prompt_plan_only("token_layout")
 
         def build():
             dev = self.device
@@ -211,6 +219,7 @@ class ZorroPlan:
     def nonempty_rows(self) -> torch.Tensor:
         """``[Bnz] int64``: rows with a non-empty response in packed order (group-major, row order inside a
         group)."""
+        self._prompt_plan_only("nonempty_rows")
 
         def build():
             key = self.row_group * self.B + torch.arange(self.B, device=self.device)
