@@ -193,7 +193,8 @@ def dynamic_microbatches(row_group: IntSeq, prompt_lens: IntSeq, response_lens: 
     ``split_response_lens [B]``: what each row costs beyond the shared prompt in a *piece* of a cut group, when that
     is more than its share in the whole group (prefix trees: a cluster's inner nodes are paid by one row each in
     ``response_lens``, by every row of a piece here; :func:`~zorro_verl.packing.tree.tree_row_costs`); default
-    ``response_lens``.
+    ``response_lens``. The result's ``costs`` are then the packing's own loads: exact for whole clusters, an upper
+    bound of the tree's tokens for a micro-batch holding a piece of a cut cluster.
     """
     if isinstance(max_token_len, bool) or not isinstance(max_token_len, int) or max_token_len < 1:
         raise ValueError(f"max_token_len: expected a positive int, got {max_token_len!r}.")
@@ -217,6 +218,11 @@ def dynamic_microbatches(row_group: IntSeq, prompt_lens: IntSeq, response_lens: 
             bins.append(list(u.rows))
             loads.append(u.cost)
     mbs = _finish(bins, g, p, r)
+    if split_response_lens is not None:
+        # A piece of a cut cluster may pay inner nodes that response_lens charges to a row outside the piece: the
+        # packing loads (what the budget was checked against) are the honest, conservative costs. For whole
+        # clusters they equal _finish's costs.
+        mbs.costs, mbs.dedup_tokens = loads, sum(loads)
     if len(mbs) < min_num_micro_batches:
         mbs = split_to_count(mbs, min_num_micro_batches, g, p, r)
     return mbs

@@ -115,9 +115,6 @@ def make_batch(*, batch_size: int = 16, groups: int = 4, prompt_len: int = 12, r
 
     ``allow_empty=False`` gives 0-token responses one token: verl's seq-mean losses divide each micro-batch by its
     count of *non-empty* rows, so only then is the loss independent of which rows share a micro-batch."""
-    import numpy as np
-    from verl import DataProto
-
     from zorro_verl.testing import create_dummy_batch
 
     b = create_dummy_batch(batch_size=batch_size, num_unique_prompts=groups, prompt_len=prompt_len,
@@ -135,10 +132,19 @@ def make_batch(*, batch_size: int = 16, groups: int = 4, prompt_len: int = 12, r
         tensors["position_ids"][empty, P] = tensors["attention_mask"][empty, :P].sum(1)
         for k in ("old_log_probs", "ref_log_prob"):
             tensors[k][empty, 0] = -1.0
+    return to_data_proto(tensors, use_dynamic_bsz=use_dynamic_bsz, micro=micro, max_token_len=max_token_len)
+
+
+def to_data_proto(tensors: dict, *, use_dynamic_bsz: bool = False, micro: int = 4, max_token_len: int = 64):
+    """A verl DataProto of a verl-layout tensor dict (training fields included), with the compute_log_prob meta."""
+    import numpy as np
+    from verl import DataProto
+
+    tensors = dict(tensors)
     tensors["old_log_probs"] = tensors["old_log_probs"].float()
     meta = {"temperature": 0.7, "micro_batch_size": micro, "use_dynamic_bsz": use_dynamic_bsz,
             "max_token_len": max_token_len, "pad_token_id": 0}
-    uid = np.array([str(i) for i in range(batch_size)], dtype=object)
+    uid = np.array([str(i) for i in range(tensors["input_ids"].shape[0])], dtype=object)
     return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info=meta)
 
 

@@ -204,12 +204,10 @@ def test_logits_compute_mode_chunks(base_model, monkeypatch):
     ("ulysses", {"ulysses_sequence_parallel_size": 2}, "Ulysses"),
     ("fused", {"use_fused_kernels": True}, "fused kernels"),
     ("memory", {}, "logits_optimization=memory"),
-    ("prefix", {}, "sharing=prefix"),
 ])
 def test_unsupported_raises(base_model, setting, extra, match):
     _, Zorro = _classes()
-    zorro_cfg = ({**ZORRO_ON, "logits_optimization": "memory"} if setting == "memory" else
-                 {**ZORRO_ON, "sharing": "prefix"} if setting == "prefix" else ZORRO_ON)
+    zorro_cfg = {**ZORRO_ON, "logits_optimization": "memory"} if setting == "memory" else ZORRO_ON
     cfg = make_actor_config(zorro=zorro_cfg, **extra)
     with pytest.raises(ValueError, match=match):
         make_actor(Zorro, base_model, cfg)

@@ -29,6 +29,12 @@
   siblings adjacent and fixed micro-batches hold whole groups (verl's default ``repeat(interleave=True)``
   layout); otherwise it equals the stock actor run on the mini-batches with siblings adjacent.
 
+With ``sharing=prefix`` (docs/DESIGN.md §1) the plan of each micro-batch is the prefix tree of its rows (every
+common prefix computed once: a system prompt shared by different questions, multi-turn samples nested in each
+other) and every "group" above is a trie **cluster** (rows sharing a root): micro-batches keep clusters whole, and
+the dynamic budget counts each shared token once (:func:`~zorro_verl.packing.tree.tree_row_costs`). The loss facts
+are the same, with clusters for groups.
+
 With zorro disabled the class *is* the parent (every method delegates). A batch without shared prompts keeps the
 parent's micro-batching; only its forward is zorro's (bit-for-bit the same math up to float reassociation).
 
@@ -36,9 +42,9 @@ Unsupported settings (Ulysses > 1, fused kernels, prefix grouper, ``calculate_su
 ``logits_optimization=memory``, vision-language models or multimodal / 3-D position inputs) raise ``ValueError``
 with ``on_unsupported=raise``; with ``warn`` they warn once and run the stock forward, counted in
 ``zorro/fallback_batches``. ``update_policy`` adds ``zorro/dedup_ratio`` (ordinary / deduplicated tokens of its
-forwards), ``zorro/fallback_batches`` and ``zorro/split_groups`` to the actor metrics; they cover every forward of
-the actor since the previous ``update_policy`` (so the step's old-log-prob pass is included; verl 0.7's worker
-reports no metrics from ``compute_log_prob``).
+forwards), ``zorro/fallback_batches``, ``zorro/split_groups`` (and ``zorro/tree_depth`` with ``sharing=prefix``) to
+the actor metrics; they cover every forward of the actor since the previous ``update_policy`` (so the step's
+old-log-prob pass is included; verl 0.7's worker reports no metrics from ``compute_log_prob``).
 
 Installation: :func:`install` (called by importing :mod:`zorro_verl.integrations.verl.v07.plugin`, e.g. through
 ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``) makes ``DataParallelPPOActor(config,
@@ -62,8 +68,9 @@ from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, 
 from zorro_verl.integrations.verl.v07.config import legacy_settings_of
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, restore_permutation
+from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, tree_row_costs
 
-__all__ = ["ZoRRoDataParallelPPOActor", "install", "uninstall", "is_routing_installed", "row_groups"]
+__all__ = ["ZoRRoDataParallelPPOActor", "install", "uninstall", "is_routing_installed", "row_groups", "row_units"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,28 @@ def row_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_w
     p = mask[:, :Pw].sum(1)
     r = mask[:, Pw:].sum(1)
     return group.tolist(), p.tolist(), r.tolist()
+
+
+def row_units(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, sharing: str = "prompt",
+              min_shared_len: int = DEFAULT_MIN_SHARED_LEN):
+    """The micro-batching units of the rows under ``sharing`` (one host sync).
+
+    Args:
+        input_ids: ``[B, S] int64`` verl layout; attention_mask: ``[B, S]`` 0/1; response_width: ``R``.
+        sharing: ``"prompt"`` (identical prompts, :func:`row_groups`) or ``"prefix"`` (trie clusters,
+            :func:`~zorro_verl.packing.tree.tree_row_costs` with ``min_shared_len``).
+
+    Returns:
+        ``(group, prompt_lens, response_lens, split_response_lens)`` host lists ``[B]`` for
+        :mod:`zorro_verl.packing.microbatch`. Prefix: ``group`` is the cluster, ``prompt_lens`` its root's tokens
+        (paid once), ``response_lens`` the tokens below the root the row pays (a whole cluster costs its tree's
+        tokens, so the budget counts every shared token once), ``split_response_lens`` a row's tokens below the
+        root (the conservative cost in a piece of a cut cluster). Prompt: ``split_response_lens`` is None.
+    """
+    if sharing == "prefix":
+        tc = tree_row_costs(input_ids, attention_mask, response_width, min_shared_len)
+        return tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
+    return (*row_groups(input_ids, attention_mask, response_width), None)
 
 
 def _siblings_adjacent(group: list[int], start: int, stop: int) -> list[int]:
@@ -145,9 +174,6 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
             return "calculate_sum_pi_squared=True"
         if self.zorro.logits_optimization == "memory":
             return "logits_optimization=memory in the legacy actor (use none or compute)"
-        if self.zorro.sharing == "prefix":
-            return ("sharing=prefix (prefix trees) in the legacy actor: it is available in the verl >= 0.9 engine; "
-                    "use sharing=prompt with verl 0.7")
         return None
 
     @staticmethod
@@ -160,14 +186,19 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
 
     # ------------------------------------------------------------------ counters -> metrics
     def _zorro_reset_counters(self) -> None:
-        self._zorro_counts = {"ordinary_tokens": 0, "dedup_tokens": 0, "fallback_batches": 0, "split_groups": 0}
+        self._zorro_counts = {"ordinary_tokens": 0, "dedup_tokens": 0, "fallback_batches": 0, "split_groups": 0,
+                              "tree_depth": 0}
 
     def zorro_metrics(self, reset: bool = True) -> dict:
         """Metrics of the forwards since the last reset (:func:`~zorro_verl.integrations.verl.common.dedup_metrics`):
-        ``zorro/dedup_ratio`` (ordinary / deduplicated tokens), ``zorro/prompt_tokens_saved``,
-        ``zorro/fallback_batches`` (micro-batches run by the stock forward), ``zorro/split_groups``."""
+        ``zorro/dedup_ratio`` (ordinary / deduplicated tokens; ``sharing=prefix``: ordinary tokens over the trees'
+        tokens), ``zorro/prompt_tokens_saved``, ``zorro/fallback_batches`` (micro-batches run by the stock forward),
+        ``zorro/split_groups`` (groups, or trie clusters, cut across micro-batches) and, with ``sharing=prefix``,
+        ``zorro/tree_depth`` (node levels of the deepest tree), as the verl 0.9 engine reports them."""
         c = self._zorro_counts
         out = dedup_metrics(c["ordinary_tokens"], c["dedup_tokens"], c["split_groups"], c["fallback_batches"])
+        if self.zorro.sharing == "prefix":
+            out["zorro/tree_depth"] = float(c["tree_depth"])
         if reset:
             self._zorro_reset_counters()
         return out
@@ -198,9 +229,11 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
 
         R = micro_batch["responses"].size(-1)
         plan = build_plan(micro_batch["input_ids"], micro_batch["attention_mask"], R,
-                          position_ids=micro_batch["position_ids"])
+                          position_ids=micro_batch["position_ids"], **self.zorro.plan_kwargs())
         self._zorro_counts["ordinary_tokens"] += plan.ordinary_tokens
-        self._zorro_counts["dedup_tokens"] += plan.T
+        self._zorro_counts["dedup_tokens"] += plan.T  # a tree plan's T: every shared prefix once
+        if plan.tree is not None:
+            self._zorro_counts["tree_depth"] = max(self._zorro_counts["tree_depth"], plan.tree.levels)
         with torch.autocast(device_type=self.device_name, dtype=self.param_dtype):  # same autocast as the parent
             logp, ent = zorro_step(self.actor_module, plan, backend=self._zorro_backend,
                                    temperature=float(temperature), calculate_entropy=calculate_entropy,
@@ -212,22 +245,26 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
         return outputs
 
     # ------------------------------------------------------------------ micro-batching
+    def _units(self, batch):
+        """:func:`row_units` of a batch under this actor's ``sharing``."""
+        return row_units(batch["input_ids"], batch["attention_mask"], batch["responses"].size(-1),
+                         self.zorro.sharing, self.zorro.min_shared_len)
+
     def compute_log_prob(self, data, calculate_entropy: bool = False) -> dict:
         """Parent's contract (``log_probs`` / ``entropys`` ``[B, R]`` in the original row order) with group-aware
-        micro-batches: fixed ``micro_batch_size`` rows or a deduplicated ``max_token_len`` budget."""
+        micro-batches (prompt groups, or trie clusters with ``sharing=prefix``): fixed ``micro_batch_size`` rows or
+        a deduplicated ``max_token_len`` budget."""
         if not self.zorro_active or "multi_modal_inputs" in data.non_tensor_batch:
             return super().compute_log_prob(data, calculate_entropy=calculate_entropy)
-        batch = data.batch
-        R = batch["responses"].size(-1)
-        g, p, r = row_groups(batch["input_ids"], batch["attention_mask"], R)
-        if len(set(g)) == len(g):  # no shared prompt: keep the parent's micro-batches
+        g, p, r, r_split = self._units(data.batch)
+        if len(set(g)) == len(g):  # nothing shared: keep the parent's micro-batches
             return super().compute_log_prob(data, calculate_entropy=calculate_entropy)
 
         self.actor_module.eval()
         temperature = data.meta_info["temperature"]  # required, as in the parent
         pad_token_id = data.meta_info.get("pad_token_id", 0)
         if data.meta_info["use_dynamic_bsz"]:
-            mbs = dynamic_microbatches(g, p, r, int(data.meta_info["max_token_len"]))
+            mbs = dynamic_microbatches(g, p, r, int(data.meta_info["max_token_len"]), split_response_lens=r_split)
         else:
             mbs = fixed_size_microbatches(g, p, r, int(data.meta_info["micro_batch_size"]))
         self._zorro_counts["split_groups"] += mbs.split_groups
@@ -256,9 +293,8 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
             if self.zorro.enable:
                 metrics.update(self.zorro_metrics())
             return metrics
-        batch = data.batch
-        g, _, _ = row_groups(batch["input_ids"], batch["attention_mask"], batch["responses"].size(-1))
-        if len(set(g)) == len(g):  # no shared prompt: the parent's micro-batches, zorro's forward
+        g = self._units(data.batch)[0]
+        if len(set(g)) == len(g):  # nothing shared: the parent's micro-batches, zorro's forward
             metrics = super().update_policy(data)
             metrics.update(self.zorro_metrics())
             return metrics
@@ -294,9 +330,8 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
         original = _dp_actor.prepare_dynamic_batch
 
         def prepare(mini_batch, max_token_len, **_kwargs):
-            b = mini_batch.batch
-            g, p, r = row_groups(b["input_ids"], b["attention_mask"], b["responses"].size(-1))
-            mbs = dynamic_microbatches(g, p, r, int(max_token_len))
+            g, p, r, r_split = self._units(mini_batch.batch)
+            mbs = dynamic_microbatches(g, p, r, int(max_token_len), split_response_lens=r_split)
             self._zorro_counts["split_groups"] += mbs.split_groups
             return [mini_batch.select_idxs(torch.tensor(rows, dtype=torch.long)) for rows in mbs.batches], mbs.batches
 
