@@ -153,3 +153,22 @@ def test_prefix_shares_what_prompt_sharing_cannot(base_model):
     assert prompt.zorro_metrics()["zorro/dedup_ratio"] == 1.0
     m = prefix.zorro_metrics()
     assert m["zorro/dedup_ratio"] == pytest.approx(3 * 17 / (10 + 3 * 7), rel=1e-12) and m["zorro/tree_depth"] == 2.0
+
+
+def test_hybrid_model_tree_matches_stock():
+    """A hybrid linear-attention model (Qwen3.5: gated delta-net + full attention) carries its recurrent and conv
+    state down the tree. The stock reference runs padded rows (its remove-padding path packs rows into one
+    sequence, which transformers' CPU gated delta-net cannot separate)."""
+    from zorro_verl.testing import tiny_hybrid_model
+
+    model = tiny_hybrid_model("qwen3_5", dtype=torch.float32, seed=0, exact=False)
+    Stock, Zorro = _classes()
+    stock = make_actor(Stock, model, make_actor_config(use_remove_padding=False, mini=B, micro=5))
+    zorro = make_actor(Zorro, model, make_actor_config(zorro=PREFIX_ON, mini=B, micro=5))
+    stock._initial = [p.detach().clone() for p in stock.actor_module.parameters()]
+    data = to_data_proto(_agentic_tensors(), micro=5)
+    _assert_logprobs_equal(stock.compute_log_prob(data, calculate_entropy=True),
+                           zorro.compute_log_prob(data, calculate_entropy=True), data.batch["response_mask"].bool())
+    ms, mz = stock.update_policy(data), zorro.update_policy(data)
+    _assert_updates_equal(stock, zorro, ms, mz)
+    assert mz["zorro/tree_depth"] >= 2.0 and mz["zorro/dedup_ratio"] > 1.5 and mz["zorro/fallback_batches"] == 0

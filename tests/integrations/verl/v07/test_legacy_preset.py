@@ -35,6 +35,12 @@ def test_preset_gives_zorro_actor_and_ref_settings():
     ref = legacy_settings_of(cfg.actor_rollout_ref.ref)  # the worker hands the ref its OmegaConf node
     assert ref == s
     assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.fsdp_config), ZorroLegacyFSDPEngineConfig)
+    assert s.sharing == "prompt" and s.min_shared_len == 64
+    tree = _compose("actor_rollout_ref.actor.fsdp_config.zorro.sharing=prefix",
+                    "actor_rollout_ref.actor.fsdp_config.zorro.min_shared_len=16")
+    t = legacy_settings_of(omega_conf_to_dataclass(tree.actor_rollout_ref.actor))
+    assert t.sharing == "prefix" and t.min_shared_len == 16
+    assert legacy_settings_of(tree.actor_rollout_ref.ref) == t  # the ref follows the actor
     off = legacy_settings_of(omega_conf_to_dataclass(
         _compose("actor_rollout_ref.actor.fsdp_config.zorro.enable=false").actor_rollout_ref.actor))
     assert not off.enable
