@@ -120,3 +120,30 @@ def test_prompt_plan_layouts_refuse_tree_plans():
     for name in ("token_layout", "nonempty_rows", "response_positions"):
         with pytest.raises(ValueError, match="prefix tree"):
             getattr(p, name)()
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree_rows(), st.integers(0, 12))
+def test_dynamic_budget_on_tree_costs(case, extra):
+    """``tree_row_costs`` units in ``dynamic_microbatches``: every micro-batch's tree plan runs at most its reported
+    cost, which is within the budget; a micro-batch of whole clusters costs exactly its plan's ``T``."""
+    from zorro_verl.packing.microbatch import dynamic_microbatches
+    from zorro_verl.packing.tree import tree_row_costs
+
+    rows, _, min_shared = case
+    b = batch_from_rows(rows)
+    ids, am, R = b["input_ids"], b["attention_mask"], b["responses"].shape[1]
+    tc = tree_row_costs(ids, am, R, min_shared)
+    budget = max(tc["length"]) + extra  # every row fits alone
+    mbs = dynamic_microbatches(tc["cluster"], tc["root_len"], tc["own"], budget, split_response_lens=tc["below_root"])
+    assert sorted(x for mb in mbs.batches for x in mb) == list(range(len(rows)))
+    owners = {}
+    for i, mb in enumerate(mbs.batches):
+        for x in mb:
+            owners.setdefault(tc["cluster"][x], set()).add(i)
+    for mb, cost in zip(mbs.batches, mbs.costs):
+        idx = torch.tensor(mb)
+        T = build_plan(ids[idx], am[idx], R, sharing="prefix", min_shared_len=min_shared).T
+        assert T <= cost <= budget
+        if all(len(owners[tc["cluster"][x]]) == 1 for x in mb):
+            assert cost == T

@@ -273,6 +273,9 @@ def tree_row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, respon
     appearance), ``root_len`` (its cluster root's tokens), ``own`` (tokens of the nodes below the root this row pays:
     ``root + sum(own)`` over a whole cluster is the tree's token count), ``below_root`` (``max(0, p + r -
     root_len)``, what a row costs in a piece of a cut cluster, where inner nodes may be paid again: conservative),
+    with one exception: a root shorter than ``min_shared_len`` (kept only for identical prompts, which a piece may
+    lack) reports ``root_len`` 0, is paid in the ``own`` of the cluster's first row, and ``below_root`` is then the
+    row's whole ``p + r``,
     ``length`` (``p + r``).
     """
     check_min_shared_len(min_shared_len)
@@ -308,4 +311,14 @@ def tree_row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, respon
         paid.add(u)
         length.append(lens_h[u])
         below.append(max(0, lens_h[u] - nodes[r][1]))  # a row may end inside its root (a merged chain)
+    # A root shorter than min_shared_len was kept only because some rows have identical prompts: a piece of a cut
+    # cluster without those rows recomputes it per branch. Such a cluster pays its root through its first row
+    # instead (the whole cluster's cost is unchanged) and a row in a piece pays its whole sequence.
+    first_of: dict = {}
+    for b in range(B):
+        if root_len[b] < min_shared_len:
+            if first_of.setdefault(cluster[b], b) == b:
+                own[b] += root_len[b]
+            below[b] = length[b]
+            root_len[b] = 0
     return {"cluster": cluster, "root_len": root_len, "own": own, "below_root": below, "length": length}
