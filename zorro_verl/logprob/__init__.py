@@ -274,12 +274,8 @@ class _ChunkedLinearLogprob(torch.autograd.Function):
 
         logp, lse = cat(0), cat(2)
         ent, s = (cat(1), cat(3)) if calculate_entropy else (empty, None)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, s)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.autocast = _autocast_state(hidden.device.type)
-        if not calculate_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _linear_forward_done(ctx, (hidden, weight, bias, targets, lse, s), temperature, chunk, logp, ent,
+                                    calculate_entropy)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
@@ -292,6 +288,19 @@ class _ChunkedLinearLogprob(torch.autograd.Function):
                                None if g_lp is None else g_lp[a:b], None if g_ent is None else g_ent[a:b], owned=True)
 
         return (*_linear_backward(ctx, hidden, weight, bias, chunk_grad), None, None, None, None)
+
+
+def _linear_forward_done(ctx, saved: tuple, temperature: float, chunk: int, logp: torch.Tensor, ent: torch.Tensor,
+                         calculate_entropy: bool):
+    """End of a memory-mode forward: save ``saved`` (``hidden`` first) and what :func:`_linear_backward` reads
+    (temperature, chunk, the autocast state to replay); return ``(logp, ent)``, ``ent`` non-differentiable when
+    not computed."""
+    ctx.save_for_backward(*saved)
+    ctx.temperature, ctx.chunk = temperature, chunk
+    ctx.autocast = _autocast_state(saved[0].device.type)
+    if not calculate_entropy:
+        ctx.mark_non_differentiable(ent)
+    return logp, ent
 
 
 def _linear_backward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_grad):
@@ -363,12 +372,8 @@ class _SharedLinearLogprob(torch.autograd.Function):
         else:
             lse, s = torch.cat(lses), (torch.cat(ss) if calculate_entropy else None)
         logp, ent = _shared_outputs(z_t, index, lse, s)
-        ctx.save_for_backward(hidden, weight, bias, index, targets, lse, s)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.autocast = _autocast_state(hidden.device.type)
-        if not calculate_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _linear_forward_done(ctx, (hidden, weight, bias, index, targets, lse, s), temperature, chunk, logp,
+                                    ent, calculate_entropy)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
