@@ -261,7 +261,8 @@ def test_shared_rows_match_the_oracle_on_expanded_logits(mode, chunk, temperatur
     mixes = [(w1, None)] + ([(None, w2), (w1, w2)] if entropy else [])
 
     def loss(lp_, ent_, a, b):
-        return sum(((x * w).sum() for x, w in ((lp_, a), (ent_, b)) if w is not None), torch.zeros((), ))
+        return sum(((x * w).sum() for x, w in ((lp_, a), (ent_, b)) if w is not None),
+                   torch.zeros((), dtype=torch.float64))
 
     for a, b in mixes:
         want = torch.autograd.grad(loss(lp_ref, ent_ref, a, b), params, retain_graph=True)
