@@ -8,6 +8,10 @@ Imports torch only.
 * ``memory``  — an autograd Function over the head's ``weight`` / ``bias`` that never holds more than one
   ``[chunk, V]`` block of logits, recomputed in backward (:func:`linear_logprobs`).
 
+Rows shared by several outputs (a prefix tree's shared response tokens): every mode also takes ``index [N]``, each
+output's row among ``Nh`` distinct rows; the head / softmax statistics then run once per distinct row
+(:class:`_SharedLogitsLogprob`, :class:`_SharedLinearLogprob`).
+
 ``none`` and ``compute`` run :class:`_LogitsLogprob`: for backward it keeps only the logits in their own dtype plus
 ``[N]`` fp32 statistics, never an upcast copy or a softmax. :func:`logprobs_from_logits` is the plain reference
 (autograd through log-softmax and softmax) the tests compare every mode with.
@@ -64,16 +68,18 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def _chunk_stats(z_raw: torch.Tensor, targets: torch.Tensor, temperature: float, calculate_entropy: bool):
+def _chunk_stats(z_raw: torch.Tensor, targets: Optional[torch.Tensor], temperature: float,
+                 calculate_entropy: bool):
     """One chunk's statistics. ``z_raw [c, V]`` logits in their own dtype, ``targets [c] int64`` ->
     ``(log_probs [c], entropy [c] | None, lse [c], s [c] | None)`` in the softmax dtype (fp32; fp64 for fp64), where
     ``lse = logsumexp(z)``, ``s = sum(softmax(z) * z)`` and ``z = z_raw.to(softmax dtype) / temperature``.
-    The same operations as :func:`logprobs_from_logits`; ``[c, V]`` temporaries live for this chunk only."""
+    The same operations as :func:`logprobs_from_logits`; ``[c, V]`` temporaries live for this chunk only.
+    ``targets=None`` (rows shared by several outputs): no log-probs (None)."""
     z = z_raw.to(_softmax_dtype(z_raw.dtype))  # no copy when already fp32 / fp64
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)  # [c]
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    logp = None if targets is None else z.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not calculate_entropy:
         return logp, None, lse, None
     s = _rowdot((z - lse[:, None]).exp_(), z)  # softmax(z) . z   [c]
@@ -178,17 +184,12 @@ class _SharedLogitsLogprob(torch.autograd.Function):
         sd = _softmax_dtype(logits.dtype)
         lse = logits.new_empty(n, dtype=sd)
         s = logits.new_empty(n, dtype=sd) if calculate_entropy else None
-        dummy = torch.zeros(n, dtype=torch.long, device=logits.device)
         for a, b in _chunks(n, chunk):
-            _, _, lse_c, s_c = _chunk_stats(logits[a:b], dummy[a:b], temperature, calculate_entropy)
+            _, _, lse_c, s_c = _chunk_stats(logits[a:b], None, temperature, calculate_entropy)
             lse[a:b] = lse_c
             if calculate_entropy:
                 s[a:b] = s_c
-        z_t = logits[index, targets].to(sd)  # [N]
-        if temperature != 1.0:
-            z_t = z_t / temperature
-        logp = z_t - lse[index]
-        ent = (lse - s)[index] if calculate_entropy else logits.new_empty(0, dtype=sd)
+        logp, ent = _shared_outputs(_target_logits(logits[index, targets], sd, temperature), index, lse, s)
         ctx.save_for_backward(logits, index, targets, lse, s)
         ctx.temperature, ctx.chunk = temperature, chunk
         if not calculate_entropy:
@@ -200,21 +201,50 @@ class _SharedLogitsLogprob(torch.autograd.Function):
         logits, index, targets, lse, s = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
-        n, sd = logits.shape[0], lse.dtype
-        g_row = None if g_lp is None else torch.zeros(n, dtype=sd, device=logits.device).index_add_(
-            0, index, g_lp.to(sd))  # [Nh] summed over the outputs of each row
-        g_ent_row = None if (s is None or g_ent is None) else torch.zeros(n, dtype=sd, device=logits.device) \
-            .index_add_(0, index, g_ent.to(sd))
+        n = logits.shape[0]
+        g_row, g_ent_row = _row_grads(index, lse, s, g_lp, g_ent)
         grad = torch.empty_like(logits)
         for a, b in _chunks(n, ctx.chunk):
-            pairs = None
-            if g_lp is not None:  # one-hot parts of the outputs whose row lies in this chunk (others add 0 at row 0)
-                sel = (index >= a) & (index < b)
-                pairs = (torch.where(sel, index - a, 0), targets, torch.where(sel, g_lp.to(sd), 0))
             grad[a:b] = _chunk_grad(logits[a:b], targets, ctx.temperature, lse[a:b],
                                     None if s is None else s[a:b], None if g_row is None else g_row[a:b],
-                                    None if g_ent_row is None else g_ent_row[a:b], pairs=pairs)
+                                    None if g_ent_row is None else g_ent_row[a:b],
+                                    pairs=_chunk_pairs(index, targets, g_lp, lse.dtype, a, b))
         return grad, None, None, None, None, None
+
+
+def _target_logits(z_t: torch.Tensor, sd: torch.dtype, temperature: float) -> torch.Tensor:
+    """Each output's logit of its target, ``z_t [N]`` in the logits' dtype -> ``z_t.to(sd) / temperature``: the
+    reference's upcast and division, elementwise, so gathering before them gives the same values."""
+    z_t = z_t.to(sd)
+    return z_t / temperature if temperature != 1.0 else z_t
+
+
+def _shared_outputs(z_t: torch.Tensor, index: torch.Tensor, lse: torch.Tensor, s: Optional[torch.Tensor]):
+    """``(log_probs [N], entropy [N] | empty)`` of outputs reading rows ``index [N]`` from each output's target logit
+    ``z_t [N]`` and the rows' ``lse [Nh]`` / ``s [Nh] | None`` (softmax dtype)."""
+    logp = z_t - lse[index]
+    return logp, ((lse - s)[index] if s is not None else lse.new_empty(0))
+
+
+def _row_grads(index: torch.Tensor, lse: torch.Tensor, s: Optional[torch.Tensor], g_lp: Optional[torch.Tensor],
+               g_ent: Optional[torch.Tensor]):
+    """The outputs' gradients ``g_lp [N]`` / ``g_ent [N]`` (or None) summed per row of ``index [N]`` -> ``([Nh] |
+    None, [Nh] | None)`` in the softmax dtype of ``lse [Nh]``; the entropy's is None without ``s`` (no entropy)."""
+    def per_row(g):
+        return torch.zeros_like(lse).index_add_(0, index, g.to(lse.dtype))
+
+    return (None if g_lp is None else per_row(g_lp)), (None if s is None or g_ent is None else per_row(g_ent))
+
+
+def _chunk_pairs(index: torch.Tensor, targets: torch.Tensor, g_lp: Optional[torch.Tensor], sd: torch.dtype, a: int,
+                 b: int) -> Optional[tuple]:
+    """The one-hot parts of the log-prob gradient in the chunk of rows ``[a, b)``: ``(rows [N], cols [N], g [N])`` for
+    :func:`_chunk_grad`, the outputs whose row lies outside the chunk adding 0 at row 0 (masks, not a host-side
+    selection: no host sync), or None without a log-prob gradient."""
+    if g_lp is None:
+        return None
+    sel = (index >= a) & (index < b)
+    return torch.where(sel, index - a, 0), targets, torch.where(sel, g_lp.to(sd), 0)
 
 
 def _autocast_state(device_type: str):
@@ -244,49 +274,118 @@ class _ChunkedLinearLogprob(torch.autograd.Function):
 
         logp, lse = cat(0), cat(2)
         ent, s = (cat(1), cat(3)) if calculate_entropy else (empty, None)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, s)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.autocast = _autocast_state(hidden.device.type)
-        if not calculate_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _linear_forward_done(ctx, (hidden, weight, bias, targets, lse, s), temperature, chunk, logp, ent,
+                                    calculate_entropy)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, lse, s = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
         if s is None:
             g_ent = None
-        n = hidden.shape[0]
-        spans = _chunks(n, ctx.chunk)
-        enabled, ac_dtype = ctx.autocast
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = grad_b = w_c = None  # weight / bias gradients: one chunk's, or the fp32 (fp64) sums over chunks
-        for a, b in spans:
-            h = hidden[a:b]
-            with torch.autocast(hidden.device.type, dtype=ac_dtype, enabled=enabled):
-                z = F.linear(h, weight, bias)  # [c, V], the forward's dtype
-            g = _chunk_grad(z, targets[a:b], ctx.temperature, lse[a:b], None if s is None else s[a:b],
-                            None if g_lp is None else g_lp[a:b], None if g_ent is None else g_ent[a:b], owned=True)
-            del z
-            if w_c is None:
-                w_c = weight.to(g.dtype)  # the autocast copy of the forward (no copy without autocast)
-            h = h.to(g.dtype)
-            if need_h:
-                grad_h[a:b] = g @ w_c
-            acc = g.dtype if len(spans) == 1 else _softmax_dtype(g.dtype)
-            if need_w:  # [V, H]
-                gw = g.t() @ h if acc == g.dtype else g.t().to(acc) @ h.to(acc)
-                grad_w = gw if grad_w is None else grad_w.add_(gw)
-            if need_b:  # [V]
-                gb = g.sum(0, dtype=acc)
-                grad_b = gb if grad_b is None else grad_b.add_(gb)
-        if n == 0:  # no rows: zero gradients of the right shapes
-            grad_w = torch.zeros_like(weight) if need_w else None
-            grad_b = torch.zeros_like(bias) if need_b else None
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+        def chunk_grad(z, a, b):
+            return _chunk_grad(z, targets[a:b], ctx.temperature, lse[a:b], None if s is None else s[a:b],
+                               None if g_lp is None else g_lp[a:b], None if g_ent is None else g_ent[a:b], owned=True)
+
+        return (*_linear_backward(ctx, hidden, weight, bias, chunk_grad), None, None, None, None)
+
+
+def _linear_forward_done(ctx, saved: tuple, temperature: float, chunk: int, logp: torch.Tensor, ent: torch.Tensor,
+                         calculate_entropy: bool):
+    """End of a memory-mode forward: save ``saved`` (``hidden`` first) and what :func:`_linear_backward` reads
+    (temperature, chunk, the autocast state to replay); return ``(logp, ent)``, ``ent`` non-differentiable when
+    not computed."""
+    ctx.save_for_backward(*saved)
+    ctx.temperature, ctx.chunk = temperature, chunk
+    ctx.autocast = _autocast_state(saved[0].device.type)
+    if not calculate_entropy:
+        ctx.mark_non_differentiable(ent)
+    return logp, ent
+
+
+def _linear_backward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_grad):
+    """The memory mode's backward over the chunks of ``hidden [n, H]`` rows (``ctx.chunk`` rows each): recompute each
+    chunk's logits ``z [c, V]`` once under the forward's autocast state, ``chunk_grad(z, a, b)`` -> the gradient
+    w.r.t. them (may overwrite ``z``), and return ``(grad hidden [n, H] | None, grad weight [V, H] | None, grad bias
+    [V] | None)`` as ``ctx.needs_input_grad[:3]`` asks; weight / bias gradients of several chunks sum in fp32
+    (fp64) and are cast once."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and bias is not None
+    n = hidden.shape[0]
+    spans = _chunks(n, ctx.chunk)
+    enabled, ac_dtype = ctx.autocast
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = grad_b = w_c = None  # weight / bias gradients: one chunk's, or the fp32 (fp64) sums over chunks
+    for a, b in spans:
+        h = hidden[a:b]
+        with torch.autocast(hidden.device.type, dtype=ac_dtype, enabled=enabled):
+            z = F.linear(h, weight, bias)  # [c, V], the forward's dtype
+        g = chunk_grad(z, a, b)
+        del z
+        if w_c is None:
+            w_c = weight.to(g.dtype)  # the autocast copy of the forward (no copy without autocast)
+        h = h.to(g.dtype)
+        if need_h:
+            grad_h[a:b] = g @ w_c
+        acc = g.dtype if len(spans) == 1 else _softmax_dtype(g.dtype)
+        if need_w:  # [V, H]
+            gw = g.t() @ h if acc == g.dtype else g.t().to(acc) @ h.to(acc)
+            grad_w = gw if grad_w is None else grad_w.add_(gw)
+        if need_b:  # [V]
+            gb = g.sum(0, dtype=acc)
+            grad_b = gb if grad_b is None else grad_b.add_(gb)
+    if n == 0:  # no rows: zero gradients of the right shapes
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+    return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype))
+
+
+class _SharedLinearLogprob(torch.autograd.Function):
+    """:class:`_ChunkedLinearLogprob` for hidden rows shared by several outputs (a prefix tree's shared response
+    tokens): ``hidden [Nh, H]`` (one row per distinct position), head ``weight [V, H]`` / ``bias [V] | None``,
+    ``index [N] int64`` (each output's row) and ``targets [N] int64`` (each output's own token) ->
+    ``(log_probs [N], entropy [N])``.
+
+    The head runs once per distinct row: each chunk of ``hidden``'s rows gets its logits from one ``F.linear``, its
+    ``lse`` / ``s`` once per row, and the log-prob of every output whose row lies in the chunk as
+    ``z[row, target] / temperature - lse[row]`` (the reference's operations); entropy is the row's ``lse - s``.
+    Backward recomputes each chunk once: ``dz[u] = -p_u (sum_{i -> u} g_lp_i + g_ent_u (z - s_u)) + sum_{i -> u}
+    g_lp_i onehot(target_i)`` (the :class:`_SharedLogitsLogprob` rule), then the hidden / weight / bias gradients as
+    :class:`_ChunkedLinearLogprob` (:func:`_linear_backward`). Outputs are matched to chunks by masks over ``[N]``
+    (no host sync), ``O(N)`` work per chunk beside the chunk's ``O(c V H)``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, targets, temperature, calculate_entropy, chunk):
+        lses, ss, z_t = [], [], None
+        for a, b in _chunks(hidden.shape[0], chunk):
+            z = F.linear(hidden[a:b], weight, bias)  # [c, V]
+            _, _, lse_c, s_c = _chunk_stats(z, None, temperature, calculate_entropy)
+            sel = (index >= a) & (index < b)  # the outputs reading this chunk's rows
+            z_c = _target_logits(z[torch.where(sel, index - a, 0), targets], lse_c.dtype, temperature)  # [N]
+            z_t = torch.where(sel, z_c, 0 if z_t is None else z_t)
+            lses.append(lse_c)
+            ss.append(s_c)
+        if z_t is None:  # no rows (and so no outputs)
+            lse = hidden.new_empty(0, dtype=_softmax_dtype(hidden.dtype))
+            z_t, s = lse, (lse if calculate_entropy else None)
+        else:
+            lse, s = torch.cat(lses), (torch.cat(ss) if calculate_entropy else None)
+        logp, ent = _shared_outputs(z_t, index, lse, s)
+        return _linear_forward_done(ctx, (hidden, weight, bias, index, targets, lse, s), temperature, chunk, logp,
+                                    ent, calculate_entropy)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, index, targets, lse, s = ctx.saved_tensors
+        g_row, g_ent_row = _row_grads(index, lse, s, g_lp, g_ent)
+
+        def chunk_grad(z, a, b):
+            return _chunk_grad(z, targets, ctx.temperature, lse[a:b], None if s is None else s[a:b],
+                               None if g_row is None else g_row[a:b], None if g_ent_row is None else g_ent_row[a:b],
+                               owned=True, pairs=_chunk_pairs(index, targets, g_lp, lse.dtype, a, b))
+
+        return (*_linear_backward(ctx, hidden, weight, bias, chunk_grad), None, None, None, None, None)
 
 
 def linear_head_params(module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -300,22 +399,29 @@ def linear_head_params(module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                    *, temperature: float = 1.0, calculate_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    *, temperature: float = 1.0, calculate_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK,
+                    index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The ``memory`` mode: log-probs (and entropy) of ``targets`` under ``F.linear(hidden, weight, bias) /
     temperature``, one ``[chunk_size, V]`` block of logits at a time, recomputed in backward.
 
     Args:
-        hidden: ``[N, H]`` hidden states at response-predicting rows (any float dtype).
+        hidden: ``[N, H]`` hidden states at response-predicting rows (any float dtype); with ``index``, ``[Nh, H]``
+            one row per distinct position.
         weight: ``[V, H]`` head weight; bias: ``[V]`` or None (gradients flow to both through autograd).
-        targets: ``[N] int64``; temperature: a float > 0; chunk_size: rows per chunk.
+        targets: ``[N] int64``; temperature: a float > 0; chunk_size: rows of ``hidden`` per chunk.
+        index: ``[N] int64`` or None: output ``i`` reads row ``index[i]`` of ``hidden`` (a prefix tree's shared
+            tokens: the head runs once per row, :class:`_SharedLinearLogprob`).
 
     Returns:
         ``(log_probs [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits).
     """
     temperature = _check_call(temperature, chunk_size)
-    logp, ent = _ChunkedLinearLogprob.apply(hidden, weight, bias, targets, temperature, calculate_entropy,
-                                            chunk_size)
+    if index is not None:
+        logp, ent = _SharedLinearLogprob.apply(hidden, weight, bias, index, targets, temperature, calculate_entropy,
+                                               chunk_size)
+    else:
+        logp, ent = _ChunkedLinearLogprob.apply(hidden, weight, bias, targets, temperature, calculate_entropy,
+                                                chunk_size)
     return logp, (ent if calculate_entropy else None)
 
 

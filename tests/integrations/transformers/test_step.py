@@ -228,8 +228,8 @@ def test_head_fn_runs_as_the_head_forward_and_refuses_post_processed_logits():
     plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
     seen = {}
 
-    def head_fn(hidden, head, targets, temperature, calculate_entropy):
-        seen["shape"], seen["head"] = tuple(hidden.shape), head
+    def head_fn(hidden, head, targets, temperature, calculate_entropy, index):
+        seen["shape"], seen["head"], seen["index"] = tuple(hidden.shape), head, index
         logits = torch.nn.functional.linear(hidden, head.weight).double() / temperature
         lp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
         return lp, (-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) if calculate_entropy else None)
@@ -238,6 +238,7 @@ def test_head_fn_runs_as_the_head_forward_and_refuses_post_processed_logits():
         lp, ent = zorro_step(model, plan, temperature=0.8, calculate_entropy=True, head_fn=head_fn)
         ref_lp, ref_ent = zorro_step(model, plan, temperature=0.8, calculate_entropy=True)
     assert seen["shape"] == (plan.N, model.config.hidden_size) and seen["head"] is model.lm_head
+    assert seen["index"] is None  # the prompt plan: one hidden row per output
     assert (lp - ref_lp).abs().max().item() <= 1e-12 and (ent - ref_ent).abs().max().item() <= 1e-12
     assert "forward" not in model.lm_head.__dict__  # the swap is undone
     model.config.final_logit_softcapping = 30.0

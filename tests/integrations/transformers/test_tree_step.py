@@ -7,6 +7,7 @@ log-prob / entropy / loss <= 1e-9 abs, gradients <= 1e-8 relative (measured ~1e-
 """
 
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 from tests.integrations.transformers.test_step import WORST, _loss
@@ -47,7 +48,8 @@ def _models():
     return _MODELS["ref"], _MODELS["z"]
 
 
-def compare(batch, *, backend="sdpa", mode="none", min_shared_len=1, temperature=1.0):
+def compare(batch, *, backend="sdpa", mode="none", min_shared_len=1, temperature=1.0, per_row=False):
+    """``per_row``: zorro gets the temperature as a per-row tensor ``[B]`` (verl's per-sample temperatures)."""
     ref, z = _models()
     for m in (ref, z):
         m.zero_grad(set_to_none=True)
@@ -58,7 +60,8 @@ def compare(batch, *, backend="sdpa", mode="none", min_shared_len=1, temperature
     loss_ref.backward()
     plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"],
                       sharing="prefix", min_shared_len=min_shared_len)
-    lp, ent = zorro_step(z, plan, backend=backend, temperature=temperature, calculate_entropy=True,
+    t = torch.full((plan.B,), temperature, dtype=torch.float32) if per_row else temperature
+    lp, ent = zorro_step(z, plan, backend=backend, temperature=t, calculate_entropy=True,
                          logits_optimization=mode, chunk_size=5)
     loss = _loss(lp, ent, batch)
     loss.backward()
@@ -127,3 +130,32 @@ def test_min_shared_len_and_identical_rows(min_shared):
 def _plan_args(rows):
     b = batch_from_rows(rows)
     return b["input_ids"], b["attention_mask"], b["responses"].shape[1]
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_memory_mode_runs_the_head_once_per_distinct_position(per_row, monkeypatch):
+    """The memory mode on a tree whose rows share response tokens: exact, the head module called once (so FSDP2
+    gathers it once), and its ``F.linear`` on the ``Nh`` distinct predicting positions — once in forward, once in the
+    backward's recompute — not on the ``N`` outputs. A per-row temperature tensor with one value runs the same."""
+    rows = shared_system_rows(2, 3, system_len=8, question_len=3, response_len=6, vocab_size=100, seed=5)
+    rows[1] = (rows[1][0], rows[0][1][:4] + rows[1][1][4:])  # responses of one question share 4 and 2 tokens
+    rows[2] = (rows[2][0], rows[0][1][:2] + rows[2][1][2:])
+    _, z = _models()
+    weight, rows_seen, calls = z.lm_head.weight, [], []
+    linear = torch.nn.functional.linear
+
+    def counting(x, w, b=None):
+        if w.data_ptr() == weight.data_ptr():  # the head (backward's saved weight is another tensor object)
+            rows_seen.append(x.shape[0])
+        return linear(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counting)
+    hook = z.lm_head.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        plan = compare(batch_from_rows(rows, include_training_fields=True), mode="memory", min_shared_len=2,
+                       temperature=0.5, per_row=per_row)  # 0.5: exact in the per-row tensor's fp32
+    finally:
+        hook.remove()
+    nh = plan.head_index.numel()
+    assert nh <= plan.N - 2 * 2 - 4 - 2  # per question its last prompt token (3 rows), the 4 + 2 shared response tokens
+    assert calls == [1] and sum(rows_seen) == 2 * nh and max(rows_seen) <= 5  # chunk_size=5 in compare

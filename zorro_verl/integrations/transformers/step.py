@@ -26,9 +26,9 @@ from zorro_verl.packing.ulysses import UlyssesShard
 
 __all__ = ["zorro_step", "HeadFn", "head_fn_unsupported"]
 
-#: ``(hidden [N, H], head module, targets [N] int64, temperature, calculate_entropy) -> (log_probs [N], entropy [N]
-#: | None)``
-HeadFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, float, bool],
+#: ``(hidden [Nh, H], head module, targets [N] int64, temperature, calculate_entropy, index [N] int64 | None) ->
+#: (log_probs [N], entropy [N] | None)``; ``index`` None: ``Nh = N``, row ``i`` predicts ``targets[i]``
+HeadFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, float, bool, Optional[torch.Tensor]],
                   tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
@@ -68,11 +68,13 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
         logits_optimization: ``none | compute | memory`` (:mod:`zorro_verl.logprob`).
         chunk_size: rows per chunk of the ``compute`` / ``memory`` modes.
         calls: an optional :class:`LayerCalls` that receives this forward's layer counts (e.g. fallback kernels).
-        head_fn: computes log-probs / entropy from the ``[N, H]`` response-predicting hidden states instead of
-            materialised logits (the ``memory`` mode's chunked head by default; e.g. verl's fused kernel):
-            ``head_fn(hidden [N, H], head module, targets [N] int64, temperature: float, calculate_entropy) ->
-            (log_probs [N], entropy [N] | None)``. It runs as the head module's forward (see :func:`_head_step`):
-            use the head's parameters (e.g. :func:`~zorro_verl.logprob.linear_head_params`), never call the module.
+        head_fn: computes log-probs / entropy from the response-predicting hidden states instead of materialised
+            logits (the ``memory`` mode's chunked head by default; e.g. verl's fused kernel):
+            ``head_fn(hidden [Nh, H], head module, targets [N] int64, temperature: float, calculate_entropy,
+            index [N] int64 | None) -> (log_probs [N], entropy [N] | None)``; ``index`` (prefix-tree plans:
+            ``plan.head_inverse``) maps each output to its hidden row, None means one row per output. It runs as the
+            head module's forward (see :func:`_head_step`): use the head's parameters (e.g.
+            :func:`~zorro_verl.logprob.linear_head_params`), never call the module.
         shard: this rank's part under Ulysses sequence parallelism (:func:`~zorro_verl.packing.ulysses.ulysses_shard`
             of ``plan``; every rank of the SP group calls with the same plan): the model runs on the rank's slice
             of the packed row, the head at the response-predicting rows it holds, and the outputs are all-gathered
@@ -118,12 +120,13 @@ def _chunked_head(chunk_size: int) -> HeadFn:
     """The ``memory`` mode's head function: the chunked autograd Function over the head's own ``weight`` / ``bias``
     (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 the head's
     parameters are gathered once per step (around the swapped head forward) whatever the chunk count, and their
-    gradients come back as the Function's outputs through autograd (FSDP2's post-backward reduction sees them)."""
+    gradients come back as the Function's outputs through autograd (FSDP2's post-backward reduction sees them).
+    With ``index`` (a prefix tree) the head runs once per distinct position, on the ``[Nh, H]`` rows."""
 
-    def head_fn(hidden, head, targets, temperature, calculate_entropy):
+    def head_fn(hidden, head, targets, temperature, calculate_entropy, index):
         weight, bias = linear_head_params(head)
         return linear_logprobs(hidden, weight, bias, targets, temperature=temperature,
-                               calculate_entropy=calculate_entropy, chunk_size=chunk_size)
+                               calculate_entropy=calculate_entropy, chunk_size=chunk_size, index=index)
 
     return head_fn
 
@@ -139,10 +142,10 @@ def head_fn_unsupported(model):
 
 
 def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, targets: torch.Tensor,
-               temperature: float, calculate_entropy: bool, expand: Optional[torch.Tensor] = None):
-    """Run ``head_fn`` on the ``[N, H]`` response-predicting hidden states *as the head module's forward* (``keep``
-    the rows of the model's input to compute, ``targets`` the tokens they predict; ``expand [N]``: a prefix tree's
-    ``head_inverse``, the kept row of each output).
+               temperature: float, calculate_entropy: bool, index: Optional[torch.Tensor] = None):
+    """Run ``head_fn`` on the response-predicting hidden states *as the head module's forward* (``keep`` the rows of
+    the model's input to compute, ``targets [N]`` the tokens the outputs predict; ``index [N]``: a prefix tree's
+    ``head_inverse``, the kept row of each output, handed to ``head_fn`` with the ``[Nh, H]`` distinct rows).
 
     The root forward runs as usual (FSDP hooks, final norm) and calls its head on ``hidden[:, logit_index]``; the
     head's forward is swapped, for this call only, for one that returns ``head_fn``'s results stacked ``[1, 2, N]``.
@@ -156,9 +159,8 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, tar
         raise ValueError(f"logits_optimization: {reason}")
     returned = {}
 
-    def forward(x):  # x: [1, N, H] ([1, Nh, H] for a prefix tree: its distinct positions, expanded per output)
-        h = x[0] if expand is None else x[0][expand]
-        logp, ent = head_fn(h, head, targets, temperature, calculate_entropy)
+    def forward(x):  # x: [1, N, H] ([1, Nh, H] for a prefix tree: its distinct positions)
+        logp, ent = head_fn(x[0], head, targets, temperature, calculate_entropy, index)
         # a fresh tensor, not a view: FSDP2 registers its pre-backward hook on the module's output
         out = torch.cat([logp[None, None], (ent if ent is not None else torch.zeros_like(logp))[None, None]], 1)
         returned["out"] = out

@@ -58,16 +58,19 @@ def test_memory_mode_training_step_matches_stock(verl_cpu, tiny_ckpt, dynamic):
     assert grad_rel_error(grads[0], grads[1]) <= RTOL
 
 
-def test_memory_mode_gathers_the_head_once_per_step(verl_cpu, tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_memory_mode_gathers_the_head_once_per_step(verl_cpu, tiny_ckpt, monkeypatch, sharing):
     """FSDP2 unshards (all-gathers) the head's parameters as often per micro-batch with 4-row chunks as with one
-    chunk and as the stock engine, in inference and in training: the chunk loop never calls the head module."""
+    chunk and as the stock engine, in inference and in training: the chunk loop never calls the head module. Also
+    for prefix-tree plans (``sharing=prefix``: the head on the distinct predicting positions)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from tests.support.verl_engines import build_engine, ppo_loss_fn
 
     engines = {"stock": build_engine(tiny_ckpt, zorro=False, micro_batch_size=4),
                "zorro": build_engine(tiny_ckpt, zorro=True, micro_batch_size=4,
-                                     zorro_settings={"logits_optimization": "memory"})}
+                                     zorro_settings={"logits_optimization": "memory", "sharing": sharing,
+                                                     "min_shared_len": 4})}
     groups = {name: e.module.get_output_embeddings()._get_fsdp_state()._fsdp_param_group
               for name, e in engines.items()}
     counts = {}
@@ -96,6 +99,7 @@ def test_memory_mode_gathers_the_head_once_per_step(verl_cpu, tiny_ckpt, monkeyp
         if name == "zorro":
             assert inf["metrics"]["zorro/fallback_batches"] == [0.0]
             assert len(eng.zorro_last_micro_batches) == 3
+            assert ("zorro/tree_depth" in inf["metrics"]) == (sharing == "prefix")  # tree plans ran
         return n_inf / 3, counts.get(name, 0) / 3  # 12 rows, 4 per micro-batch, groups of 4: 3 micro-batches
 
     stock = per_micro_batch("stock")

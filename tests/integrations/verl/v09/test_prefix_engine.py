@@ -64,7 +64,10 @@ def test_microbatches_keep_clusters_within_budget(engines):
     assert any(int((p[mb] + r[mb]).sum()) > 60 for mb in mbs.batches)
 
 
-def test_train_step_matches_stock(verl_cpu, tiny_ckpt):
+@pytest.mark.parametrize("logits_mode", ["none", "memory"])
+def test_train_step_matches_stock(verl_cpu, tiny_ckpt, logits_mode):
+    """``memory``: the chunked head on the trees' distinct predicting positions, 4-row chunks (several per
+    micro-batch), FSDP2 with the untied head as its own unit."""
     from tests.support.verl_engines import build_engine, engine_grads, ppo_loss_fn
     from zorro_verl.testing import grad_rel_error
 
@@ -72,7 +75,9 @@ def test_train_step_matches_stock(verl_cpu, tiny_ckpt):
     outs, grads = [], []
     for z in (False, True):
         eng = build_engine(tiny_ckpt, zorro=z, use_dynamic_bsz=True, max_token_len=60,
-                           zorro_settings=PREFIX if z else None)
+                           zorro_settings={**PREFIX, "logits_optimization": logits_mode} if z else None)
+        if z:
+            eng.logits_chunk_size = 4
         with eng.train_mode(zero_grad_on_exit=False):
             outs.append(eng.train_batch(td.clone(), loss_function=ppo_loss_fn()))
         grads.append(engine_grads(eng))

@@ -24,9 +24,12 @@ input casting, backward registration) run as in any forward. The head module's f
 :class:`FusedHead`, which hands the ``[N, H]`` hidden states, the head's weight, the plan's targets and the batch's
 float temperature to the same verl kernel verl's forward would use, with verl's chunk size. Per row this is the op
 sequence of verl's fused forward (``hidden @ W.T / temperature``, fp32 upcast, log-softmax / entropy), only at the
-``N`` rows that predict response tokens. The root forward's output is a ``ModelOutput`` (FSDP2 traverses it to
-register its backward hooks). An instance attribute shadows the class's (patched) ``forward`` without touching the
-class, which verl patched for the whole process.
+``N`` rows that predict response tokens. For a prefix-tree plan (``sharing=prefix``) the head receives the ``Nh``
+distinct predicting positions and each output's row; verl's kernel takes one hidden row per target, so
+:class:`FusedHead` expands them per output: on this path the head runs once per output, not once per distinct
+position as in zorro's own ``memory`` mode (the decoder still runs once per trie token). The root forward's output
+is a ``ModelOutput`` (FSDP2 traverses it to register its backward hooks). An instance attribute shadows the class's
+(patched) ``forward`` without touching the class, which verl patched for the whole process.
 
 Refused, as verl refuses them (checked by the engine before the step): per-sample temperature tensors (verl's fused
 path asserts a float) and ``calculate_sum_pi_squared``. A model verl did not patch (``use_fused_kernels`` without a
@@ -63,17 +66,22 @@ def fused_backend(module) -> str:
 class FusedHead:
     """A ``zorro_step`` head function running verl's fused linear + log-prob / entropy kernel.
 
-    ``__call__(hidden [N, H], head, targets [N] int64, temperature: float, calculate_entropy) -> (log_probs [N]
-    fp32, entropy [N] | None)``, entropy in the dtype verl's kernel returns (the hidden states' dtype for the torch
-    backend), recorded in :attr:`entropy_dtype` (``zorro_step`` stacks both outputs, which promotes the entropy).
-    Uses ``head.weight`` directly: it runs as the head module's forward, where FSDP has gathered the weight.
+    ``__call__(hidden [Nh, H], head, targets [N] int64, temperature: float, calculate_entropy, index [N] int64 |
+    None) -> (log_probs [N] fp32, entropy [N] | None)``, entropy in the dtype verl's kernel returns (the hidden
+    states' dtype for the torch backend), recorded in :attr:`entropy_dtype` (``zorro_step`` stacks both outputs,
+    which promotes the entropy). Uses ``head.weight`` directly: it runs as the head module's forward, where FSDP has
+    gathered the weight. verl's kernels take one hidden row per target, so a prefix tree's shared positions
+    (``index``) are expanded per output here (``hidden[index]``): the head runs once per output on this path (zorro's
+    own ``memory`` mode runs it once per distinct position).
     """
 
     def __init__(self, backend: str):
         self.backend = backend
         self.entropy_dtype: Optional[torch.dtype] = None
 
-    def __call__(self, hidden, head, targets, temperature, calculate_entropy):
+    def __call__(self, hidden, head, targets, temperature, calculate_entropy, index=None):
+        if index is not None:  # verl's kernel: one hidden row per target (autograd sums the copies' gradients)
+            hidden = hidden[index]
         if self.backend == "triton":
             from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
 
