@@ -126,6 +126,25 @@ def _chunks(n: int, chunk: int):
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def _chunked_stats(logits: torch.Tensor, targets: Optional[torch.Tensor], temperature: float,
+                   calculate_entropy: bool, chunk: int):
+    """:func:`_chunk_stats` over row chunks of ``logits [n, V]`` -> ``(log_probs [n] | None, entropy [n] ([0]
+    without entropy), lse [n], s [n] | None)`` in the softmax dtype; ``targets=None``: no log-probs."""
+    n, sd = logits.shape[0], _softmax_dtype(logits.dtype)
+    logp = None if targets is None else logits.new_empty(n, dtype=sd)
+    lse = logits.new_empty(n, dtype=sd)
+    ent = logits.new_empty(n if calculate_entropy else 0, dtype=sd)
+    s = logits.new_empty(n, dtype=sd) if calculate_entropy else None
+    for a, b in _chunks(n, chunk):
+        lp_c, en_c, lse[a:b], s_c = _chunk_stats(logits[a:b], None if targets is None else targets[a:b],
+                                                 temperature, calculate_entropy)
+        if logp is not None:
+            logp[a:b] = lp_c
+        if calculate_entropy:
+            ent[a:b], s[a:b] = en_c, s_c
+    return logp, ent, lse, s
+
+
 class _LogitsLogprob(torch.autograd.Function):
     """Modes ``none`` / ``compute``: ``logits [N, V]`` (any float dtype) -> ``(log_probs [N], entropy [N])`` in the
     softmax dtype, row chunk by row chunk. Saves for backward only the logits themselves (their own dtype, no
@@ -134,17 +153,7 @@ class _LogitsLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, calculate_entropy, chunk):
-        n = logits.shape[0]
-        sd = _softmax_dtype(logits.dtype)
-        logp = logits.new_empty(n, dtype=sd)
-        lse = logits.new_empty(n, dtype=sd)
-        ent = logits.new_empty(n if calculate_entropy else 0, dtype=sd)
-        s = logits.new_empty(n, dtype=sd) if calculate_entropy else None
-        for a, b in _chunks(n, chunk):
-            lp_c, en_c, lse_c, s_c = _chunk_stats(logits[a:b], targets[a:b], temperature, calculate_entropy)
-            logp[a:b], lse[a:b] = lp_c, lse_c
-            if calculate_entropy:
-                ent[a:b], s[a:b] = en_c, s_c
+        logp, ent, lse, s = _chunked_stats(logits, targets, temperature, calculate_entropy, chunk)
         ctx.save_for_backward(logits, targets, lse, s)
         ctx.temperature, ctx.chunk = temperature, chunk
         if not calculate_entropy:
@@ -180,16 +189,8 @@ class _SharedLogitsLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, index, targets, temperature, calculate_entropy, chunk):
-        n = logits.shape[0]
-        sd = _softmax_dtype(logits.dtype)
-        lse = logits.new_empty(n, dtype=sd)
-        s = logits.new_empty(n, dtype=sd) if calculate_entropy else None
-        for a, b in _chunks(n, chunk):
-            _, _, lse_c, s_c = _chunk_stats(logits[a:b], None, temperature, calculate_entropy)
-            lse[a:b] = lse_c
-            if calculate_entropy:
-                s[a:b] = s_c
-        logp, ent = _shared_outputs(_target_logits(logits[index, targets], sd, temperature), index, lse, s)
+        _, _, lse, s = _chunked_stats(logits, None, temperature, calculate_entropy, chunk)
+        logp, ent = _shared_outputs(_target_logits(logits[index, targets], lse.dtype, temperature), index, lse, s)
         ctx.save_for_backward(logits, index, targets, lse, s)
         ctx.temperature, ctx.chunk = temperature, chunk
         if not calculate_entropy:
