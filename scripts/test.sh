@@ -9,27 +9,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export ZORRO_REQUIRE_VERL=1  # the verl 0.9 tests fail instead of skipping if verl is missing
-start=$(date +%s)
-python -m pytest -q -p no:cacheprovider tests "$@"
-echo "[test] main suite took $(( $(date +%s) - start )) s"
+# timed NAME CMD...: runs CMD (set -e stops the script if it fails) and prints how long it took.
+timed() {
+  local name="$1" start
+  shift
+  start=$(date +%s)
+  "$@"
+  echo "[test] $name took $(( $(date +%s) - start )) s"
+}
 # The prefix-tree benchmark's CPU targets (efficiency >= 0.85 where the tree's ideal is >= 2x; no more than 5%
 # slower than prompt-only sharing where the tree adds nothing). Timing noise can fail one measurement on a busy
 # machine: a failed run is measured once more before it counts.
-start=$(date +%s)
-python -m zorro_verl.bench --tree --modes fwd_bwd || { echo "[test] tree benchmark: a target failed, measuring again"; python -m zorro_verl.bench --tree --modes fwd_bwd; }
-echo "[test] prefix-tree benchmark took $(( $(date +%s) - start )) s"
-start=$(date +%s)
-bash scripts/test_verl07.sh
-echo "[test] verl 0.7.1 suite took $(( $(date +%s) - start )) s"
-start=$(date +%s)
-bash scripts/test_openrlhf.sh
-echo "[test] OpenRLHF suite (environment + tests) took $(( $(date +%s) - start )) s"
-start=$(date +%s)
-bash scripts/test_wheel.sh
-echo "[test] wheel install check took $(( $(date +%s) - start )) s"
-start=$(date +%s)
-bash scripts/setup_e2e_env.sh
-echo "[test] e2e environment took $(( $(date +%s) - start )) s"
-start=$(date +%s)
-.venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
-echo "[test] e2e main_ppo runs took $(( $(date +%s) - start )) s"
+tree_bench() {
+  python -m zorro_verl.bench --tree --modes fwd_bwd && return 0
+  echo "[test] tree benchmark: a target failed, measuring again"
+  python -m zorro_verl.bench --tree --modes fwd_bwd
+}
+timed "main suite" python -m pytest -q -p no:cacheprovider tests "$@"
+timed "prefix-tree benchmark" tree_bench
+timed "verl 0.7.1 suite" bash scripts/test_verl07.sh
+timed "OpenRLHF suite (environment + tests)" bash scripts/test_openrlhf.sh
+timed "wheel install check" bash scripts/test_wheel.sh
+timed "e2e environment" bash scripts/setup_e2e_env.sh
+timed "e2e main_ppo runs" .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
