@@ -206,3 +206,25 @@ def test_keep_minibatches_error_keeps_verl_placement(monkeypatch, caplog):
     assert zorro == stock
     assert metrics["zorro/balance_fallbacks"] == 1
     assert "verl's placement is kept" in caplog.text
+
+
+def test_balance_dedup_script_reports_each_placement():
+    """``scripts/balance_dedup.py`` (the docs' table) on a smaller batch: verl's placement and keep_minibatches keep
+    verl's optimizer steps, whole_groups does not; deduplication keep >= verl and whole >= keep."""
+    import subprocess
+    import sys
+
+    from tests.support import REPO_ROOT
+
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "balance_dedup.py"), "--prompts", "64",
+                          "--n", "8", "--mini", "16", "--dp", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("verl", "keep_minibatches", "whole_groups"):
+            rows[parts[0]] = (float(parts[1]), float(parts[2]), float(parts[3]), parts[4])
+    assert set(rows) == {"verl", "keep_minibatches", "whole_groups"}, out.stdout
+    assert rows["verl"][3] == "yes" and rows["keep_minibatches"][3] == "yes" and rows["whole_groups"][3] == "no"
+    assert rows["keep_minibatches"][0] > rows["verl"][0] and rows["whole_groups"][0] >= rows["keep_minibatches"][0]
+    assert rows["keep_minibatches"][1] >= rows["verl"][1]
