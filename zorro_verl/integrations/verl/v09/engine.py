@@ -42,6 +42,7 @@ from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, 
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.losses import loss_unsupported
+from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
 from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
@@ -238,6 +239,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
         reason, local = self._zorro_static_reason, None
         if reason is None:
             # Every check that can fail on one rank runs before the ranks agree (a rank raising or branching alone
@@ -259,7 +261,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
                 self._zorro_unsupported(reason)
             with self._stock_attention():
                 out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            self._add_metrics(out, {"zorro/fallback_batches": 1.0})
+            self._add_metrics(out, {"zorro/fallback_batches": 1.0, **hooks_missing})
             return out
 
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
@@ -303,7 +305,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             self._add_metrics(out, {"zorro/tree_depth": float(depth)})
         self._add_metrics(out, dedup_metrics(ordinary, computed, mbs.split_groups, 0))
         # tokens actually run: with prompt_tokens_saved, the trainer scales verl's MFU to zorro/effective_mfu/<pass>
-        self._add_metrics(out, {"zorro/computed_tokens": float(computed)})
+        self._add_metrics(out, {"zorro/computed_tokens": float(computed), **hooks_missing})
         self.zorro_last_micro_batches = mbs
         return out
 
@@ -335,6 +337,27 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             return ("the batch of another data-parallel rank is unsupported (see that rank's message); all ranks "
                     "take the same path")
         return reason
+
+    def _zorro_balance_hooks_missing(self, data) -> float:
+        """1.0 (warned once per engine) when zorro's group balancing is on but the batch carries no stamp of the
+        trainer's balance hook (:mod:`.markers`): the trainer process did not install zorro's hooks, so verl's length
+        balancing scattered each prompt's rollouts over the DP ranks; else 0.0. Counted in
+        ``zorro/balance_hooks_missing``."""
+        if not self.zorro.group_balance or tu.get_non_tensor_data(data=data, key=BALANCE_MARKER_KEY, default=False):
+            return 0.0
+        if "balance_hooks_missing" not in self._zorro_warned:
+            self._zorro_warned.add("balance_hooks_missing")
+            logger.warning(
+                "zorro: this batch did not pass through zorro's group-aware balancing in the trainer (no %r stamp): "
+                "the trainer process did not install zorro's hooks (e.g. VERL_USE_EXTERNAL_PLUGINS excludes the "
+                "zorro_verl entry point and actor_rollout_ref.model.external_lib does not name "
+                "zorro_verl.integrations.verl.v09.plugin), or the trainer does not balance "
+                "(trainer.balance_batch=false). verl's length balancing then scatters each prompt's rollouts over the "
+                "DP ranks and deduplication saves little. Fix: set actor_rollout_ref.model.external_lib="
+                "zorro_verl.integrations.verl.v09.plugin (or let VERL_USE_EXTERNAL_PLUGINS load zorro_verl); or set "
+                "fsdp_config.zorro.group_balance=false if the trainer's balancing is off on purpose. Counted in "
+                "zorro/balance_hooks_missing.", BALANCE_MARKER_KEY)
+        return 1.0
 
     def _check_sp_batches_agree(self, data) -> None:
         """Every rank of an SP group must hold the same batch (verl all-gathers it over the SP group), since each

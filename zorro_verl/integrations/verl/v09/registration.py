@@ -23,17 +23,21 @@ from __future__ import annotations
 import importlib.metadata as md
 import logging
 import os
+from typing import Optional
 
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09 import balance, trainer_metrics
 
-__all__ = ["install", "is_installed", "check_engine_registered", "why_not_installed", "PLUGIN_DISABLE_ENV"]
+__all__ = ["install", "is_installed", "check_engine_registered", "why_not_installed", "entry_point_skipped",
+           "PLUGIN_DISABLE_ENV", "PLUGIN_MODULE"]
 
 logger = logging.getLogger(__name__)
 
 #: Set to ``1`` to keep the ``verl.plugins`` entry point from installing anything (zorro-enabled configs then stop
 #: at start with the reason).
 PLUGIN_DISABLE_ENV = "ZORRO_VERL_PLUGIN_DISABLE"
+#: The plugin module (the entry point's target; the preset also names it in ``actor_rollout_ref.model.external_lib``).
+PLUGIN_MODULE = "zorro_verl.integrations.verl.v09.plugin"
 _BACKENDS = ("fsdp", "fsdp2")
 _installed = False
 
@@ -109,7 +113,9 @@ def _engine_device() -> str:
     return get_device_name()
 
 
-def why_not_installed() -> str:
+def entry_point_skipped() -> Optional[str]:
+    """Why ``import verl`` in a process with this environment would not install zorro's hooks through the
+    ``verl.plugins`` entry point, or None when it would (barring an import error, see :func:`why_not_installed`)."""
     if os.environ.get(PLUGIN_DISABLE_ENV, "0") == "1":
         return f"{PLUGIN_DISABLE_ENV}=1 is set in this process"
     if not verl_is_09_or_newer():
@@ -120,8 +126,12 @@ def why_not_installed() -> str:
     policy = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
     if policy == "none" or (policy not in ("auto", "") and "zorro_verl" not in policy.split(",")):
         return f"VERL_USE_EXTERNAL_PLUGINS={policy!r} does not load the entry point 'zorro_verl'"
-    return ("verl failed to load the plugin (it logs plugin errors at DEBUG only); `python -c \"import "
-            "zorro_verl.integrations.verl.v09.plugin\"` shows the error")
+    return None
+
+
+def why_not_installed() -> str:
+    return entry_point_skipped() or ("verl failed to load the plugin (it logs plugin errors at DEBUG only); `python -c "
+                                     "\"import zorro_verl.integrations.verl.v09.plugin\"` shows the error")
 
 
 def check_engine_registered() -> None:
