@@ -8,7 +8,8 @@
   ``fsdp``/``fsdp2`` backends (every device key it was registered for, plus ``cpu``); the zorro class is the stock
   engine unless its engine config enables zorro, so runs without the preset are unchanged. Every other
   language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
-  zorro-enabled config instead of silently running the stock forward;
+  zorro-enabled config instead of silently running the stock forward; so are the value-model (critic) engines
+  (zorro deduplicates the actor and the reference only);
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
   (:mod:`.balance`, switchable by config), and the V1 trainer reports the zorro metrics of its log-prob passes
   (:mod:`.trainer_metrics`).
@@ -88,6 +89,10 @@ def _register_engine(engine_package) -> None:
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
                 slots[key] = _guarded(cls, backend)
+    for slots in engine_package.EngineRegistry._engines.get("value_model", {}).values():
+        for key, cls in list(slots.items()):
+            if not getattr(cls, "_zorro_guard", False):
+                slots[key] = _value_model_guarded(cls)
 
 
 def _guarded(cls, backend: str):
@@ -102,6 +107,25 @@ def _guarded(cls, backend: str):
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True,
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _value_model_guarded(cls):
+    """A subclass of value-model (critic) engine ``cls`` whose constructor raises when its engine config enables
+    zorro: zorro deduplicates the actor and the reference only, so the critic would silently run verl's stock forward
+    with a config that asks for zorro. Configs that do not enable zorro build the stock engine unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
+        if engine_config is not None and settings_of(engine_config).enable:
+            raise ValueError(
+                "critic.fsdp.zorro: expected no zorro node (or enable=false) in the critic's engine config, got "
+                "enable=true. zorro deduplicates the actor and the reference model (language-model engines) only; the "
+                f"critic's value-model engine ({cls.__qualname__}) would run verl's stock forward. Remove "
+                "critic.fsdp.zorro (and critic.fsdp._target_) or set critic.fsdp.zorro.enable=false.")
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _engine_device() -> str:
