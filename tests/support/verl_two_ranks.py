@@ -5,7 +5,9 @@ Run as ``python -m tests.support.verl_two_ranks RANK WORLD INIT_FILE CKPT OUT_JS
 engine (``logits_chunk_size = 4``; modes ``memory`` and ``compute``) with the stock engine on its own shard (rank 0:
 8 rows of 2 prompts, rank 1: 12 rows of 3 prompts; dynamic batch size, which stock verl equalises across ranks), in
 inference (log-probs, entropy) and training (loss, grad norm, gradients), then checks that a batch unsupported on
-rank 0 only makes *both* ranks run the stock forward (``on_unsupported = warn``). Results go to ``OUT_JSON``.
+rank 0 only makes *both* ranks run the stock forward (``on_unsupported = warn``), and that a batch only one rank
+cannot run (position ids off verl's layout, a token budget a row does not fit, more micro-batches than the other
+rank has rows) makes both ranks raise, or both run stock (:func:`_one_rank_cannot_run`). Results go to ``OUT_JSON``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,44 @@ def _rank_batch(rank: int):
                                  temperature=0.8, use_dynamic_bsz=True, max_token_len=40, global_batch_size=20)
     return make_engine_batch(batch_size=12, num_prompts=3, prompt_len=6, response_len=7, seed=32, shuffle=True,
                              temperature=0.8, use_dynamic_bsz=True, max_token_len=40, global_batch_size=20)
+
+
+def _attempt(eng, td) -> dict:
+    """One inference call: its ``zorro/fallback_batches``, or the exception it raised (type and message)."""
+    try:
+        with eng.eval_mode():
+            out = eng.infer_batch(td, loss_function=None)
+    except Exception as e:  # noqa: BLE001 - the caller checks which ranks raised what
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None, "fallback": out["metrics"]["zorro/fallback_batches"]}
+
+
+def _one_rank_cannot_run(eng, td, rank: int) -> dict:
+    """Batches that only one rank cannot run with zorro; each must stop (or send to the stock forward) every rank
+    together, so that no rank waits for another in a collective (``eng``: ``on_unsupported = warn``)."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    res = {}
+    shifted = td.clone()  # rank 1: the first row's positions start at 3 instead of 0
+    if rank == 1:
+        pos = td["position_ids"]
+        vals = pos.values().clone()
+        vals[: int(pos.offsets()[1])] += 3
+        shifted["position_ids"] = torch.nested.nested_tensor_from_jagged(vals, pos.offsets())
+    eng.zorro.on_unsupported = "raise"
+    res["positions_raise"] = _attempt(eng, shifted.clone())
+    eng.zorro.on_unsupported = "warn"
+    res["positions_warn"] = _attempt(eng, shifted.clone())
+    small = td.clone()  # rank 0: a token budget none of its rows fits (a read error whatever on_unsupported says)
+    if rank == 0:
+        tu.assign_non_tensor(small, max_token_len_per_gpu=8)
+    res["budget"] = _attempt(eng, small)
+    many = td.clone()  # rank 1: one row per micro-batch, 12 micro-batches; rank 0 holds only 8 rows
+    if rank == 1:
+        tu.assign_non_tensor(many, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    res["count"] = _attempt(eng, many)
+    return res
 
 
 def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
@@ -67,6 +107,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
                 tu.assign_non_tensor(bad, calculate_sum_pi_squared=True)
             with eng.eval_mode():
                 consensus = eng.infer_batch(bad, loss_function=None)
+            res["one_rank_cannot_run"] = _one_rank_cannot_run(eng, td, rank)
         inf_z, tr_z, g_z = run(eng)
         r = {"head_is_own_unit": head is not eng.module and type(head).__name__.startswith("FSDP"),
              "micro_batches": len(eng.zorro_last_micro_batches),

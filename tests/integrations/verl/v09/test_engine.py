@@ -204,3 +204,36 @@ def test_memory_mode_forward_only(verl_cpu, tiny_ckpt, engines):
     for key in ("log_probs", "entropy"):
         assert (output_values(a, td, key) - output_values(b, td, key))[mask].abs().max().item() <= ATOL
     assert b["metrics"]["zorro/fallback_batches"] == [0.0]
+
+
+def test_batch_without_the_trainer_balance_stamp_warns_once_and_counts(engines, caplog):
+    """The trainer's balance hook stamps each batch's meta data (markers.mark_balanced), which verl hands to the
+    engine as non-tensor data. A zorro-enabled engine given batches without the stamp (the trainer process never
+    installed zorro's hooks) warns once, naming the fix, and counts every call in zorro/balance_hooks_missing."""
+    from verl.utils import tensordict_utils as tu
+
+    from tests.support.verl_engines import make_engine_batch
+    from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY, mark_balanced
+
+    _, zorro = engines
+    zorro._zorro_warned.discard("balance_hooks_missing")  # earlier tests of this module ran unstamped batches
+    td = make_engine_batch(batch_size=4, num_prompts=2, seed=6)
+    with caplog.at_level(logging.WARNING):
+        outs = [infer(zorro, td) for _ in range(2)]
+    assert [o["metrics"]["zorro/balance_hooks_missing"] for o in outs] == [[1.0], [1.0]]
+    warned = [r.getMessage() for r in caplog.records if BALANCE_MARKER_KEY in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "external_lib=zorro_verl.integrations.verl.v09.plugin" in warned[0]
+    assert "VERL_USE_EXTERNAL_PLUGINS" in warned[0] and "group_balance=false" in warned[0]
+    meta = {"temperature": 1.0}  # as the trainer's KVBatchMeta.extra_info / DataProto.meta_info
+    mark_balanced(meta)
+    stamped = td.clone()
+    tu.assign_non_tensor(stamped, **meta)
+    assert infer(zorro, stamped)["metrics"]["zorro/balance_hooks_missing"] == [0.0]
+    zorro.zorro.group_balance = False  # zorro's balancing switched off: nothing to miss
+    try:
+        assert infer(zorro, td)["metrics"]["zorro/balance_hooks_missing"] == [0.0]
+    finally:
+        zorro.zorro.group_balance = True
+    with pytest.raises(TypeError, match="mark_balanced: expected the batch's meta data dict"):
+        mark_balanced(["not", "a", "dict"])
