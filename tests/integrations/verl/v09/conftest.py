@@ -64,3 +64,15 @@ def tiny_ckpt(tmp_path_factory):
     model.config.architectures = ["Qwen3ForCausalLM"]
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_balance_warnings():
+    """Each test sees the trainer hook's warn-once messages afresh (they are once per process)."""
+    try:
+        from zorro_verl.integrations.verl.v09 import balance
+    except ImportError:
+        yield
+        return
+    balance._warned.clear()
+    yield

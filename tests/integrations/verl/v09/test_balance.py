@@ -83,6 +83,7 @@ def test_v1_trainer_hook_logic():
     class Batch:
         def __init__(self, keys, tags):
             self.keys, self.tags = list(keys), list(tags)
+            self.extra_info = {}
 
         def __len__(self):
             return len(self.keys)

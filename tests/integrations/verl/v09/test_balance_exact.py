@@ -13,6 +13,8 @@ import types
 import pytest
 import torch
 
+from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
+
 pytestmark = pytest.mark.usefixtures("verl_cpu")
 
 N = 4  # rollout.n
@@ -85,6 +87,7 @@ def _v1_run(enable, mode, keys, plens, rlens, *, dp, mini, epochs, shuffle, crit
     me._get_required_batch_multiple = types.MethodType(PPOTrainer._get_required_batch_multiple, me)
     metrics = {}
     out = PPOTrainer._balance_batch(me, batch, metrics)
+    assert out.extra_info[BALANCE_MARKER_KEY]  # the stamp the engine checks, zorro on or off
     index = {k: i for i, k in enumerate(keys)}
     return [index[k] for k in out.keys], metrics
 
@@ -180,6 +183,7 @@ def test_v0_default_keeps_every_optimizer_step_of_stock(shuffle, epochs):
         me._get_dp_size = types.MethodType(rt.RayPPOTrainer._get_dp_size, me)
         metrics = {}
         rt.RayPPOTrainer._balance_batch(me, batch, metrics)
+        assert batch.meta_info[BALANCE_MARKER_KEY]
         orders[enable] = batch.batch["row"].tolist()
         assert metrics.get("zorro/balance_fallbacks", 0) == 0
     s_steps = _steps(orders[False], dp, mini * N, epochs, 7, shuffle)

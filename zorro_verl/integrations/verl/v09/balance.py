@@ -29,6 +29,7 @@ from collections import Counter
 import torch
 
 from zorro_verl.integrations.verl.settings import ZorroSettings
+from zorro_verl.integrations.verl.v09.markers import mark_balanced
 from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks, regroup_within_slots
 from zorro_verl.packing.tree import tree_row_costs
@@ -301,8 +302,7 @@ def _wrap_balance_batch(cls, rows_of, whole_groups) -> None:
     if getattr(orig, "_zorro_hook", False):
         return
 
-    @functools.wraps(orig)
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+    def _placed(self, batch, metrics, logging_prefix, keep_minibatch):
         settings = trainer_zorro_settings(self.config)
         if not (settings.enable and settings.group_balance):
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
@@ -329,6 +329,15 @@ def _wrap_balance_batch(cls, rows_of, whole_groups) -> None:
                        exc_info=True)
             _count(metrics, "zorro/balance_fallbacks")
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+
+    @functools.wraps(orig)
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        out = _placed(self, batch, metrics, logging_prefix, keep_minibatch)
+        # the stamp the engine checks (markers.py): this batch went through zorro's hook, whatever it decided
+        target = batch if out is None else out
+        meta = getattr(target, "meta_info", None)
+        mark_balanced(meta if meta is not None else target.extra_info)
+        return out
 
     _balance_batch._zorro_hook = True
     cls._balance_batch = _balance_batch
