@@ -53,13 +53,19 @@ N = 4          # rollout.n
 RTOL = 1e-4    # zorro vs stock, every step's metrics (same rollouts)
 RUN_TIMEOUT_S = int(os.environ.get("ZORRO_E2E_RUN_TIMEOUT", "420"))
 
-# steps: training steps; mini: ppo_mini_batch_size in prompts (4 prompts per step); epochs: ppo_epochs
-PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=2, epochs=2, strategy="fsdp2")
+# steps: training steps; mini: ppo_mini_batch_size in prompts (4 prompts per step); epochs: ppo_epochs.
+# The pair trains with SGD: AdamW divides each gradient element by its running RMS, so elements whose gradient is at
+# the level of float rounding get full +-lr updates whose sign follows that rounding; two runs whose sums are merely
+# reassociated (stock with another micro-batch size, measured: 1e-4 grad-norm drift after 5 AdamW steps, 0 with SGD)
+# leave 1e-4 within a few steps. With SGD, rounding stays rounding and any change of which rows share an optimizer
+# step shows at once (the whole_groups run).
+PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=2, epochs=2, strategy="fsdp2", optimizer="SGD")
 RUNS = {
     "stock": dict(PAIR, zorro=False, rollouts="record"),
     "zorro": dict(PAIR, zorro=True, rollouts="replay"),
     "zorro_whole": dict(PAIR, zorro=True, rollouts="replay", mode="whole_groups"),
-    "zorro_v0": dict(zorro=True, v1=False, workers=1, dynamic=False, steps=2, mini=4, epochs=1, strategy="fsdp"),
+    "zorro_v0": dict(zorro=True, v1=False, workers=1, dynamic=False, steps=2, mini=4, epochs=1, strategy="fsdp",
+                     optimizer="AdamW"),
 }
 SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(RUNS)).split(",") if r.strip()]
 ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
@@ -96,6 +102,10 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     o.append(f"trainer.use_v1={spec['v1']}")
     _set(o, "actor_rollout_ref.actor.ppo_mini_batch_size", spec["mini"])
     _set(o, "actor_rollout_ref.actor.ppo_epochs", spec["epochs"])
+    if spec["optimizer"] == "SGD":  # lr 1 moves each weight about as far as AdamW's lr 2e-3 does here
+        _set(o, "actor_rollout_ref.actor.optim.optimizer", "SGD")
+        _set(o, "actor_rollout_ref.actor.optim.lr", 1.0)
+        _set(o, "actor_rollout_ref.actor.optim.weight_decay", 0.0)
     if not spec["zorro"]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
     if spec.get("mode"):
@@ -165,12 +175,11 @@ def _report(results: dict, assets: dict) -> None:
         exp = expected_dedup(m, N) if "prompt_length/mean" in m and "response_length/mean" in m else None
         rows.append((name, r.returncode, f"{r.seconds:.0f}", f"{r.peak_rss_gb:.1f}", max(r.steps, default=0),
                      "-" if dedup is None else f"{dedup:.4f}",
-                     "-" if _dedup(m, "zorro/old_log_prob/") is None else f"{_dedup(m, 'zorro/old_log_prob/'):.4f}",
                      "-" if exp is None else f"{exp:.4f}",
                      f"{r.steps.get(last, {}).get('actor/kl_loss', float('nan')):.3e}"))
     lines = ["runs (wall s = whole subprocess incl. Ray/vLLM start; peak = process-tree RSS; dedup = zorro/dedup_ratio"
-             " of step 1, training and old-log-prob passes, mean over ranks):"]
-    lines += format_table(rows, ("run", "rc", "wall s", "peak GiB", "last step", "dedup train", "dedup old_lp",
+             " of the step-1 actor update, mean over ranks):"]
+    lines += format_table(rows, ("run", "rc", "wall s", "peak GiB", "last step", "dedup train",
                                   "ideal (groups whole)", "kl_loss last step")).splitlines()
     if "stock" in results:
         for other in ("zorro", "zorro_whole"):
@@ -221,17 +230,14 @@ def test_engine_and_dedup(e2e_required, runs, name):
         fallbacks = [v for k, v in m.items() if k.endswith("zorro/fallback_batches") or k.endswith("balance_fallbacks")]
         assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallbacks {fallbacks}"
         exp = expected_dedup(m, N)
-        assert 1.0 < dedup <= exp * (1 + 1e-6), f"{name} step {step}: {dedup} vs ideal {exp}"
+        assert dedup > 1.0, f"{name} step {step}: {dedup}"
         saved = [v for k, v in m.items() if k.endswith("zorro/prompt_tokens_saved")]
         assert saved and all(v > 0 for v in saved), f"{name} step {step}: prompt_tokens_saved {saved}"
-        if spec["workers"] == 1 or spec.get("mode") == "whole_groups":
-            # every group whole on one rank in every pass: (n - 1) of each group's n prompt copies saved (the logged
-            # value is the mean over ranks), and on one rank the ratio is the batch's own
-            exp_saved = 4 * N * m["prompt_length/mean"] * (N - 1) / N / spec["workers"]
-            old_lp = m["zorro/old_log_prob/prompt_tokens_saved"]
-            assert old_lp == pytest.approx(exp_saved, rel=1e-6), f"{name} step {step}: {old_lp} vs {exp_saved}"
-        if spec["workers"] == 1:
+        if spec["workers"] == 1 and spec["mini"] == 4:
+            # one rank, one mini-batch: every group whole in a micro-batch, the ratio is the batch's own
             assert dedup == pytest.approx(exp, rel=1e-6), f"{name} step {step}: {dedup} vs {exp}"
+        hooks = [v for k, v in m.items() if k.endswith("zorro/balance_hooks_missing")]
+        assert hooks and all(v == 0 for v in hooks), f"{name} step {step}: the trainer's balance hook did not run"
 
 
 def test_prompt_lengths_match_dataset(e2e_required, runs, assets):
@@ -283,7 +289,8 @@ def test_whole_groups_mode_dedups_more(e2e_required, runs):
     for step in range(1, PAIR["steps"] + 1):
         mz, mw = z.steps[step], w.steps[step]
         assert _dedup(mw) >= _dedup(mz), f"step {step}: whole_groups {_dedup(mw)} < keep_minibatches {_dedup(mz)}"
-        # plausible: same data, a different order of updates -> close, not equal
-        for k in ("actor/entropy", "actor/kl_loss", "actor/grad_norm"):
-            assert rel_diff(mz[k], mw[k]) < 0.5, (step, k, mz[k], mw[k])
+        # plausible: the same data in other mini-batches -> the same scale, not the same numbers
+        assert rel_diff(mz["actor/entropy"], mw["actor/entropy"]) < 0.05, (step, mz["actor/entropy"])
+        for k in ("actor/kl_loss", "actor/grad_norm"):
+            assert 0.2 < mw[k] / mz[k] < 5, (step, k, mz[k], mw[k])
     assert sum(_dedup(w.steps[s]) for s in range(1, 4)) > sum(_dedup(z.steps[s]) for s in range(1, 4)) * 1.001
