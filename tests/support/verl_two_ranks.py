@@ -11,7 +11,8 @@ engine in logits modes ``memory`` and ``compute`` (``logits_chunk_size = 4``), a
 the root unit, sharded with it). A batch unsupported on rank 0 only must make *both* ranks run the stock forward
 (``on_unsupported = warn``). Last (verl patches the model class's forward for the whole process), verl's fused kernels:
 the zorro fused engine against the stock engine's steps, and under FSDP1 also against verl's own fused engine (under
-FSDP2 that one fails on the untied head, see test_fused.py). Results go to ``OUT_JSON``.
+FSDP2 that one fails on the untied head, see test_fused.py) and with the head as its own FSDP1 unit. Results go to
+``OUT_JSON``.
 """
 
 from __future__ import annotations
@@ -108,9 +109,15 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     for strategy in STRATEGIES:
         runs = run_steps(build_engine(ckpt, zorro=True, strategy=strategy, **fused), fused_batches)
         r = {"steps": step_errors(stock_runs[strategy], runs, batches)}
-        if strategy == "fsdp":  # verl's own fused path works under FSDP1 (the head is in the root unit)
+        if strategy == "fsdp":
+            # verl's own fused path works under FSDP1 with its default wrap policy (the head is in the root unit)
             stock_fused = run_steps(build_engine(ckpt, zorro=False, strategy=strategy, **fused), fused_batches)
             r["steps_vs_stock_fused"] = step_errors(stock_fused, runs, batches)
+            # the head as its own FSDP1 unit: zorro's fused head runs inside the head's wrapper (verl's own fused
+            # forward reads the head's weight outside it and fails there, as under FSDP2)
+            unit = {**fused, "engine_overrides": {**head_unit_policy(ckpt), "use_fused_kernels": True}}
+            head_unit = run_steps(build_engine(ckpt, zorro=True, strategy=strategy, **unit), fused_batches)
+            r["steps_head_unit"] = step_errors(stock_runs[strategy], head_unit, batches)
         res[strategy]["fused"] = r
     dist.barrier()
     dist.destroy_process_group()

@@ -52,10 +52,11 @@ def test_two_ranks_memory_and_compute_match_stock(results, strategy):
 
 def test_two_ranks_fused_kernels_match_stock(results, strategy):
     """verl's fused kernels over two optimizer steps: against the stock engine without them (the same math), and
-    under FSDP1 against verl's own fused engine."""
+    under FSDP1 against verl's own fused engine, and with the head as its own FSDP1 unit."""
     from tests.support.verl_engines import assert_steps_match
 
     for r in results:
         assert_steps_match(r[strategy]["fused"]["steps"], ATOL, RTOL)
         if strategy == "fsdp":
             assert_steps_match(r[strategy]["fused"]["steps_vs_stock_fused"], ATOL, RTOL)
+            assert_steps_match(r[strategy]["fused"]["steps_head_unit"], ATOL, RTOL)
