@@ -1,7 +1,7 @@
 """FSDP1 (verl's ``strategy: fsdp``) on the CPU test platform (tests and CI only; it does not ship with the package).
 
-Two things in torch's FSDP1 need an accelerator where verl's engine uses them, and :func:`allow_cpu_fsdp1` adapts
-exactly those two, so verl's own code path runs otherwise unchanged:
+Three things in torch's FSDP1 and verl's use of it need an accelerator, and :func:`allow_cpu_fsdp1` adapts exactly
+those, so verl's own code path runs otherwise unchanged:
 
 * verl builds the wrapper with ``sync_module_states=True``: only rank 0 loads the checkpoint (an untied model is
   built on the meta device elsewhere and materialised empty by verl's ``param_init_fn``), and FSDP1 broadcasts rank
@@ -13,7 +13,10 @@ exactly those two, so verl's own code path runs otherwise unchanged:
 * verl builds a forward-only engine (the reference model) with ``CPUOffload(offload_params=True)``, whose parameter
   shards FSDP1 pins in host memory, which needs an accelerator ("Cannot access accelerator device when none is
   available"). On a CPU-only host the parameters live on the CPU anyway: the wrapper gets
-  ``CPUOffload(offload_params=False)``.
+  ``CPUOffload(offload_params=False)``;
+* verl's ``load_fsdp_model_to_gpu`` (before it exports the weights for the rollout's weight sync, and around
+  checkpoints) moves FSDP1's flat parameters to ``torch.device(f"{device_name}:{device_id}")``, which is
+  ``"cpu:cpu"`` on the CPU platform ("Invalid device string"). It gets the same steps with ``torch.device("cpu")``.
 
 Installed with the CPU platform (:func:`tests.support.verl_cpu_platform.use_cpu_platform`, which the engine tests,
 their rank processes and Ray workers call) and by the end-to-end CPU setup (:func:`tests.support.verl_cpu_e2e
@@ -26,8 +29,9 @@ __all__ = ["allow_cpu_fsdp1"]
 
 
 def allow_cpu_fsdp1() -> None:
-    """Let FSDP1's ``sync_module_states=True`` broadcast CPU tensors and run ``CPUOffload(offload_params=True)``
-    wrappers without offloading (idempotent)."""
+    """Let FSDP1's ``sync_module_states=True`` broadcast CPU tensors, run ``CPUOffload(offload_params=True)``
+    wrappers without offloading and verl's ``load_fsdp_model_to_gpu`` move FSDP1 parameters to the CPU
+    (idempotent)."""
     import inspect
 
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, _init_utils
@@ -53,3 +57,32 @@ def allow_cpu_fsdp1() -> None:
 
     __init__._zorro_cpu_fsdp1 = True
     FullyShardedDataParallel.__init__ = __init__
+    _patch_load_to_device()
+
+
+def _patch_load_to_device() -> None:
+    """verl's ``load_fsdp_model_to_gpu`` for FSDP1 with the CPU as the device (FSDP2 models: verl's own), in
+    ``verl.utils.fsdp_utils`` and in its FSDP engine module if that already bound the name."""
+    import sys
+
+    import torch
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+    from verl.utils import fsdp_utils
+
+    orig = fsdp_utils.load_fsdp_model_to_gpu
+
+    def load_fsdp_model_to_gpu(model) -> None:
+        if fsdp_utils.fsdp_version(model) != 1:
+            return orig(model)
+        _lazy_init(model, model)
+        assert model._is_root, "Only support root model loading to GPU"
+        for handle in model._all_handles:
+            if handle._offload_params:
+                continue
+            handle.flat_param_to(torch.device("cpu"), non_blocking=True)
+            handle.flat_param._local_shard = handle.flat_param.data
+
+    for name in ("verl.utils.fsdp_utils", "verl.workers.engine.fsdp.transformer_impl"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "load_fsdp_model_to_gpu", None) is orig:
+            module.load_fsdp_model_to_gpu = load_fsdp_model_to_gpu

@@ -208,3 +208,17 @@ def test_memory_mode_forward_only(verl_cpu, tiny_ckpt, strategy, engines):
     for key in ("log_probs", "entropy"):
         assert (output_values(a, td, key) - output_values(b, td, key))[mask].abs().max().item() <= ATOL
     assert b["metrics"]["zorro/fallback_batches"] == [0.0]
+
+
+def test_weight_export_for_rollout_equals_checkpoint(engines, tiny_ckpt):
+    """verl's ``get_per_tensor_param`` (what the trainer sends to the rollout's weight sync; under FSDP1 it goes
+    through ``load_fsdp_model_to_gpu``, adapted for the CPU platform in tests/support/fsdp1_cpu.py) on the zorro
+    engine: every checkpoint tensor, by its HF name, unchanged (the fixture's engines only ran inference)."""
+    from transformers import AutoModelForCausalLM
+
+    _, zorro = engines
+    want = AutoModelForCausalLM.from_pretrained(tiny_ckpt, torch_dtype=torch.float32).state_dict()
+    gen, peft = zorro.get_per_tensor_param()
+    got = {name: t.detach().float().cpu() for name, t in gen}
+    assert peft is None and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
