@@ -118,9 +118,10 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
 
 def _chunked_head(chunk_size: int) -> HeadFn:
     """The ``memory`` mode's head function: the chunked autograd Function over the head's own ``weight`` / ``bias``
-    (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 the head's
-    parameters are gathered once per step (around the swapped head forward) whatever the chunk count, and their
-    gradients come back as the Function's outputs through autograd (FSDP2's post-backward reduction sees them).
+    (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 (or FSDP1 with the
+    head as its own unit) the head's parameters are gathered once per step (around the swapped head forward) whatever
+    the chunk count, and their gradients come back as the Function's outputs through autograd (FSDP's post-backward
+    reduction sees them; tested for both).
     With ``index`` (a prefix tree) the head runs once per distinct position, on the ``[Nh, H]`` rows."""
 
     def head_fn(hidden, head, targets, temperature, calculate_entropy, index):
