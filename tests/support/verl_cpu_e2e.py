@@ -11,6 +11,9 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
   IPC is reported unsupported, so verl syncs weights to vLLM through its shared-memory bucket path;
 * makes a process group requested as ``cpu:gloo,cpu:gloo`` (verl's ``"cpu:gloo,<device>:<backend>"`` with device
   ``cpu``) plain ``gloo`` (torch refuses a device type listed twice);
+* makes FSDP1 (``strategy: fsdp``) accept CPU parameters: verl always passes ``sync_module_states=True``, which
+  torch refuses for them; every rank loads the same checkpoint, so :func:`tests.support.fsdp1_cpu.allow_cpu_fsdp1`
+  turns it off;
 * turns off ``pin_memory`` in FSDP2's ``CPUOffloadPolicy`` (verl builds the reference model with
   ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator);
 * lets the vLLM side of the shared-memory weight sync release its segment although tensors may still view it: on
@@ -247,7 +250,8 @@ def install_seeded_rollout() -> None:
 
 
 def install() -> None:
-    """Register and select the CPU platform, patch the process group and offload policy (idempotent)."""
+    """Register and select the CPU platform, patch the process group, FSDP1's module-state sync and FSDP2's offload
+    policy (idempotent)."""
     global _installed
     if _installed:
         return
@@ -260,6 +264,9 @@ def install() -> None:
         cls = PlatformRegistry.register(platform="cpu")(_platform_class())
     set_platform(cls())
     _patch_process_group()
+    from tests.support.fsdp1_cpu import allow_cpu_fsdp1
+
+    allow_cpu_fsdp1()
     _patch_offload_policy()
     _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
     _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)

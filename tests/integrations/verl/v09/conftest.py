@@ -1,4 +1,5 @@
-"""Fixtures for the verl 0.9 engine tests: CPU platform, a 1-process gloo group, tiny Qwen3 checkpoints on disk.
+"""Fixtures for the verl 0.9 engine tests: CPU platform, a 1-process gloo group, the FSDP strategy (FSDP2 and FSDP1),
+tiny Qwen3 checkpoints on disk.
 Skips cleanly without verl 0.9 (fails instead when ZORRO_REQUIRE_VERL=1, as scripts/test.sh sets)."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+from tests.support.verl_engines import STRATEGIES
 
 
 def _verl_09():
@@ -52,6 +55,13 @@ def verl_cpu():
         os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group("gloo", rank=0, world_size=1)
     yield
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
+def strategy(request):
+    """The FSDP strategy of the engines under test: ``fsdp2``, and ``fsdp`` (FSDP1, verl's default). Module scope, so
+    a module's engines are built once per strategy."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 from zorro_verl.attention.ulysses import check_ulysses_heads
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.hybrid import linear_attention_modules, text_config
-from zorro_verl.integrations.transformers.step import head_fn_unsupported
+from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
@@ -209,7 +209,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         if self.zorro.logits_optimization != "memory":
             return None
         try:
-            linear_head_params(self.module.get_output_embeddings())
+            linear_head_params(forward_owner(self.module.get_output_embeddings()))
         except ValueError as e:
             return f"logits_optimization=memory with this model's head ({e})"
         reason = head_fn_unsupported(self.module)
