@@ -32,6 +32,9 @@ on which rollout server a request lands). Siblings of a group get different seed
 two runs with the same weights produce the same set of responses per prompt. From the second step on, two runs'
 weights differ by float rounding, so the first run can record its responses and the second replay them
 (``ZORRO_E2E_ROLLOUT_MODE=record|replay``, ``ZORRO_E2E_ROLLOUT_FILE``): identical rollouts at every step.
+:func:`install_ordered_batches` makes the V1 trainer's batch order deterministic (sequential prompt uids, each
+sampled batch in key order instead of rollout completion order), so that verl's balancing, and hence its
+mini-batches, are the same in two runs on the same rollouts.
 
 The rest of the CPU setup is configuration, see :func:`cpu_overrides`. Refused when CUDA is available.
 """
@@ -244,6 +247,50 @@ def _record_or_replay(key: str, out):
                                   "stop_reason": rec["stop_reason"]})
 
 
+def _patch_v1_uids(module) -> None:
+    """Sequential prompt uids in the V1 trainer (it draws ``uuid4()`` per prompt): the same uids, in dataset order,
+    in every run."""
+    import itertools
+    import types
+    import uuid
+
+    if getattr(module.uuid, "_zorro_e2e", False):
+        return
+    counter = itertools.count(1)
+    module.uuid = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(counter)), UUID=uuid.UUID, _zorro_e2e=True)
+
+
+def _patch_replay_order(module) -> None:
+    """The V1 replay buffer hands out a step's samples in the order their rollouts finished (asynchronous agent
+    loops, timing-dependent); verl's balancing then cuts mini-batches from that order, so two runs on the same
+    rollouts would put different rows in an optimizer step. Sort each sampled batch by ``(uid, session, index)``
+    (the key ``{uid}_{session}_{index}``; uids are sequential, :func:`_patch_v1_uids`): dataset order."""
+
+    def order_key(key: str):
+        uid, session, index = str(key).rsplit("_", 2)
+        return uid, int(session), int(index)
+
+    for cls in (getattr(module, "ReplayBuffer", None), getattr(module, "ReplayBufferAsync", None)):
+        if cls is None or getattr(cls.sample, "_zorro_e2e", False) or "sample" not in vars(cls):
+            continue
+        orig = cls.sample
+
+        def sample(self, *args, _orig=orig, **kwargs):
+            batch, metrics = _orig(self, *args, **kwargs)
+            idx = sorted(range(len(batch.keys)), key=lambda i: order_key(batch.keys[i]))
+            batch.reorder(idx)
+            return batch, metrics
+
+        sample._zorro_e2e = True
+        cls.sample = sample
+
+
+def install_ordered_batches() -> None:
+    """Deterministic batch order in the V1 trainer: sequential uids and each sampled batch sorted by key."""
+    _after_import("verl.trainer.ppo.v1.trainer_base", _patch_v1_uids)
+    _after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_order)
+
+
 def install_seeded_rollout() -> None:
     """Per-request vLLM seeds from (prompt tokens, occurrence count): reproducible rollouts across runs."""
     _after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _patch_vllm_server)
@@ -271,6 +318,7 @@ def install() -> None:
     _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
     _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)
     install_seeded_rollout()
+    install_ordered_batches()
     _installed = True
 
 
