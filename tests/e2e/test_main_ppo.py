@@ -73,10 +73,14 @@ ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
 # metrics that must agree between zorro and stock at every step (same rollouts): losses, entropy, grad norm, and
 # the old-log-prob statistics verl logs against the rollout's log-probs; the KL loss is the reference log-probs'
 # stat. pg_loss is compared against the advantages' scale (GRPO's pg_loss is a sum of terms that cancel).
-COMPARED = ["actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac",
+COMPARED = ["actor/kl_loss", "actor/entropy", "actor/grad_norm",
             "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
             "training/rollout_probs_diff_std", "training/rollout_actor_probs_pearson_corr",
             "critic/score/mean", "critic/advantages/mean", "response_length/mean", "prompt_length/mean"]
+# verl averages these per micro-batch (a mean of each micro-batch's mean), so they follow which rows share a
+# micro-batch — which zorro changes by design (groups together) while every loss and gradient stays a global sum:
+# printed, not bounded.
+INFORMATIONAL = ["actor/ppo_kl", "actor/pg_clipfrac"]
 
 REPORT: list[str] = []
 
@@ -189,7 +193,8 @@ def _report(results: dict, assets: dict) -> None:
             for step in range(1, PAIR["steps"] + 1):
                 s, z = results["stock"].steps.get(step, {}), results[other].steps.get(step, {})
                 rows += [(step, k, f"{s[k]:.8g}", f"{z[k]:.8g}", f"{pair_diff(s, z, k):.2e}")
-                         for k in ["actor/pg_loss"] + COMPARED if k in s and k in z and "critic/advantages/max" in s]
+                         for k in ["actor/pg_loss"] + COMPARED + INFORMATIONAL
+                         if k in s and k in z and "critic/advantages/max" in s]
             lines.append("")
             bound = f"bound {RTOL:g}" if other == "zorro" else "informational: other mini-batches by design"
             lines.append(f"{other} vs stock, every step (replayed rollouts; rel = |a-b|/max(|a|,|b|,1e-6), pg_loss "
@@ -252,7 +257,10 @@ def test_prompt_lengths_match_dataset(e2e_required, runs, assets):
 def test_rollout_matches_actor_and_kl(e2e_required, runs, name):
     r = _get(runs, name)
     last = RUNS[name]["steps"]
-    for step in range(1, last + 1):
+    # whole_groups trains on other mini-batches than stock, whose recorded rollouts it replays: from step 2 on its
+    # actor is not the policy those rollouts came from
+    checked = 1 if RUNS[name].get("mode") == "whole_groups" else last
+    for step in range(1, checked + 1):
         m = r.steps[step]
         assert m.get("training/rollout_probs_diff_valid") == 1, f"{name} step {step}: no rollout-vs-actor metrics"
         # vLLM rolls out in bf16 from synced weights, the actor recomputes in fp32

@@ -26,21 +26,23 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
 
 :func:`install_seeded_rollout` (also installed by :func:`install`; on its own for GPU runs through
 :mod:`tests.support.verl_seeded_rollout_plugin`) makes rollouts reproducible across runs: each vLLM request gets a
-seed derived from its prompt tokens, its sample index in the step's batch (verl's ``priority``) and the step
-(vLLM's shared sampler RNG otherwise depends on how requests happen to be batched, and with two training workers
-on which rollout server a request lands). Siblings of a group get different seeds, and
-two runs with the same weights produce the same set of responses per prompt. From the second step on, two runs'
-weights differ by float rounding, so the first run can record its responses and the second replay them
-(``ZORRO_E2E_ROLLOUT_MODE=record|replay``, ``ZORRO_E2E_ROLLOUT_FILE``): identical rollouts at every step.
-:func:`install_ordered_batches` makes the V1 trainer's batch order deterministic (sequential prompt uids, each
-sampled batch in key order instead of rollout completion order), so that verl's balancing, and hence its
-mini-batches, are the same in two runs on the same rollouts.
+seed derived from its prompt tokens and how many requests with that prompt the server has seen (vLLM's shared
+sampler RNG otherwise depends on how requests happen to be batched). Siblings of a group get different seeds, and
+two runs with the same weights produce the same set of responses per prompt.
+:func:`install_ordered_batches` goes further for the V1 trainer: sequential prompt uids, each sampled batch in key
+order instead of rollout completion order (so verl's balancing, and hence its mini-batches, are the same in two runs
+on the same rollouts), and every request seeded on the agent-loop side by its sample's ``{uid}_{session}`` and turn,
+whichever rollout server (one per training worker) it lands on. From the second step on two runs' weights differ
+by float rounding, which can flip a sampled token, so the first run can record its responses under those keys and
+the second replay them (``ZORRO_E2E_ROLLOUT_MODE=record|replay``, ``ZORRO_E2E_ROLLOUT_FILE``): identical rollouts
+at every step.
 
 The rest of the CPU setup is configuration, see :func:`cpu_overrides`. Refused when CUDA is available.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 from pathlib import Path
 
@@ -190,22 +192,71 @@ def _patch_vllm_server(module) -> None:
 
     @functools.wraps(orig)
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
-        # A request's identity: the training step, its sample index in the step's batch (verl's ``priority``, the
-        # same in every run and unique per sample, siblings included), its prompt — not which of the rollout
-        # servers (one per training worker) happened to receive it.
+        # a seed from the prompt and how often this server has seen it, unless the agent-loop side (which knows the
+        # sample's uid and session, _patch_llm_client) already set one
         ids = [int(t) for t in prompt_ids]
         crc = zlib.crc32(",".join(map(str, ids)).encode())
-        priority = int(kwargs.get("priority", args[4] if len(args) > 4 else 0) or 0)
-        step = int(getattr(self, "global_steps", None) or 0)
-        ident = f"{step}:{priority}:{crc}"
         seen = self.__dict__.setdefault("_zorro_seen", {})
-        k = seen.get(ident, 0)
-        seen[ident] = k + 1
+        k = seen.get(crc, 0)
+        seen[crc] = k + 1
         sampling_params = dict(sampling_params)
-        seed = int(self.config.seed) * 1_000_003 + crc + 7919 * (priority + 1) + 104_729 * step + 15_485_863 * k
-        sampling_params.setdefault("seed", seed % (2**31 - 1))
-        out = await orig(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
-        return _record_or_replay(f"{ident}:{k}", out)
+        sampling_params.setdefault("seed", (int(self.config.seed) * 1_000_003 + crc + 7919 * k) % (2**31 - 1))
+        return await orig(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+
+    generate._zorro_e2e = True
+    cls.generate = generate
+
+
+#: (uid, session) of the agent-loop session running in this asyncio task (set around ``_run_agent_loop``).
+_SESSION: contextvars.ContextVar = contextvars.ContextVar("zorro_e2e_session", default=None)
+
+
+def _patch_agent_loop(module) -> None:
+    """Remember each agent-loop session's ``(uid, session_id)`` for the requests it sends (a context variable)."""
+    import functools
+
+    cls = getattr(module, "AgentLoopWorker", None)
+    if cls is None or getattr(cls._run_agent_loop, "_zorro_e2e", False):
+        return
+    orig = cls._run_agent_loop
+
+    @functools.wraps(orig)
+    async def _run_agent_loop(self, *args, **kwargs):
+        token = _SESSION.set((str(kwargs.get("uid")), kwargs.get("session_id")))
+        try:
+            return await orig(self, *args, **kwargs)
+        finally:
+            _SESSION.reset(token)
+
+    _run_agent_loop._zorro_e2e = True
+    cls._run_agent_loop = _run_agent_loop
+
+
+def _patch_llm_client(module) -> None:
+    """Per-request seeds and record/replay on the agent-loop side, keyed by the sample's ``{uid}_{session}`` (uids are
+    sequential, :func:`_patch_v1_uids`) and the request's turn in that session: the same in every run, whichever
+    rollout server (one per training worker) a request lands on."""
+    import functools
+    import zlib
+
+    cls = getattr(module, "LLMServerClient", None)
+    if cls is None or getattr(cls.generate, "_zorro_e2e", False):
+        return
+    orig = cls.generate
+    turns: dict = {}
+
+    @functools.wraps(orig)
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        session = _SESSION.get()
+        if session is None or session[0] == "None":
+            return await orig(self, request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        turn = turns.get(session, 0)
+        turns[session] = turn + 1
+        key = f"{session[0]}_{session[1]}:{turn}"
+        sampling_params = dict(sampling_params)
+        sampling_params.setdefault("seed", zlib.crc32(key.encode()) % (2**31 - 1))
+        out = await orig(self, request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        return _record_or_replay(key, out)
 
     generate._zorro_e2e = True
     cls.generate = generate
@@ -286,9 +337,12 @@ def _patch_replay_order(module) -> None:
 
 
 def install_ordered_batches() -> None:
-    """Deterministic batch order in the V1 trainer: sequential uids and each sampled batch sorted by key."""
+    """Deterministic samples and batch order in the V1 trainer: sequential uids, each sampled batch sorted by key,
+    and each request seeded (and recorded or replayed) by its sample's uid, session and turn."""
     _after_import("verl.trainer.ppo.v1.trainer_base", _patch_v1_uids)
     _after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_order)
+    _after_import("verl.experimental.agent_loop.agent_loop", _patch_agent_loop)
+    _after_import("verl.workers.rollout.llm_server", _patch_llm_client)
 
 
 def install_seeded_rollout() -> None:
