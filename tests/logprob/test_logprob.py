@@ -358,12 +358,14 @@ def _fp32_blocks(fn, v):
     return rows
 
 
+@pytest.mark.parametrize("mode", ["none", "compute"])
 @pytest.mark.parametrize("n", [1, 37, 200])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_none_mode_holds_fp32_blocks_of_a_sixteenth_of_the_rows(n, temperature):
-    """The default mode (``none``) on bf16 logits: forward and backward create fp32 ``[rows, V]`` temporaries of at
-    most ``ceil(N / LEAN_BLOCKS)`` rows (and ``chunk_size``), never an fp32 copy of all ``N`` rows: its bytes per
-    logits element beyond the bf16 logits stay a fraction of theirs whatever ``N`` (docs/BENCHMARKS.md)."""
+def test_materialised_modes_hold_fp32_blocks_of_a_sixteenth_of_the_rows(mode, n, temperature):
+    """The default mode (``none``, and ``compute``, the same computation) on bf16 logits: forward and backward create
+    fp32 ``[rows, V]`` temporaries of at most ``ceil(N / LEAN_BLOCKS)`` rows (and ``chunk_size``), never an fp32
+    copy of all ``N`` rows (``N`` below the default chunk of 1024 included): their bytes per logits element beyond the
+    bf16 logits stay a fraction of theirs whatever ``N`` (docs/BENCHMARKS.md)."""
     from zorro_verl.logprob import LEAN_BLOCKS
 
     v = 48
@@ -372,13 +374,14 @@ def test_none_mode_holds_fp32_blocks_of_a_sixteenth_of_the_rows(n, temperature):
     targets = torch.randint(0, v, (n,), generator=g)
 
     def step():
-        lp, ent = logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=True)
+        lp, ent = logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=True,
+                                  logits_optimization=mode)
         torch.autograd.grad((lp + ent).sum(), [logits])
 
     rows = _fp32_blocks(step, v)
     assert rows and max(rows) <= -(-n // LEAN_BLOCKS)
     rows = _fp32_blocks(lambda: logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=True,
-                                                chunk_size=2), v)
+                                                logits_optimization=mode, chunk_size=2), v)
     assert max(rows) <= 2
 
 

@@ -4,9 +4,10 @@ Imports torch only.
 ``logits_optimization`` (the one name of this knob in the API, the verl config and here):
 
 * ``none``    — materialise ``[N, V]`` logits once (the head's dtype); the softmax / entropy follow-up in row blocks
-  of at most ``ceil(N / LEAN_BLOCKS)`` rows (and ``chunk_size``), so its fp32 temporaries stay a fraction of the
-  logits' own bytes whatever ``N`` (the default mode: lean without a knob);
-* ``compute`` — the same with blocks of exactly ``chunk_size`` rows (the caller's choice);
+  of at most ``chunk_size`` and at most ``ceil(N / LEAN_BLOCKS)`` rows, so its fp32 temporaries stay a fraction of
+  the logits' own bytes whatever ``N`` (the default mode);
+* ``compute`` — the same computation (it used to differ by running blocks of exactly ``chunk_size`` rows, all rows
+  at once when ``N <= chunk_size``: more bytes than stock's path in bf16; the name is kept for existing configs);
 * ``memory``  — an autograd Function over the head's ``weight`` / ``bias`` that never holds more than one
   ``[chunk, V]`` block of logits, recomputed in backward (:func:`linear_logprobs`).
 
@@ -40,11 +41,12 @@ __all__ = ["LOGITS_MODES", "DEFAULT_CHUNK", "LEAN_BLOCKS", "TEMPERATURE_OPS", "c
 
 #: Values of ``logits_optimization``.
 LOGITS_MODES = ("none", "compute", "memory")
-#: Rows per chunk of the ``compute`` and ``memory`` modes: ``[1024, V]`` fp32 is 0.6 GB at Qwen3's V = 151,936.
+#: Rows per chunk of the ``memory`` mode, and the most rows per block of the materialised modes: ``[1024, V]`` fp32
+#: is 0.6 GB at Qwen3's V = 151,936.
 DEFAULT_CHUNK = 1024
-#: Mode ``none`` splits its rows into at least this many blocks (of at most ``chunk_size`` rows): its fp32
-#: temporaries (two ``[block, V]`` fp32 in forward, two to three in backward) are then at most 0.5 (forward) /
-#: 0.75 (backward) bytes per logits element, against the bf16 logits' own 2 (docs/BENCHMARKS.md, logits memory).
+#: Modes ``none`` / ``compute`` split their rows into at least this many blocks (of at most ``chunk_size`` rows):
+#: their fp32 temporaries (two ``[block, V]`` fp32 in forward, two to three in backward) are then at most 0.5
+#: (forward) / 0.75 (backward) bytes per logits element, against the bf16 logits' own 2 (docs/BENCHMARKS.md).
 LEAN_BLOCKS = 16
 #: Values of ``temperature_op``: where a float temperature divides the logits (see the module doc).
 TEMPERATURE_OPS = ("upcast", "logits", "logits_rounded")
@@ -119,7 +121,7 @@ def _unscaled_grad(grad: torch.Tensor, dtype: torch.dtype, temperature: float, o
 
 
 def _lean_chunk(n: int, chunk: int) -> int:
-    """Rows per block of mode ``none`` for ``n`` rows: at most ``chunk`` and at most ``ceil(n / LEAN_BLOCKS)``."""
+    """Rows per block of modes ``none`` / ``compute`` for ``n`` rows: at most ``chunk``, ``ceil(n / LEAN_BLOCKS)``."""
     return max(1, min(chunk, -(-n // LEAN_BLOCKS)))
 
 
@@ -499,8 +501,8 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
     """Log-probs (and entropy) from already materialised ``logits [N, V]`` (modes ``none`` and ``compute``; the
     ``memory`` mode never materialises them: use :func:`response_logprobs`). ``targets [N] int64``.
     ``index [N] int64``: the logits are ``[Nh, V]``, one row per distinct position, and output ``i`` reads row
-    ``index[i]`` (a prefix tree's shared tokens: the softmax statistics run once per row). Row blocks: ``compute``
-    ``chunk_size`` rows, ``none`` at most ``chunk_size`` and ``ceil(rows / LEAN_BLOCKS)`` (:func:`_lean_chunk`).
+    ``index[i]`` (a prefix tree's shared tokens: the softmax statistics run once per row). Row blocks (both modes):
+    at most ``chunk_size`` and at most ``ceil(rows / LEAN_BLOCKS)`` rows (:func:`_lean_chunk`).
     ``temperature_op``: where the temperature divides (:data:`TEMPERATURE_OPS`, module doc).
     Returns ``(log_probs [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits)."""
     mode = check_logits_optimization(logits_optimization)
@@ -509,7 +511,7 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
     if mode == "memory":
         raise ValueError("logits_optimization: 'memory' never materialises the logits; call response_logprobs with "
                          "the hidden states and the lm_head module.")
-    chunk = chunk_size if mode == "compute" else _lean_chunk(logits.shape[0], chunk_size)
+    chunk = _lean_chunk(logits.shape[0], chunk_size)
     if index is not None:
         logp, ent = _SharedLogitsLogprob.apply(logits, index, targets, temperature, calculate_entropy, chunk, op)
         return logp, (ent if calculate_entropy else None)
@@ -532,7 +534,7 @@ def response_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: t
         temperature: divides the logits; > 0.
         calculate_entropy: also return the entropy ``[N]``.
         logits_optimization: ``none | compute | memory`` (see module doc).
-        chunk_size: rows per chunk for ``compute`` / ``memory`` (and the most rows per block of ``none``).
+        chunk_size: rows per chunk of ``memory``; the most rows per block of ``none`` / ``compute``.
         temperature_op: where the temperature divides the logits (:data:`TEMPERATURE_OPS`, module doc).
 
     Returns:
