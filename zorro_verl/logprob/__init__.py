@@ -386,9 +386,9 @@ def _linear_backward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
         if need_h:
             grad_h[a:b] = g @ w_c
         acc = g.dtype if len(spans) == 1 else _softmax_dtype(g.dtype)
-        if need_w:  # [V, H]
-            gw = g.t() @ h if acc == g.dtype else g.t().to(acc) @ h.to(acc)
-            grad_w = gw if grad_w is None else grad_w.add_(gw)
+        if need_w:  # [V, H]; later chunks accumulate in place (addmm_: no [V, H] product per chunk)
+            g_t, h_c = (g.t(), h) if acc == g.dtype else (g.t().to(acc), h.to(acc))
+            grad_w = g_t @ h_c if grad_w is None else grad_w.addmm_(g_t, h_c)
         if need_b:  # [V]
             gb = g.sum(0, dtype=acc)
             grad_b = gb if grad_b is None else grad_b.add_(gb)
