@@ -358,30 +358,35 @@ def _fp32_blocks(fn, v):
     return rows
 
 
-@pytest.mark.parametrize("mode", ["none", "compute"])
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
 @pytest.mark.parametrize("n", [1, 37, 200])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_materialised_modes_hold_fp32_blocks_of_a_sixteenth_of_the_rows(mode, n, temperature):
-    """The default mode (``none``, and ``compute``, the same computation) on bf16 logits: forward and backward create
-    fp32 ``[rows, V]`` temporaries of at most ``ceil(N / LEAN_BLOCKS)`` rows (and ``chunk_size``), never an fp32
-    copy of all ``N`` rows (``N`` below the default chunk of 1024 included): their bytes per logits element beyond the
-    bf16 logits stay a fraction of theirs whatever ``N`` (docs/BENCHMARKS.md)."""
+def test_modes_hold_fp32_blocks_of_a_sixteenth_of_the_rows(mode, n, temperature):
+    """Every mode on bf16 logits (``memory``: a bf16 head on bf16 hidden states): forward and backward create fp32
+    ``[rows, V]`` temporaries of at most ``ceil(rows / LEAN_BLOCKS)`` rows of the logits they hold (all ``N`` rows
+    for ``none`` / ``compute``, one chunk for ``memory``, here the default chunk of 1024 > ``N``) and of at most
+    ``chunk_size`` rows, never an fp32 copy of all of them: their bytes per logits element beyond the bf16 logits
+    stay a fraction of theirs whatever ``N`` (docs/BENCHMARKS.md)."""
     from zorro_verl.logprob import LEAN_BLOCKS
 
-    v = 48
+    v, h = 48, 5
     g = torch.Generator().manual_seed(n)
-    logits = torch.randn(n, v, generator=g).to(torch.bfloat16).requires_grad_(True)
+    hidden = torch.randn(n, h, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weight = torch.randn(v, h, generator=g).to(torch.bfloat16).requires_grad_(True)
     targets = torch.randint(0, v, (n,), generator=g)
 
-    def step():
-        lp, ent = logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=True,
-                                  logits_optimization=mode)
-        torch.autograd.grad((lp + ent).sum(), [logits])
+    def step(**kw):
+        if mode == "memory":
+            lp, ent = linear_logprobs(hidden, weight, None, targets, temperature=temperature, calculate_entropy=True,
+                                      **kw)
+        else:
+            lp, ent = logits_logprobs(torch.nn.functional.linear(hidden, weight), targets, temperature=temperature,
+                                      calculate_entropy=True, logits_optimization=mode, **kw)
+        torch.autograd.grad((lp + ent).sum(), [hidden, weight])
 
     rows = _fp32_blocks(step, v)
     assert rows and max(rows) <= -(-n // LEAN_BLOCKS)
-    rows = _fp32_blocks(lambda: logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=True,
-                                                logits_optimization=mode, chunk_size=2), v)
+    rows = _fp32_blocks(lambda: step(chunk_size=2), v)
     assert max(rows) <= 2
 
 

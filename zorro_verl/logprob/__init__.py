@@ -9,7 +9,8 @@ Imports torch only.
 * ``compute`` — the same computation (it used to differ by running blocks of exactly ``chunk_size`` rows, all rows
   at once when ``N <= chunk_size``: more bytes than stock's path in bf16; the name is kept for existing configs);
 * ``memory``  — an autograd Function over the head's ``weight`` / ``bias`` that never holds more than one
-  ``[chunk, V]`` block of logits, recomputed in backward (:func:`linear_logprobs`).
+  ``[chunk, V]`` block of logits, recomputed in backward (:func:`linear_logprobs`); its softmax work runs in row
+  blocks of 1/LEAN_BLOCKS of the chunk, as in ``none``.
 
 Rows shared by several outputs (a prefix tree's shared response tokens): every mode also takes ``index [N]``, each
 output's row among ``Nh`` distinct rows; the head / softmax statistics then run once per distinct row
@@ -310,7 +311,8 @@ def _autocast_state(device_type: str):
 
 class _ChunkedLinearLogprob(torch.autograd.Function):
     """Memory mode: ``hidden [N, H]``, head ``weight [V, H]`` and ``bias [V] | None`` ->
-    ``(log_probs [N], entropy [N])`` holding one ``[chunk, V]`` block of logits at a time.
+    ``(log_probs [N], entropy [N])`` holding one ``[chunk, V]`` block of logits at a time (the head's dtype; the
+    softmax work on it in row blocks of 1/LEAN_BLOCKS of the chunk, and in backward its gradient written over it).
 
     Forward computes each chunk's logits with ``F.linear`` (the head's own computation) and keeps ``lse [N]`` and
     ``s [N]``; backward recomputes each chunk and returns the gradients of ``hidden``, ``weight`` and ``bias`` as the
@@ -322,8 +324,9 @@ class _ChunkedLinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, calculate_entropy, chunk, op):
-        outs = [_chunk_stats(F.linear(hidden[a:b], weight, bias), targets[a:b], temperature, calculate_entropy, op)
-                for a, b in _chunks(hidden.shape[0], chunk)]  # [(logp [c], ent [c] | None, lse [c], s [c] | None)]
+        outs = [_chunked_stats(F.linear(hidden[a:b], weight, bias), targets[a:b], temperature, calculate_entropy,
+                               _lean_chunk(b - a, b - a), op)
+                for a, b in _chunks(hidden.shape[0], chunk)]  # [(logp [c], ent [c] | [0], lse [c], s [c] | None)]
         empty = hidden.new_empty(0, dtype=outs[0][0].dtype if outs else _softmax_dtype(hidden.dtype))
 
         def cat(i):
@@ -340,12 +343,12 @@ class _ChunkedLinearLogprob(torch.autograd.Function):
         if s is None:
             g_ent = None
 
-        def chunk_grad(z, a, b):
+        def block_grad(z, a, b):
             return _chunk_grad(z, targets[a:b], ctx.temperature, lse[a:b], None if s is None else s[a:b],
                                None if g_lp is None else g_lp[a:b], None if g_ent is None else g_ent[a:b], owned=True,
                                op=ctx.op)
 
-        return (*_linear_backward(ctx, hidden, weight, bias, chunk_grad), None, None, None, None, None)
+        return (*_linear_backward(ctx, hidden, weight, bias, block_grad), None, None, None, None, None)
 
 
 def _linear_forward_done(ctx, saved: tuple, temperature: float, chunk: int, op: str, logp: torch.Tensor,
@@ -361,10 +364,12 @@ def _linear_forward_done(ctx, saved: tuple, temperature: float, chunk: int, op: 
     return logp, ent
 
 
-def _linear_backward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_grad):
+def _linear_backward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_grad):
     """The memory mode's backward over the chunks of ``hidden [n, H]`` rows (``ctx.chunk`` rows each): recompute each
-    chunk's logits ``z [c, V]`` once under the forward's autocast state, ``chunk_grad(z, a, b)`` -> the gradient
-    w.r.t. them (may overwrite ``z``), and return ``(grad hidden [n, H] | None, grad weight [V, H] | None, grad bias
+    chunk's logits ``z [c, V]`` once under the forward's autocast state and overwrite them, row block by row block
+    (:func:`_lean_chunk` of the chunk: fp32 temporaries for 1/LEAN_BLOCKS of it), with the gradient w.r.t. them,
+    ``block_grad(z[a:b], a, b)`` for the rows ``[a, b)`` of ``hidden`` (may overwrite its argument; returns the
+    block's gradient in ``z``'s dtype); return ``(grad hidden [n, H] | None, grad weight [V, H] | None, grad bias
     [V] | None)`` as ``ctx.needs_input_grad[:3]`` asks; weight / bias gradients of several chunks sum in fp32
     (fp64) and are cast once."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -377,9 +382,9 @@ def _linear_backward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     for a, b in spans:
         h = hidden[a:b]
         with torch.autocast(hidden.device.type, dtype=ac_dtype, enabled=enabled):
-            z = F.linear(h, weight, bias)  # [c, V], the forward's dtype
-        g = chunk_grad(z, a, b)
-        del z
+            g = F.linear(h, weight, bias)  # [c, V], the forward's dtype: the logits, then their gradient
+        for sa, sb in _chunks(b - a, _lean_chunk(b - a, b - a)):
+            g[sa:sb] = block_grad(g[sa:sb], a + sa, a + sb)
         if w_c is None:
             w_c = weight.to(g.dtype)  # the autocast copy of the forward (no copy without autocast)
         h = h.to(g.dtype)
@@ -418,7 +423,7 @@ class _SharedLinearLogprob(torch.autograd.Function):
         lses, ss, z_t = [], [], None
         for a, b in _chunks(hidden.shape[0], chunk):
             z = F.linear(hidden[a:b], weight, bias)  # [c, V]
-            _, _, lse_c, s_c = _chunk_stats(z, None, temperature, calculate_entropy, op)
+            _, _, lse_c, s_c = _chunked_stats(z, None, temperature, calculate_entropy, _lean_chunk(b - a, b - a), op)
             sel = (index >= a) & (index < b)  # the outputs reading this chunk's rows
             z_c = _scaled(z[torch.where(sel, index - a, 0), targets], temperature, op)  # [N]
             z_t = torch.where(sel, z_c, 0 if z_t is None else z_t)
@@ -438,12 +443,12 @@ class _SharedLinearLogprob(torch.autograd.Function):
         hidden, weight, bias, index, targets, lse, s = ctx.saved_tensors
         g_row, g_ent_row = _row_grads(index, lse, s, g_lp, g_ent)
 
-        def chunk_grad(z, a, b):
+        def block_grad(z, a, b):
             return _chunk_grad(z, targets, ctx.temperature, lse[a:b], None if s is None else s[a:b],
                                None if g_row is None else g_row[a:b], None if g_ent_row is None else g_ent_row[a:b],
                                owned=True, pairs=_chunk_pairs(index, targets, g_lp, lse.dtype, a, b), op=ctx.op)
 
-        return (*_linear_backward(ctx, hidden, weight, bias, chunk_grad), None, None, None, None, None, None)
+        return (*_linear_backward(ctx, hidden, weight, bias, block_grad), None, None, None, None, None, None)
 
 
 def linear_head_params(module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
