@@ -64,3 +64,30 @@ def test_config_checks_in_process():
     assert s == "FAIL" and "loss_scale_factor" in detail
     assert status(norm + ["actor_rollout_ref.actor.loss_scale_factor=64"], "zorro (actor)")[0] == "ok"
     assert status(norm + ["trainer.use_v1=false"], "zorro (actor)")[0] == "ok"  # padded [B, R] mask: equal
+
+
+def test_trainer_balance_hooks_line(monkeypatch):
+    """Whether the trainer process installs zorro's balancing hooks: through the entry point, or through the preset's
+    external_lib; not in the README's overrides-only launch when VERL_USE_EXTERNAL_PLUGINS skips the entry point."""
+    from tests.integrations.verl.v09.test_overrides import readme_overrides
+    from zorro_verl.doctor import run_checks
+
+    def line(overrides, config_name="zorro_ppo_trainer"):
+        checks = run_checks(overrides, torch.device("cpu"), check_plugin=False, config_name=config_name)
+        return next((c for c in checks if c.name == "trainer balance hooks"), None)
+
+    monkeypatch.delenv("VERL_USE_EXTERNAL_PLUGINS", raising=False)
+    assert "entry point" in line(readme_overrides(), "ppo_trainer").detail
+    monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
+    c = line(readme_overrides(), "ppo_trainer")
+    assert c.status == "note", c
+    assert "VERL_USE_EXTERNAL_PLUGINS='none'" in c.detail and "zorro/balance_hooks_missing" in c.detail
+    assert "Fix: actor_rollout_ref.model.external_lib=zorro_verl.integrations.verl.v09.plugin" in c.detail
+    c = line([])  # the preset names the plugin in external_lib
+    assert c.status == "ok" and "external_lib" in c.detail
+    assert line(["actor_rollout_ref.model.external_lib=null"]).status == "note"
+    assert line(["actor_rollout_ref.actor.fsdp_config.zorro.group_balance=false",
+                 "actor_rollout_ref.model.external_lib=null"]).status == "ok"
+    assert line(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"]) is None
+    with pytest.raises(ValueError, match="config_name: expected one of"):
+        run_checks([], torch.device("cpu"), check_plugin=False, config_name="other")

@@ -2,8 +2,10 @@
 
 Prints a short table — the versions that matter, whether ``import verl`` loads the zorro plugin, which attention
 backend zorro would pick on this machine and why, whether the fast hybrid-model kernels are present — and, for the
-user's config (the zorro preset plus ``key=value`` overrides, as on verl's command line), what a zorro-enabled run
-would refuse at start. Exit code 1 when such a run would fail at start, else 0.
+user's config (the zorro preset, or with ``--config-name ppo_trainer`` verl's own config for an overrides-only launch,
+plus ``key=value`` overrides, as on verl's command line), what a zorro-enabled run would refuse at start, and whether
+the trainer process would install zorro's group-aware balancing hooks. Exit code 1 when such a run would fail at
+start, else 0.
 
 Each line is ``ok`` (fine), ``note`` (works, but slower or unusual) or ``FAIL`` (a zorro-enabled run stops).
 """
@@ -135,8 +137,13 @@ def _backend_checks(device: torch.device) -> list[Check]:
     return out
 
 
-def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
-    """Compose the zorro preset with ``overrides`` and validate what zorro checks at start."""
+#: ``--config-name`` choices: the zorro preset, or verl's own config (the overrides-only launch).
+CONFIG_NAMES = ("zorro_ppo_trainer", "ppo_trainer")
+
+
+def _config_checks(overrides: list[str], device: torch.device, config_name: str = "zorro_ppo_trainer") -> list[Check]:
+    """Compose ``config_name`` (the zorro preset, or verl's own ``ppo_trainer``) with ``overrides`` and validate what
+    zorro checks at start."""
     from hydra import compose, initialize_config_dir
 
     from zorro_verl.integrations.verl.common import setup_unsupported
@@ -144,11 +151,20 @@ def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
     from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
     from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 
+    if config_name not in CONFIG_NAMES:
+        raise ValueError(f"config_name: expected one of {list(CONFIG_NAMES)}, got {config_name!r} (the zorro preset, "
+                         "or verl's own ppo_trainer for an overrides-only launch).")
+    if config_name == "ppo_trainer":
+        import verl
+
+        config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    else:
+        config_dir = preset_dir()
     try:
-        with initialize_config_dir(config_dir=preset_dir(), version_base=None):
-            cfg = compose(config_name="zorro_ppo_trainer", overrides=list(overrides))
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
     except Exception as e:  # noqa: BLE001 - any Hydra error is the user's config problem; report it
-        return [Check("config", "FAIL", f"the preset does not compose with {overrides}: {e}")]
+        return [Check("config", "FAIL", f"{config_name} does not compose with {overrides}: {e}")]
     out = []
     for role in ("actor", "ref"):
         node = cfg.actor_rollout_ref[role].get("fsdp_config", {}) or {}
@@ -184,15 +200,56 @@ def _config_checks(overrides: list[str], device: torch.device) -> list[Check]:
                   f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
         status = "FAIL" if problems else "note" if notes else "ok"
         out.append(Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail))
-    return out
+    hooks = _balance_hooks_check(cfg)
+    return out + ([hooks] if hooks is not None else [])
+
+
+def _balance_hooks_check(cfg) -> Check | None:
+    """Will the trainer process install zorro's group-aware balancing (its ``_balance_batch`` hooks)? It does when
+    ``import verl`` loads zorro's entry point there or when ``actor_rollout_ref.model.external_lib`` names the plugin
+    (verl imports it in the trainer process). Without them verl's length balancing scatters each prompt's rollouts
+    over DP ranks; the engine then warns and counts ``zorro/balance_hooks_missing``. None when zorro is off for the
+    actor (or its node is invalid: reported above)."""
+    from zorro_verl.integrations.verl.settings import ZorroSettings
+    from zorro_verl.integrations.verl.v09.registration import PLUGIN_MODULE, entry_point_skipped
+
+    name = "trainer balance hooks"
+    try:
+        node = cfg.actor_rollout_ref.actor.get("fsdp_config", {}) or {}
+        s = ZorroSettings.from_mapping(node.get("zorro", {}) or {})
+    except ValueError:
+        return None
+    if not s.enable:
+        return None
+    if not s.group_balance:
+        return Check(name, "ok", "not needed (zorro.group_balance=false: verl's own balancing runs)")
+    if not cfg.trainer.get("use_v1", True) and not cfg.trainer.get("balance_batch", True):
+        return Check(name, "note", "trainer.balance_batch=false: the trainer never balances, so the engine warns that "
+                                   "the batches carry no stamp of zorro's balancing (zorro/balance_hooks_missing); set "
+                                   "actor_rollout_ref.actor.fsdp_config.zorro.group_balance=false if that is intended")
+    libs = cfg.actor_rollout_ref.model.get("external_lib", None)
+    libs = [] if libs is None else [libs] if isinstance(libs, str) else list(libs)
+    skipped = entry_point_skipped()
+    if skipped is None:
+        return Check(name, "ok", "installed in the trainer process at `import verl` (entry point group verl.plugins)")
+    if PLUGIN_MODULE in libs and not skipped.startswith("ZORRO_VERL_PLUGIN_DISABLE"):
+        return Check(name, "ok", f"installed in the trainer process through actor_rollout_ref.model.external_lib "
+                                 f"(the entry point is skipped: {skipped})")
+    return Check(name, "note", f"the trainer process will not install zorro's group-aware balancing: {skipped}, and "
+                               f"actor_rollout_ref.model.external_lib ({libs or None}) does not name {PLUGIN_MODULE}. "
+                               "verl's length balancing then scatters each prompt's rollouts over the DP ranks and "
+                               "deduplication saves little (the engine warns and counts zorro/balance_hooks_missing). "
+                               f"Fix: actor_rollout_ref.model.external_lib={PLUGIN_MODULE}, or let "
+                               "VERL_USE_EXTERNAL_PLUGINS load zorro_verl")
 
 
 def _no_loss(*args, config=None, **kwargs):
     """Stands for verl's loss function: the loss check reads only the config bound to it."""
 
 
-def run_checks(overrides: list[str], device: torch.device, *, check_plugin: bool = True) -> list[Check]:
-    """Every check, in report order."""
+def run_checks(overrides: list[str], device: torch.device, *, check_plugin: bool = True,
+               config_name: str = "zorro_ppo_trainer") -> list[Check]:
+    """Every check, in report order; ``config_name``: one of :data:`CONFIG_NAMES`."""
     checks = _versions(device) + _backend_checks(device)
     verl = _verl_checks()
     checks += verl
@@ -200,7 +257,7 @@ def run_checks(overrides: list[str], device: torch.device, *, check_plugin: bool
         return checks
     if check_plugin:
         checks.append(_plugin_check())
-    checks += _config_checks(overrides, device)
+    checks += _config_checks(overrides, device, config_name)
     return checks
 
 
@@ -219,10 +276,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="zorro-verl doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="verl command-line overrides, composed with the zorro preset (zorro_ppo_trainer)")
+    p.add_argument("--config-name", default="zorro_ppo_trainer", choices=CONFIG_NAMES,
+                   help="the config the overrides apply to: the zorro preset (default), or verl's own ppo_trainer for "
+                        "an overrides-only launch")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    checks = run_checks(args.overrides, device)
+    checks = run_checks(args.overrides, device, config_name=args.config_name)
     print(format_report(checks))
     return 1 if any(c.status == "FAIL" for c in checks) else 0
 

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RunResult", "base_overrides", "run_main_ppo", "parse_step_metrics", "read_rollouts", "expected_dedup",
-           "rel_diff", "format_table", "REPO_ROOT", "ENGINE_LINE"]
+__all__ = ["RunResult", "STRATEGIES", "base_overrides", "run_main_ppo", "parse_step_metrics", "read_rollouts",
+           "expected_dedup", "rel_diff", "format_table", "REPO_ROOT", "ENGINE_LINE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank (\d+)")
@@ -46,11 +46,24 @@ class RunResult:
         return "\n".join(lines[-n:])
 
 
+#: FSDP strategies of verl's FSDP engine: FSDP2, and FSDP1 (``fsdp``, verl's default).
+STRATEGIES = ("fsdp2", "fsdp")
+
+
 def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, seed: int = 7,
-                   dtype: str = "fp32", lr: float = 2e-3) -> list[str]:
+                   dtype: str = "fp32", lr: float = 2e-3, strategy: str = "fsdp2") -> list[str]:
     """GRPO on the tiny assets: all prompts in one batch (train_batch_size = number of prompts), ``n`` rollouts
-    each, reference model + low-var KL loss, entropy bonus, FSDP2 actor/ref in ``dtype``, vLLM rollouts with
-    rollout log-probs (for verl's rollout-vs-actor metrics), console logger, rollout dump in ``out_dir``."""
+    each, reference model + low-var KL loss, entropy bonus, actor/ref under ``strategy`` (``fsdp2`` or ``fsdp``) in
+    ``dtype``, vLLM rollouts with rollout log-probs (for verl's rollout-vs-actor metrics), console logger, rollout
+    dump in ``out_dir``.
+
+    ``strategy`` sets ``actor_rollout_ref.actor.strategy`` (which the engine workers look the engine up by; verl's
+    config makes ``actor_rollout_ref.ref.strategy`` follow it, and its actor config copies each role's strategy into
+    its ``fsdp_config.strategy``, also set here explicitly). FSDP1 needs no other override on CPU: what it needs
+    there (module-state broadcast of CPU tensors, the reference model's parameter offload without pinning, verl's
+    weight export) is adapted in every process by tests/support/verl_cpu_e2e.py (tests/support/fsdp1_cpu.py)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {STRATEGIES} (verl's FSDP engine), got {strategy!r}.")
     b = assets["num_prompts"]
     mp = f"{{param_dtype:{dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
     return [
@@ -75,12 +88,12 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
         "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.actor.calculate_entropy=True",
         f"actor_rollout_ref.actor.data_loader_seed={seed}",
-        "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+        f"actor_rollout_ref.actor.strategy={strategy}",
+        f"actor_rollout_ref.actor.fsdp_config.strategy={strategy}",
         f"actor_rollout_ref.actor.fsdp_config.model_dtype={dtype}",
         f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={mp}",
         f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
-        "actor_rollout_ref.ref.fsdp_config.strategy=fsdp2",
+        f"actor_rollout_ref.ref.fsdp_config.strategy={strategy}",
         f"actor_rollout_ref.ref.fsdp_config.model_dtype={dtype}",
         f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={mp}",
         "actor_rollout_ref.rollout.name=vllm",

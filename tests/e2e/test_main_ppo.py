@@ -1,21 +1,27 @@
-"""Real GRPO training through verl's ``python -m verl.trainer.main_ppo`` on CPU (vLLM CPU build for rollouts, FSDP2
-actor and reference model over gloo), stock engine vs the zorro preset.
+"""Real GRPO training through verl's ``python -m verl.trainer.main_ppo`` on CPU (vLLM CPU build for rollouts, an
+FSDP actor and reference model over gloo), stock engine vs the zorro preset.
 
-Runs (each a subprocess with a time limit, 2 steps, 4 prompts x ``rollout.n`` = 4, reference model + KL loss,
-entropy bonus, fp32 actor/ref, the same seed):
+Runs (each a subprocess with a time limit, 4 prompts x ``rollout.n`` = 4, reference model + KL loss, entropy bonus,
+fp32 actor/ref, the same seed):
 
-* ``stock``     — the preset with ``zorro.enable=false`` (verl's stock engine methods), V1 trainer;
-* ``zorro``     — the preset, V1 trainer; with ``stock``: identical settings otherwise (remove-padding and dynamic
-  batch size on);
-* ``zorro_v0``  — the preset with the V0 trainer (``trainer.use_v1=false``), fixed micro-batches;
-* ``zorro_dp2`` — the preset with two training workers (data parallel 2, logical GPUs), fixed micro-batches.
+* ``stock``       — the preset with ``zorro.enable=false`` (verl's stock engine), V1 trainer, two training workers
+  (data parallel 2), dynamic batch size, **3 steps of 2 mini-batches x ``ppo_epochs: 2``** (4 optimizer steps per
+  training step); it records every response vLLM returns;
+* ``zorro``       — the same with the zorro preset (default ``group_balance_mode: keep_minibatches``), replaying the
+  stock run's responses, so both runs train on identical rollouts at every step: every step's actor metrics must
+  agree (run-level exactness: same rows in every optimizer step, same normalisers);
+* ``zorro_whole`` — as ``zorro`` with the opt-in ``group_balance_mode: whole_groups`` (different mini-batches by
+  design): finite, plausible metrics and a higher training dedup ratio than ``zorro``;
+* ``zorro_v0``    — the preset with the V0 trainer (``trainer.use_v1=false``) on verl's default strategy ``fsdp``
+  (FSDP1), one worker, fixed micro-batches, 2 steps.
 
 ``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir.
-The CPU platform and run-time patches are in tests/support/verl_cpu_e2e.py.
+The CPU platform, run-time patches and the rollout record/replay are in tests/support/verl_cpu_e2e.py.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -39,27 +45,35 @@ from tests.e2e.runner import (  # noqa: E402
     rel_diff,
     run_main_ppo,
 )
-from tests.support.verl_cpu_e2e import cpu_overrides, e2e_env  # noqa: E402
+from tests.support.verl_cpu_e2e import ROLLOUT_FILE_ENV, ROLLOUT_MODE_ENV, cpu_overrides, e2e_env  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 N = 4          # rollout.n
-STEPS = 2
-RTOL = 1e-4    # zorro vs stock, step-1 metrics
-RUN_TIMEOUT_S = int(os.environ.get("ZORRO_E2E_RUN_TIMEOUT", "360"))
+RTOL = 1e-4    # zorro vs stock, every step's metrics (same rollouts)
+RUN_TIMEOUT_S = int(os.environ.get("ZORRO_E2E_RUN_TIMEOUT", "420"))
 
+# steps: training steps; mini: ppo_mini_batch_size in prompts (4 prompts per step); epochs: ppo_epochs.
+# The pair trains with SGD: AdamW divides each gradient element by its running RMS, so elements whose gradient is at
+# the level of float rounding get full +-lr updates whose sign follows that rounding; two runs whose sums are merely
+# reassociated (stock with another micro-batch size, measured: 1e-4 grad-norm drift after 5 AdamW steps, 0 with SGD)
+# leave 1e-4 within a few steps. With SGD, rounding stays rounding and any change of which rows share an optimizer
+# step shows at once (the whole_groups run).
+PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=2, epochs=2, strategy="fsdp2", optimizer="SGD")
 RUNS = {
-    "stock": dict(zorro=False, v1=True, workers=1, dynamic=True),
-    "zorro": dict(zorro=True, v1=True, workers=1, dynamic=True),
-    "zorro_v0": dict(zorro=True, v1=False, workers=1, dynamic=False),
-    "zorro_dp2": dict(zorro=True, v1=True, workers=2, dynamic=False),
+    "stock": dict(PAIR, zorro=False, rollouts="record"),
+    "zorro": dict(PAIR, zorro=True, rollouts="replay"),
+    "zorro_whole": dict(PAIR, zorro=True, rollouts="replay", mode="whole_groups"),
+    "zorro_v0": dict(zorro=True, v1=False, workers=1, dynamic=False, steps=2, mini=4, epochs=1, strategy="fsdp",
+                     optimizer="AdamW"),
 }
 SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(RUNS)).split(",") if r.strip()]
 ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
 
-# step-1 metrics that must agree between zorro and stock (same rollouts): losses, entropy, grad norm, and the
-# old-log-prob statistics verl logs against the rollout's log-probs; the KL loss is the reference log-probs' stat.
-COMPARED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl",
+# metrics that must agree between zorro and stock at every step (same rollouts): losses, entropy, grad norm, and
+# the old-log-prob statistics verl logs against the rollout's log-probs; the KL loss is the reference log-probs'
+# stat. pg_loss is compared against the advantages' scale (GRPO's pg_loss is a sum of terms that cancel).
+COMPARED = ["actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac",
             "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
             "training/rollout_probs_diff_std", "training/rollout_actor_probs_pearson_corr",
             "critic/score/mean", "critic/advantages/mean", "response_length/mean", "prompt_length/mean"]
@@ -67,15 +81,46 @@ COMPARED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"
 REPORT: list[str] = []
 
 
+def _set(overrides: list[str], key: str, value) -> None:
+    """Set Hydra override ``key=value`` in place (Hydra refuses a key given twice)."""
+    bare = [o.lstrip("+").split("=", 1)[0] for o in overrides]
+    item = f"{key}={value}"
+    if key in bare:
+        overrides[bare.index(key)] = item
+    else:
+        overrides.append(item)
+
+
 def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     spec = RUNS[name]
-    o = base_overrides(assets, out_dir=work / name, steps=STEPS, n=N)
+    o = base_overrides(assets, out_dir=work / name, steps=spec["steps"], n=N)
+    for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.actor.fsdp_config.strategy",
+                "actor_rollout_ref.ref.fsdp_config.strategy"):
+        _set(o, key, spec["strategy"])
     o += cpu_overrides(spec["workers"])
     o += micro_batch_overrides(dynamic=spec["dynamic"])
     o.append(f"trainer.use_v1={spec['v1']}")
+    _set(o, "actor_rollout_ref.actor.ppo_mini_batch_size", spec["mini"])
+    _set(o, "actor_rollout_ref.actor.ppo_epochs", spec["epochs"])
+    if spec["optimizer"] == "SGD":  # lr 1 moves each weight about as far as AdamW's lr 2e-3 does here
+        _set(o, "actor_rollout_ref.actor.optim.optimizer", "SGD")
+        _set(o, "actor_rollout_ref.actor.optim.lr", 1.0)
+        _set(o, "actor_rollout_ref.actor.optim.weight_decay", 0.0)
     if not spec["zorro"]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
+    if spec.get("mode"):
+        o.append(f"actor_rollout_ref.actor.fsdp_config.zorro.group_balance_mode={spec['mode']}")
     return o
+
+
+def _env(name: str, work: Path) -> dict:
+    """The run's environment; the pair's rollouts go through one recording (``stock`` writes, the others read)."""
+    env = e2e_env()
+    mode = RUNS[name].get("rollouts")
+    rec = work / "stock_rollouts.jsonl"
+    if mode == "record" or (mode == "replay" and rec.exists()):
+        env.update({ROLLOUT_MODE_ENV: mode, ROLLOUT_FILE_ENV: str(rec)})
+    return env
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +142,7 @@ def assets(work):
 def runs(work, assets):
     results = {}
     for name in SELECTED:
-        res = run_main_ppo(name, _overrides(name, assets, work), work=work, env=e2e_env(),
+        res = run_main_ppo(name, _overrides(name, assets, work), work=work, env=_env(name, work),
                            python=sys.executable, timeout_s=RUN_TIMEOUT_S)
         print(f"\n[e2e] {name}: rc={res.returncode} {res.seconds:.0f}s peak {res.peak_rss_gb:.1f} GiB "
               f"steps={sorted(res.steps)} engine ranks={sorted(res.engine_ranks)}", flush=True)
@@ -108,32 +153,48 @@ def runs(work, assets):
     return results
 
 
+def _dedup(m: dict, prefix: str = "actor/zorro/") -> float | None:
+    return m.get(prefix + "dedup_ratio")
+
+
+def pair_diff(ms: dict, mz: dict, key: str) -> float:
+    """zorro vs stock difference of one metric: relative (``rel_diff``), except ``actor/pg_loss``, whose
+    difference is taken relative to the advantages' scale (GRPO's loss sums terms that cancel to ~0)."""
+    if key == "actor/pg_loss":
+        scale = max(abs(ms["critic/advantages/max"]), abs(ms["critic/advantages/min"]), 1e-6)
+        return abs(ms[key] - mz[key]) / scale
+    return rel_diff(ms[key], mz[key])
+
+
 def _report(results: dict, assets: dict) -> None:
     rows = []
     for name, r in results.items():
+        last = RUNS[name]["steps"]
         m = r.steps.get(1, {})
-        dedup = next((v for k, v in m.items() if k.endswith("zorro/dedup_ratio")), None)
+        dedup = _dedup(m)
         exp = expected_dedup(m, N) if "prompt_length/mean" in m and "response_length/mean" in m else None
         rows.append((name, r.returncode, f"{r.seconds:.0f}", f"{r.peak_rss_gb:.1f}", max(r.steps, default=0),
-                     "-" if dedup is None else f"{dedup:.4f}", "-" if exp is None else f"{exp:.4f}",
-                     f"{r.steps.get(STEPS, {}).get('actor/kl_loss', float('nan')):.3e}"))
-    lines = ["runs (wall s = whole subprocess incl. Ray/vLLM start; peak = process-tree RSS):"]
-    lines += format_table(rows, ("run", "rc", "wall s", "peak GiB", "last step", "dedup (step 1)",
-                                  "dedup expected", f"kl_loss step {STEPS}")).splitlines()
-    if "stock" in results and "zorro" in results:
-        s, z = results["stock"].steps.get(1, {}), results["zorro"].steps.get(1, {})
-        rows = [(k, f"{s[k]:.8g}", f"{z[k]:.8g}", f"{rel_diff(s[k], z[k]):.2e}") for k in COMPARED
-                if k in s and k in z]
-        lines.append("")
-        lines.append(f"step 1, zorro vs stock (same rollouts; rel = |a-b|/max(|a|,|b|,1e-6); bound {RTOL:g}):")
-        lines += format_table(rows, ("metric", "stock", "zorro", "rel diff")).splitlines()
-        s2, z2 = results["stock"].steps.get(2, {}), results["zorro"].steps.get(2, {})
-        rows = [(k, f"{s2[k]:.8g}", f"{z2[k]:.8g}", f"{rel_diff(s2[k], z2[k]):.2e}") for k in COMPARED
-                if k in s2 and k in z2]
-        if rows:
+                     "-" if dedup is None else f"{dedup:.4f}",
+                     "-" if exp is None else f"{exp:.4f}",
+                     f"{r.steps.get(last, {}).get('actor/kl_loss', float('nan')):.3e}"))
+    lines = ["runs (wall s = whole subprocess incl. Ray/vLLM start; peak = process-tree RSS; dedup = zorro/dedup_ratio"
+             " of the step-1 actor update, mean over ranks):"]
+    lines += format_table(rows, ("run", "rc", "wall s", "peak GiB", "last step", "dedup train",
+                                  "ideal (groups whole)", "kl_loss last step")).splitlines()
+    if "stock" in results:
+        for other in ("zorro", "zorro_whole"):
+            if other not in results:
+                continue
+            rows = []
+            for step in range(1, PAIR["steps"] + 1):
+                s, z = results["stock"].steps.get(step, {}), results[other].steps.get(step, {})
+                rows += [(step, k, f"{s[k]:.8g}", f"{z[k]:.8g}", f"{pair_diff(s, z, k):.2e}")
+                         for k in ["actor/pg_loss"] + COMPARED if k in s and k in z and "critic/advantages/max" in s]
             lines.append("")
-            lines.append("step 2 (informational: rollouts come from each run's own updated weights):")
-            lines += format_table(rows, ("metric", "stock", "zorro", "rel diff")).splitlines()
+            bound = f"bound {RTOL:g}" if other == "zorro" else "informational: other mini-batches by design"
+            lines.append(f"{other} vs stock, every step (replayed rollouts; rel = |a-b|/max(|a|,|b|,1e-6), pg_loss "
+                         f"against max|advantage|; {bound}):")
+            lines += format_table(rows, ("step", "metric", "stock", other, "diff")).splitlines()
     lines.append(f"prompt token lengths of the dataset: {assets['prompt_lengths']}")
     REPORT[:] = lines
 
@@ -147,9 +208,10 @@ def _get(runs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_run_completes(e2e_required, runs, name):
     r = _get(runs, name)
+    steps = RUNS[name]["steps"]
     assert not r.timed_out, f"{name} ran past {RUN_TIMEOUT_S} s:\n{r.tail()}"
     assert r.returncode == 0, f"{name} exited {r.returncode}:\n{r.tail()}"
-    assert sorted(r.steps) == list(range(1, STEPS + 1)), f"{name}: steps logged {sorted(r.steps)}:\n{r.tail()}"
+    assert sorted(r.steps) == list(range(1, steps + 1)), f"{name}: steps logged {sorted(r.steps)}:\n{r.tail()}"
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -161,32 +223,27 @@ def test_engine_and_dedup(e2e_required, runs, name):
         assert not any("zorro/dedup_ratio" in k for k in r.steps.get(1, {}))
         return
     assert r.engine_ranks == set(range(spec["workers"])), f"zorro engine line on ranks {sorted(r.engine_ranks)}"
-    for step in range(1, STEPS + 1):
+    for step in range(1, spec["steps"] + 1):
         m = r.steps[step]
-        dedup = [v for k, v in m.items() if k.endswith("zorro/dedup_ratio")]
-        assert dedup, f"{name} step {step}: no zorro/dedup_ratio metric"
-        fallbacks = [v for k, v in m.items() if k.endswith("zorro/fallback_batches")]
-        assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallback_batches {fallbacks}"
+        dedup = _dedup(m)
+        assert dedup is not None, f"{name} step {step}: no actor/zorro/dedup_ratio metric"
+        fallbacks = [v for k, v in m.items() if k.endswith("zorro/fallback_batches") or k.endswith("balance_fallbacks")]
+        assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallbacks {fallbacks}"
         exp = expected_dedup(m, N)
-        assert dedup[0] > 1.0
-        # prompt tokens saved: (n - 1) of each group's n prompt copies; the logged value is the mean over ranks
+        assert dedup > 1.0, f"{name} step {step}: {dedup}"
         saved = [v for k, v in m.items() if k.endswith("zorro/prompt_tokens_saved")]
-        n_rows = 4 * N
-        exp_saved = n_rows * m["prompt_length/mean"] * (N - 1) / N / spec["workers"]
-        assert saved and saved[0] == pytest.approx(exp_saved, rel=1e-6), f"{name} step {step}: {saved} vs {exp_saved}"
-        if spec["workers"] == 1:
-            # one rank sees the whole batch, groups whole in a micro-batch: exact
-            assert dedup[0] == pytest.approx(exp, rel=1e-6), f"{name} step {step}: {dedup[0]} vs {exp}"
-        else:
-            # the logged value is the mean over ranks of each rank's own ratio (ranks hold different groups, whose
-            # per-rank token counts the logs do not give): close to, not equal to, the whole batch's ratio
-            assert dedup[0] == pytest.approx(exp, rel=0.05), f"{name} step {step}: {dedup[0]} vs {exp}"
+        assert saved and all(v > 0 for v in saved), f"{name} step {step}: prompt_tokens_saved {saved}"
+        if spec["workers"] == 1 and spec["mini"] == 4:
+            # one rank, one mini-batch: every group whole in a micro-batch, the ratio is the batch's own
+            assert dedup == pytest.approx(exp, rel=1e-6), f"{name} step {step}: {dedup} vs {exp}"
+        hooks = [v for k, v in m.items() if k.endswith("zorro/balance_hooks_missing")]
+        assert hooks and all(v == 0 for v in hooks), f"{name} step {step}: the trainer's balance hook did not run"
 
 
 def test_prompt_lengths_match_dataset(e2e_required, runs, assets):
     lens = assets["prompt_lengths"]
     for name, r in runs.items():
-        for step in range(1, STEPS + 1):
+        for step in range(1, RUNS[name]["steps"] + 1):
             got = r.steps.get(step, {}).get("prompt_length/mean")
             assert got == pytest.approx(sum(lens) / len(lens), rel=1e-6), f"{name} step {step}: {got} vs {lens}"
 
@@ -194,41 +251,46 @@ def test_prompt_lengths_match_dataset(e2e_required, runs, assets):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_rollout_matches_actor_and_kl(e2e_required, runs, name):
     r = _get(runs, name)
-    for step in range(1, STEPS + 1):
+    last = RUNS[name]["steps"]
+    for step in range(1, last + 1):
         m = r.steps[step]
         assert m.get("training/rollout_probs_diff_valid") == 1, f"{name} step {step}: no rollout-vs-actor metrics"
         # vLLM rolls out in bf16 from synced weights, the actor recomputes in fp32
         assert m["training/rollout_actor_probs_pearson_corr"] > 0.99, m["training/rollout_actor_probs_pearson_corr"]
         assert m["training/rollout_probs_diff_mean"] < 0.02, m["training/rollout_probs_diff_mean"]
         assert m["actor/grad_norm"] > 0
-    assert r.steps[STEPS]["actor/kl_loss"] > 0, f"{name}: step-{STEPS} KL loss {r.steps[STEPS]['actor/kl_loss']}"
+        assert all(math.isfinite(v) for k, v in m.items() if k.startswith("actor/")), f"{name} step {step}"
+    assert r.steps[last]["actor/kl_loss"] > 0, f"{name}: step-{last} KL loss {r.steps[last]['actor/kl_loss']}"
 
 
-def test_zorro_vs_stock_step1(e2e_required, runs):
+def test_zorro_vs_stock_every_step(e2e_required, runs):
+    """Run-level exactness on verl's defaults: 2 DP ranks, verl's balancing, 2 mini-batches x 2 epochs per step,
+    3 steps, identical rollouts (replayed): every step's metrics agree within RTOL — the optimizer steps saw the same
+    rows, normalisers and reductions, so the weights stay equal up to float rounding."""
     s, z = _get(runs, "stock"), _get(runs, "zorro")
-    # the same rollouts: verl's rollout dump (prompt, response text, reward, per uid) is identical
-    rs, rz = read_rollouts(s.rollout_dir, 1), read_rollouts(z.rollout_dir, 1)
-    assert len(rs) == len(rz) == 4 * N
-    key = [(a["input"], a["output"], a["score"]) for a in rs]
-    assert key == [(a["input"], a["output"], a["score"]) for a in rz], "step-1 rollouts differ between the runs"
-    ms, mz = s.steps[1], z.steps[1]
-    for k in ("response_length/mean", "prompt_length/mean"):
-        assert ms[k] == mz[k], k
-    bad = {k: (ms[k], mz[k], rel_diff(ms[k], mz[k])) for k in COMPARED if rel_diff(ms[k], mz[k]) > RTOL}
-    assert not bad, f"zorro vs stock step-1 metrics beyond {RTOL}: {bad}"
+    for step in range(1, PAIR["steps"] + 1):
+        rs, rz = read_rollouts(s.rollout_dir, step), read_rollouts(z.rollout_dir, step)
+        assert len(rs) == len(rz) == 4 * N
+        key = [(a["input"], a["output"], a["score"]) for a in rs]
+        assert key == [(a["input"], a["output"], a["score"]) for a in rz], f"step-{step} rollouts differ"
+        ms, mz = s.steps[step], z.steps[step]
+        for k in ("response_length/mean", "prompt_length/mean"):
+            assert ms[k] == mz[k], k
+        bad = {k: (ms[k], mz[k], pair_diff(ms, mz, k)) for k in ["actor/pg_loss"] + COMPARED
+               if pair_diff(ms, mz, k) > RTOL}
+        assert not bad, f"zorro vs stock step-{step} metrics beyond {RTOL}: {bad}"
+    assert s.steps[PAIR["steps"]]["actor/kl_loss"] > 0
 
 
-def test_zorro_vs_stock_step2_kl(e2e_required, runs):
-    """Step 1's actor equals its reference (KL loss 0 in both runs); after one update the KL loss is the reference
-    log-probs' real test. Step-2 rollouts come from each run's own updated weights (synced to a bf16 vLLM); when
-    they are identical, the step-2 KL loss, entropy and grad norm must agree too."""
-    s, z = _get(runs, "stock"), _get(runs, "zorro")
-    same = [(a["input"], a["output"]) for a in read_rollouts(s.rollout_dir, 2)] == \
-        [(a["input"], a["output"]) for a in read_rollouts(z.rollout_dir, 2)]
-    if not same:
-        pytest.skip("step-2 rollouts differ (the two updates differ by fp32 rounding, vLLM samples in bf16)")
-    ms, mz = s.steps[2], z.steps[2]
-    assert ms["actor/kl_loss"] > 0
-    bad = {k: (ms[k], mz[k], rel_diff(ms[k], mz[k])) for k in ("actor/kl_loss", "actor/entropy", "actor/grad_norm")
-           if rel_diff(ms[k], mz[k]) > RTOL}
-    assert not bad, f"zorro vs stock step-2 metrics beyond {RTOL}: {bad}"
+def test_whole_groups_mode_dedups_more(e2e_required, runs):
+    """The opt-in whole-group placement (other mini-batches than stock by design) trains on the same rollouts with
+    finite, plausible metrics and deduplicates more in training than the default placement."""
+    z, w = _get(runs, "zorro"), _get(runs, "zorro_whole")
+    for step in range(1, PAIR["steps"] + 1):
+        mz, mw = z.steps[step], w.steps[step]
+        assert _dedup(mw) >= _dedup(mz), f"step {step}: whole_groups {_dedup(mw)} < keep_minibatches {_dedup(mz)}"
+        # plausible: the same data in other mini-batches -> the same scale, not the same numbers
+        assert rel_diff(mz["actor/entropy"], mw["actor/entropy"]) < 0.05, (step, mz["actor/entropy"])
+        for k in ("actor/kl_loss", "actor/grad_norm"):
+            assert 0.2 < mw[k] / mz[k] < 5, (step, k, mz[k], mw[k])
+    assert sum(_dedup(w.steps[s]) for s in range(1, 4)) > sum(_dedup(z.steps[s]) for s in range(1, 4)) * 1.001

@@ -11,6 +11,9 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
   IPC is reported unsupported, so verl syncs weights to vLLM through its shared-memory bucket path;
 * makes a process group requested as ``cpu:gloo,cpu:gloo`` (verl's ``"cpu:gloo,<device>:<backend>"`` with device
   ``cpu``) plain ``gloo`` (torch refuses a device type listed twice);
+* makes FSDP1 (``strategy: fsdp``) accept CPU parameters: verl always passes ``sync_module_states=True``, which
+  torch refuses for them; every rank loads the same checkpoint, so :func:`tests.support.fsdp1_cpu.allow_cpu_fsdp1`
+  turns it off;
 * turns off ``pin_memory`` in FSDP2's ``CPUOffloadPolicy`` (verl builds the reference model with
   ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator);
 * lets the vLLM side of the shared-memory weight sync release its segment although tensors may still view it: on
@@ -23,9 +26,15 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
 
 :func:`install_seeded_rollout` (also installed by :func:`install`; on its own for GPU runs through
 :mod:`tests.support.verl_seeded_rollout_plugin`) makes rollouts reproducible across runs: each vLLM request gets a
-seed derived from its prompt tokens and how many requests with that prompt the server has seen (vLLM's shared
-sampler RNG otherwise depends on how requests happen to be batched). Siblings of a group get different seeds, and
-two runs with the same weights produce the same set of responses per prompt.
+seed derived from its prompt tokens, its sample index in the step's batch (verl's ``priority``) and the step
+(vLLM's shared sampler RNG otherwise depends on how requests happen to be batched, and with two training workers
+on which rollout server a request lands). Siblings of a group get different seeds, and
+two runs with the same weights produce the same set of responses per prompt. From the second step on, two runs'
+weights differ by float rounding, so the first run can record its responses and the second replay them
+(``ZORRO_E2E_ROLLOUT_MODE=record|replay``, ``ZORRO_E2E_ROLLOUT_FILE``): identical rollouts at every step.
+:func:`install_ordered_batches` makes the V1 trainer's batch order deterministic (sequential prompt uids, each
+sampled batch in key order instead of rollout completion order), so that verl's balancing, and hence its
+mini-batches, are the same in two runs on the same rollouts.
 
 The rest of the CPU setup is configuration, see :func:`cpu_overrides`. Refused when CUDA is available.
 """
@@ -37,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["install", "install_seeded_rollout", "e2e_env", "cpu_overrides", "REPO_ROOT"]
+__all__ = ["install", "install_seeded_rollout", "e2e_env", "cpu_overrides", "REPO_ROOT", "ROLLOUT_MODE_ENV",
+           "ROLLOUT_FILE_ENV"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _installed = False
@@ -180,17 +190,105 @@ def _patch_vllm_server(module) -> None:
 
     @functools.wraps(orig)
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
-        seen = self.__dict__.setdefault("_zorro_seen", {})
+        # A request's identity: the training step, its sample index in the step's batch (verl's ``priority``, the
+        # same in every run and unique per sample, siblings included), its prompt — not which of the rollout
+        # servers (one per training worker) happened to receive it.
         ids = [int(t) for t in prompt_ids]
-        key = zlib.crc32(",".join(map(str, ids)).encode())
-        k = seen.get(key, 0)
-        seen[key] = k + 1
+        crc = zlib.crc32(",".join(map(str, ids)).encode())
+        priority = int(kwargs.get("priority", args[4] if len(args) > 4 else 0) or 0)
+        step = int(getattr(self, "global_steps", None) or 0)
+        ident = f"{step}:{priority}:{crc}"
+        seen = self.__dict__.setdefault("_zorro_seen", {})
+        k = seen.get(ident, 0)
+        seen[ident] = k + 1
         sampling_params = dict(sampling_params)
-        sampling_params.setdefault("seed", (int(self.config.seed) * 1_000_003 + key + 7919 * k) % (2**31 - 1))
-        return await orig(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        seed = int(self.config.seed) * 1_000_003 + crc + 7919 * (priority + 1) + 104_729 * step + 15_485_863 * k
+        sampling_params.setdefault("seed", seed % (2**31 - 1))
+        out = await orig(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        return _record_or_replay(f"{ident}:{k}", out)
 
     generate._zorro_e2e = True
     cls.generate = generate
+
+
+#: ``record`` / ``replay`` (with :data:`ROLLOUT_FILE_ENV`): the vLLM server writes every response it returns, or
+#: returns the recorded response of the same (prompt, occurrence) instead of its own.
+ROLLOUT_MODE_ENV = "ZORRO_E2E_ROLLOUT_MODE"
+ROLLOUT_FILE_ENV = "ZORRO_E2E_ROLLOUT_FILE"
+_replay: dict = {}
+
+
+def _record_or_replay(key: str, out):
+    """Record mode appends ``out``'s tokens, log-probs and stop reason under ``key`` (one JSON line); replay mode
+    returns the recorded response for ``key`` in place of ``out``, so that a second run trains on exactly the first
+    run's rollouts at every step, although its weights differ from the first run's by float rounding (which can
+    flip a sampled token). A key missing from the recording raises: a replay never silently samples anew."""
+    import json
+
+    mode, path = os.environ.get(ROLLOUT_MODE_ENV, ""), os.environ.get(ROLLOUT_FILE_ENV, "")
+    if not mode or not path or not getattr(out, "token_ids", None):
+        return out
+    if mode == "record":
+        with open(path, "a") as f:
+            f.write(json.dumps({"key": key, "token_ids": list(out.token_ids), "log_probs": out.log_probs,
+                                "stop_reason": out.stop_reason}) + "\n")
+        return out
+    if mode != "replay":
+        raise ValueError(f"{ROLLOUT_MODE_ENV}: expected record or replay, got {mode!r}.")
+    if not _replay:
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                _replay[rec["key"]] = rec
+    if key not in _replay:
+        raise RuntimeError(f"rollout replay: no recorded response for request {key} in {path}")
+    rec = _replay[key]
+    return out.model_copy(update={"token_ids": rec["token_ids"], "log_probs": rec["log_probs"],
+                                  "stop_reason": rec["stop_reason"]})
+
+
+def _patch_v1_uids(module) -> None:
+    """Sequential prompt uids in the V1 trainer (it draws ``uuid4()`` per prompt): the same uids, in dataset order,
+    in every run."""
+    import itertools
+    import types
+    import uuid
+
+    if getattr(module.uuid, "_zorro_e2e", False):
+        return
+    counter = itertools.count(1)
+    module.uuid = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(counter)), UUID=uuid.UUID, _zorro_e2e=True)
+
+
+def _patch_replay_order(module) -> None:
+    """The V1 replay buffer hands out a step's samples in the order their rollouts finished (asynchronous agent
+    loops, timing-dependent); verl's balancing then cuts mini-batches from that order, so two runs on the same
+    rollouts would put different rows in an optimizer step. Sort each sampled batch by ``(uid, session, index)``
+    (the key ``{uid}_{session}_{index}``; uids are sequential, :func:`_patch_v1_uids`): dataset order."""
+
+    def order_key(key: str):
+        uid, session, index = str(key).rsplit("_", 2)
+        return uid, int(session), int(index)
+
+    for cls in (getattr(module, "ReplayBuffer", None), getattr(module, "ReplayBufferAsync", None)):
+        if cls is None or getattr(cls.sample, "_zorro_e2e", False) or "sample" not in vars(cls):
+            continue
+        orig = cls.sample
+
+        def sample(self, *args, _orig=orig, **kwargs):
+            batch, metrics = _orig(self, *args, **kwargs)
+            idx = sorted(range(len(batch.keys)), key=lambda i: order_key(batch.keys[i]))
+            batch.reorder(idx)
+            return batch, metrics
+
+        sample._zorro_e2e = True
+        cls.sample = sample
+
+
+def install_ordered_batches() -> None:
+    """Deterministic batch order in the V1 trainer: sequential uids and each sampled batch sorted by key."""
+    _after_import("verl.trainer.ppo.v1.trainer_base", _patch_v1_uids)
+    _after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_order)
 
 
 def install_seeded_rollout() -> None:
@@ -199,7 +297,8 @@ def install_seeded_rollout() -> None:
 
 
 def install() -> None:
-    """Register and select the CPU platform, patch the process group and offload policy (idempotent)."""
+    """Register and select the CPU platform, patch the process group, FSDP1's module-state sync and FSDP2's offload
+    policy (idempotent)."""
     global _installed
     if _installed:
         return
@@ -212,10 +311,14 @@ def install() -> None:
         cls = PlatformRegistry.register(platform="cpu")(_platform_class())
     set_platform(cls())
     _patch_process_group()
+    from tests.support.fsdp1_cpu import allow_cpu_fsdp1
+
+    allow_cpu_fsdp1()
     _patch_offload_policy()
     _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
     _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)
     install_seeded_rollout()
+    install_ordered_batches()
     _installed = True
 
 

@@ -156,7 +156,8 @@ _installed = False
 
 
 def use_cpu_platform() -> None:
-    """Register verl platform 'cpu' and make it current (idempotent). Refused when CUDA is available."""
+    """Register verl platform 'cpu' and make it current, and let FSDP1 wrap CPU parameters
+    (:func:`tests.support.fsdp1_cpu.allow_cpu_fsdp1`); idempotent. Refused when CUDA is available."""
     global _installed
     if _installed:
         return
@@ -169,6 +170,9 @@ def use_cpu_platform() -> None:
     if cls is None:
         cls = PlatformRegistry.register(platform="cpu")(_platform_class())
     set_platform(cls())
+    from tests.support.fsdp1_cpu import allow_cpu_fsdp1
+
+    allow_cpu_fsdp1()
     _installed = True
 
 

@@ -1,7 +1,7 @@
 """Helpers for testing the verl 0.9 engine plugin on CPU (used by tests/integrations/verl/v09 and its Ray workers).
 
-Builds stock and zorro engines from the same HF checkpoint (FSDP2, fp32, gloo), verl-layout batches (jagged, as
-verl's trainer hands them to the engine), and verl's own PPO loss.
+Builds stock and zorro engines from the same HF checkpoint (FSDP2 or FSDP1, fp32, gloo), verl-layout batches (jagged,
+as verl's trainer hands them to the engine), verl's own PPO loss, and runs / compares several training steps.
 """
 
 from __future__ import annotations
@@ -11,22 +11,34 @@ from typing import Optional
 
 import torch
 
-__all__ = ["build_engine", "make_engine_batch", "ppo_loss_fn", "infer", "output_values", "response_values",
-           "engine_grads", "rank_batches", "ray_engine_worker_class", "padded_stock_vs_zorro",
-           "assert_matches_stock"]
+#: The FSDP strategies the engine tests run under: FSDP2 and FSDP1 (verl's default ``strategy: fsdp``).
+STRATEGIES = ("fsdp2", "fsdp")
+#: The optimizer of multi-step comparisons (:func:`run_steps`): plain SGD, so the weights after a step differ from
+#: stock's by the learning rate times the gradients' difference. AdamW's first step moves every weight by about
+#: ``lr * sign(grad)``, also where the gradient is rounding noise, which turns 1e-7 gradient differences into
+#: ``lr``-sized weight differences (measured: 8e-5 relative gradients at step 2 between verl's fused and plain stock
+#: engines); later steps would then compare that noise, not the engines.
+STEPS_OPTIM = {"optimizer": "SGD", "lr": 0.5}
+
+__all__ = ["STRATEGIES", "STEPS_OPTIM", "build_engine", "head_unit_policy", "make_engine_batch", "ppo_loss_fn", "infer",
+           "output_values", "response_values", "engine_grads", "run_steps", "step_errors", "assert_steps_match",
+           "rank_batches", "ray_engine_worker_class", "padded_stock_vs_zorro", "assert_matches_stock"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
                  max_token_len: int = 64, use_remove_padding: bool = True, gradient_checkpointing: bool = False,
                  zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None,
                  model_overrides: Optional[dict] = None, attn_implementation: str = "sdpa",
-                 compute_dtype: str = "fp32", use_torch_compile: bool = False):
-    """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt``;
+                 strategy: str = "fsdp2", optim_overrides: Optional[dict] = None, compute_dtype: str = "fp32",
+                 use_torch_compile: bool = False):
+    """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt`` under
+    ``strategy`` (``fsdp2``, or ``fsdp``: FSDP1 with verl's default wrap policy, one unit per decoder layer);
     ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
-    config (e.g. ``ulysses_sequence_parallel_size``); ``attn_implementation`` is the stock model's attention (zorro
-    replaces it). ``compute_dtype="bf16"``: verl's default mixed precision (fp32 parameters, bf16 compute:
-    ``param_dtype`` bf16, so the forward and the logits run in bf16); ``use_torch_compile``: verl's default (True)
-    compiles the entropy function."""
+    config (e.g. ``ulysses_sequence_parallel_size``), ``optim_overrides`` to the optimizer config (default: verl's
+    AdamW at ``lr``; :data:`STEPS_OPTIM` for multi-step comparisons); ``attn_implementation`` is the stock model's
+    attention (zorro replaces it). ``compute_dtype="bf16"``: verl's default mixed precision (fp32 parameters, bf16
+    compute: ``param_dtype`` bf16, so the forward and the logits run in bf16); ``use_torch_compile``: verl's default
+    (True) compiles the entropy function."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead
@@ -38,7 +50,7 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                                  override_config={"attn_implementation": attn_implementation},
                                  use_remove_padding=use_remove_padding,
                                  enable_gradient_checkpointing=gradient_checkpointing, **(model_overrides or {}))
-    common = dict(strategy="fsdp2", model_dtype="fp32", use_torch_compile=use_torch_compile,
+    common = dict(strategy=strategy, model_dtype="fp32", use_torch_compile=use_torch_compile,
                   mixed_precision={"param_dtype": compute_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                   use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                   infer_micro_batch_size_per_gpu=micro_batch_size, max_token_len_per_gpu=max_token_len,
@@ -51,11 +63,22 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
     else:
         engine_config = FSDPEngineConfig(**common)
         cls = FSDPEngineWithLMHead
-    optim = FSDPOptimizerConfig(lr=lr, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
+    optim = FSDPOptimizerConfig(**{"lr": lr, "total_training_steps": 10, "weight_decay": 0.0, "clip_grad": 1.0,
+                                   **(optim_overrides or {})})
     engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim,
                  checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine
+
+
+def head_unit_policy(ckpt: str) -> dict:
+    """``engine_overrides`` that make FSDP1 wrap the (untied) LM head as its own unit, as FSDP2 does: verl's
+    size-based wrap policy (``wrap_policy.min_num_params``) at the head's parameter count (the embeddings and the
+    larger blocks become units too)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    return {"wrap_policy": {"min_num_params": cfg.vocab_size * cfg.hidden_size}}
 
 
 def make_engine_batch(*, batch_size: int = 8, num_prompts: int = 3, prompt_len: int = 6, response_len: int = 5,
@@ -126,7 +149,12 @@ def response_values(nested: torch.Tensor, td) -> torch.Tensor:
 
 
 def engine_grads(engine) -> dict:
-    """Full (unsharded) gradients after ``train_batch`` (clipped as the optimizer saw them), by parameter name."""
+    """Full (unsharded) gradients after ``train_batch`` (clipped as the optimizer saw them), by parameter name
+    (``model.layers.0.mlp.up_proj.weight``...) under FSDP2 and FSDP1. Under FSDP1 a collective: every rank calls it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(engine.module, FullyShardedDataParallel):
+        return _fsdp1_grads(engine.module)
     out = {}
     for name, p in engine.module.named_parameters():
         if p.grad is not None:
@@ -135,11 +163,99 @@ def engine_grads(engine) -> dict:
     return out
 
 
-def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa") -> dict:
+def _fsdp1_grads(root) -> dict:
+    """Per-parameter full gradients of an FSDP1 model (``use_orig_params=False``: the optimizer sees one flat
+    parameter per FSDP unit, sharded over the unit's ranks): each unit's flat gradient is all-gathered, its padding
+    dropped and the rest cut into the original parameters (names without FSDP's wrapper prefixes)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    out = {}
+    for prefix, unit in root.named_modules():
+        if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+            continue
+        flat = unit._handle.flat_param
+        grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)  # [sharded numel] (1-D)
+        if unit._handle.uses_sharded_strategy and unit.world_size > 1:
+            parts = [torch.empty_like(grad) for _ in range(unit.world_size)]
+            dist.all_gather(parts, grad.contiguous(), group=unit.process_group)
+            grad = torch.cat(parts)
+        grad = grad[: sum(flat._numels_with_padding)]
+        prefix = prefix.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        names, shapes = iter(flat._fqns), iter(flat._shapes)
+        for piece, padding in zip(torch.split(grad, flat._numels_with_padding), flat._is_padding_mask):
+            if not padding:
+                out[(prefix + "." if prefix else "") + next(names)] = piece.view(next(shapes)).detach().clone()
+    return out
+
+
+def run_steps(engine, batches, loss_function=None) -> list:
+    """Per batch in order: the inference pass, then one training step (``train_batch``: forward, backward, clipping,
+    optimizer step) with ``loss_function`` (default :func:`ppo_loss_fn`). So batch ``k``'s inference runs on the
+    weights after ``k`` optimizer steps. Returns per batch ``{"inf", "tr", "grads"}`` (grads: :func:`engine_grads`,
+    the step's clipped gradients)."""
+    loss_function = loss_function or ppo_loss_fn()
+    out = []
+    for td in batches:
+        with engine.eval_mode():
+            inf = engine.infer_batch(td.clone(), loss_function=None)
+        with engine.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+            tr = engine.train_batch(td.clone(), loss_function=loss_function)
+        out.append({"inf": inf, "tr": tr, "grads": engine_grads(engine)})
+    return out
+
+
+def step_errors(ref: list, got: list, batches) -> list:
+    """Errors of :func:`run_steps` results ``got`` against ``ref`` (same batches), per step: log-prob / entropy max
+    abs over valid response tokens (``log_probs``, ``entropy``; entropy None when not computed) and the reference's
+    largest log-prob magnitude (``log_probs_scale``), ``loss`` and ``grad_norm`` pairs (ref, got; grad norm None on
+    ranks verl reports none), the global gradient relative error ``grad_rel`` and ``got``'s
+    ``zorro/fallback_batches`` of both passes (``fallback``). Plain floats (JSON for the rank processes)."""
+    from zorro_verl.testing import grad_rel_error
+
+    errs = []
+    for a, b, td in zip(ref, got, batches):
+        mask = td["response_mask"].bool()
+        e = {}
+        for key in ("log_probs", "entropy"):
+            if key not in b["inf"]["model_output"]:
+                e[key] = None
+                continue
+            va, vb = (response_values(x["inf"]["model_output"][key], td) for x in (a, b))
+            e[key] = (va - vb)[mask].abs().max().item()
+            if key == "log_probs":
+                e["log_probs_scale"] = va[mask].abs().max().item()
+        e["loss"] = (sum(a["tr"]["loss"]), sum(b["tr"]["loss"]))
+        norms = [x["tr"]["metrics"].get("grad_norm") for x in (a, b)]
+        e["grad_norm"] = None if None in norms else tuple(float(n) for n in norms)
+        e["grad_rel"] = grad_rel_error(a["grads"], b["grads"])
+        e["fallback"] = [m.get("zorro/fallback_batches", [0.0])[0] for m in (b["inf"]["metrics"], b["tr"]["metrics"])]
+        errs.append(e)
+    return errs
+
+
+def assert_steps_match(errs: list, atol: float, rtol: float, *, zorro: bool = True) -> None:
+    """:func:`step_errors` within the fp32 engine tolerances: log-probs / entropy max abs <= ``atol`` (on log-probs
+    that are not trivially small), loss, grad norm and gradients relative <= ``rtol`` at every step (and, for a zorro
+    run, no stock fallback)."""
+    for k, e in enumerate(errs):
+        assert e["log_probs_scale"] > 0.1 and e["log_probs"] <= atol, (k, e)
+        assert e["entropy"] is None or e["entropy"] <= atol, (k, e)
+        la, lb = e["loss"]
+        assert abs(la) > 1e-4 and abs(la - lb) <= rtol * abs(la), (k, e)
+        if e["grad_norm"] is not None:
+            ga, gb = e["grad_norm"]
+            assert ga > 1e-5 and abs(ga - gb) <= rtol * ga, (k, e)
+        assert e["grad_rel"] <= rtol, (k, e)
+        if zorro:
+            assert e["fallback"] == [0.0, 0.0], (k, e)
+
+
+def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa", strategy: str = "fsdp2") -> dict:
     """The stock engine run padded (``use_remove_padding=False``) vs the zorro engine (``True``) on one 8-row,
     2-prompt batch of ragged, shuffled rows: inference (log-probs, entropy at temperature 0.8) and one training step
-    (verl's PPO loss, micro-batches of 4). For models whose CPU stock remove-padding path is not a reference (a
-    packed row that CPU attention / delta-net kernels cannot separate).
+    (verl's PPO loss, micro-batches of 4), under ``strategy``. For models whose CPU stock remove-padding path is not
+    a reference (a packed row that CPU attention / delta-net kernels cannot separate).
 
     Returns the max abs log-prob / entropy differences over valid response tokens (``log_probs``, ``entropy``),
     the stock values' max magnitudes (``log_probs_scale``, ``entropy_scale``), ``loss`` and ``grad_norm`` pairs
@@ -154,7 +270,7 @@ def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa") -> di
     infer_out, train, grads = [], [], []
     for z, td in zip((False, True), batches):
         eng = build_engine(ckpt, zorro=z, micro_batch_size=4, use_remove_padding=z,
-                           attn_implementation=attn_implementation)
+                           attn_implementation=attn_implementation, strategy=strategy)
         with eng.eval_mode():
             infer_out.append(eng.infer_batch(td.clone(), loss_function=None))
         with eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison

@@ -1,5 +1,6 @@
 """One rank of the Ulysses sequence-parallel engine check (tests/integrations/verl/v09/test_ulysses.py): gloo with a
-``file://`` rendezvous, the CPU platform, FSDP2 fp32 over all ``sp * dp`` ranks.
+``file://`` rendezvous, the CPU platform, fp32 FSDP over all ``sp * dp`` ranks; everything below runs under FSDP2 and
+again under FSDP1 (``strategy: fsdp``) in the same processes, results keyed by strategy.
 
 Run as ``python -m tests.support.verl_ulysses RANK WORLD INIT_FILE CKPT SP OUT_JSON``. The ranks of one SP group
 hold the same batch (DP rank ``d = RANK // SP`` gets seed ``3 + d``: 12 rows of 3 shuffled prompts, uneven lengths
@@ -17,7 +18,8 @@ inference (log-probs, entropy) and one training step (loss, grad norm, every gra
 Each also runs the inference pass with a dynamic token budget.
 
 ``torch.distributed.all_to_all`` is wrapped to count the bytes each engine hands it per training step. Results
-(errors against both stock engines, bytes, tokens) go to ``OUT_JSON``.
+(errors against both stock engines, bytes, tokens; the refusals under FSDP2 only, they do not depend on the strategy)
+go to ``OUT_JSON``.
 """
 
 from __future__ import annotations
@@ -103,7 +105,14 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
     import verl.workers.engine  # noqa: F401  (registers the zorro engine before its module is imported here)
     from verl.utils import tensordict_utils as tu
 
-    from tests.support.verl_engines import build_engine, engine_grads, make_engine_batch, ppo_loss_fn, response_values
+    from tests.support.verl_engines import (
+        STRATEGIES,
+        build_engine,
+        engine_grads,
+        make_engine_batch,
+        ppo_loss_fn,
+        response_values,
+    )
     from zorro_verl.integrations.verl.v09.engine import row_lengths
 
     dp = world // sp
@@ -128,56 +137,61 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
                 "dyn_costs": None if dyn_mbs is None else [_dedup_tokens(batch, b) for b in dyn_mbs.batches]}
 
     ulysses = {"ulysses_sequence_parallel_size": sp}
-    stock_sp = build_engine(ckpt, zorro=False, micro_batch_size=mbs, engine_overrides=ulysses,
-                            attn_implementation=CPU_VARLEN_ATTN)
-    runs = {"stock": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs)), "stock_sp": run(stock_sp)}
-    zorro = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses)
-    runs["zorro_sp"] = run(zorro)
-    zmb = zorro.zorro_last_micro_batches
+    out, stock_sp_runs = {"rank": rank}, {}
+    for strategy in STRATEGIES:
+        stock_sp = build_engine(ckpt, zorro=False, micro_batch_size=mbs, engine_overrides=ulysses,
+                                attn_implementation=CPU_VARLEN_ATTN, strategy=strategy)
+        runs = {"stock": run(build_engine(ckpt, zorro=False, micro_batch_size=mbs, strategy=strategy)),
+                "stock_sp": run(stock_sp)}
+        zorro = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses, strategy=strategy)
+        runs["zorro_sp"] = run(zorro)
+        zmb = zorro.zorro_last_micro_batches
 
-    cfg = zorro.module.config
-    res = {"rank": rank, "rows": int(mask.shape[0]), "response_lens": sorted(r.tolist()),
-           "kv_heads": cfg.num_key_value_heads, "heads": cfg.num_attention_heads, "layers": cfg.num_hidden_layers,
-           "head_dim": cfg.head_dim, "micro_batches": len(zmb), "split_groups": zmb.split_groups,
-           "dedup_tokens": zmb.dedup_tokens, "ordinary_tokens": int((p + r).sum()),
-           # tokens of each zorro micro-batch's packed row and of each stock micro-batch (rows in order, mbs each)
-           "zorro_mb_tokens": [_dedup_tokens(td, b) for b in zmb.batches],
-           "stock_mb_tokens": [int((p[i: i + mbs] + r[i: i + mbs]).sum()) for i in range(0, len(p), mbs)],
-           "fallback": runs["zorro_sp"]["tr"]["metrics"]["zorro/fallback_batches"],
-           "dyn_budget": DYN_BUDGET * sp, "zorro_dyn_mb_tokens": runs["zorro_sp"]["dyn_costs"],
-           "a2a_bytes": {k: v["a2a_bytes"] for k, v in runs.items()}}
-    for ref in ("stock_sp", "stock"):
-        res[ref] = _compare(runs[ref], runs["zorro_sp"], td, mask)
-    if world == sp:
-        # the single-group run also checks the memory logits mode (with gradient checkpointing: the exchanges run
-        # again in the recompute), verl's fused kernels and the refusals
-        mem = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses,
-                           zorro_settings={"logits_optimization": "memory"}, gradient_checkpointing=True)
-        mem.logits_chunk_size = 4  # several chunks per rank's head rows
-        runs["zorro_sp_memory"] = run(mem)
-        res["stock_sp"]["memory"] = _compare(runs["stock_sp"], runs["zorro_sp_memory"], td, mask)
-        res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
-        # one 24-token prompt, 4 short responses (T = 29): SP rank 0 holds prompt tokens only, so it runs the head
-        # on no row at all (the common case at long context) and still takes part in every exchange
-        long_td = make_engine_batch(batch_size=4, num_prompts=1, prompt_len=24, response_len=3, seed=5,
-                                    micro_batch_size=4, global_batch_size=4)
-        long_runs = [run(e, long_td) for e in (stock_sp, zorro)]
-        res["stock_sp"]["head_rows_on_one_rank"] = _compare(*long_runs, long_td, long_td["response_mask"].bool())
-        res["head_rows_per_rank"] = list(_shard_of(long_td, sp, rank).row_counts)
+        cfg = zorro.module.config
+        res = {"rank": rank, "rows": int(mask.shape[0]), "response_lens": sorted(r.tolist()),
+               "kv_heads": cfg.num_key_value_heads, "heads": cfg.num_attention_heads, "layers": cfg.num_hidden_layers,
+               "head_dim": cfg.head_dim, "micro_batches": len(zmb), "split_groups": zmb.split_groups,
+               "dedup_tokens": zmb.dedup_tokens, "ordinary_tokens": int((p + r).sum()),
+               # tokens of each zorro micro-batch's packed row and of each stock micro-batch (rows in order, mbs each)
+               "zorro_mb_tokens": [_dedup_tokens(td, b) for b in zmb.batches],
+               "stock_mb_tokens": [int((p[i: i + mbs] + r[i: i + mbs]).sum()) for i in range(0, len(p), mbs)],
+               "fallback": runs["zorro_sp"]["tr"]["metrics"]["zorro/fallback_batches"],
+               "dyn_budget": DYN_BUDGET * sp, "zorro_dyn_mb_tokens": runs["zorro_sp"]["dyn_costs"],
+               "a2a_bytes": {k: v["a2a_bytes"] for k, v in runs.items()}}
+        for ref in ("stock_sp", "stock"):
+            res[ref] = _compare(runs[ref], runs["zorro_sp"], td, mask)
+        if world == sp:
+            # the single-group run also checks the memory logits mode (with gradient checkpointing: the exchanges run
+            # again in the recompute), verl's fused kernels (below) and the refusals
+            mem = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses, strategy=strategy,
+                               zorro_settings={"logits_optimization": "memory"}, gradient_checkpointing=True)
+            mem.logits_chunk_size = 4  # several chunks per rank's head rows
+            runs["zorro_sp_memory"] = run(mem)
+            res["stock_sp"]["memory"] = _compare(runs["stock_sp"], runs["zorro_sp_memory"], td, mask)
+            if strategy == STRATEGIES[0]:  # what zorro refuses does not depend on the strategy
+                res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
+            # one 24-token prompt, 4 short responses (T = 29): SP rank 0 holds prompt tokens only, so it runs the
+            # head on no row at all (the common case at long context) and still takes part in every exchange
+            long_td = make_engine_batch(batch_size=4, num_prompts=1, prompt_len=24, response_len=3, seed=5,
+                                        micro_batch_size=4, global_batch_size=4)
+            long_runs = [run(e, long_td) for e in (stock_sp, zorro)]
+            res["stock_sp"]["head_rows_on_one_rank"] = _compare(*long_runs, long_td, long_td["response_mask"].bool())
+            res["head_rows_per_rank"] = list(_shard_of(long_td, sp, rank).row_counts)
+        # the stock SP engine against the stock engine without SP (the reference's own agreement)
+        d = (response_values(runs["stock"]["inf"]["model_output"]["log_probs"], td)
+             - response_values(runs["stock_sp"]["inf"]["model_output"]["log_probs"], td))
+        res["stock_sp_vs_stock_log_probs_max_abs"] = d[mask].abs().max().item()
+        out[strategy], stock_sp_runs[strategy] = res, runs["stock_sp"]
+    for strategy in STRATEGIES if world == sp else ():
         # last: verl patches the model class's forward for fused kernels, for the whole process
         fused_td = td.clone()
         tu.assign_non_tensor(fused_td, use_fused_kernels=True)
         fused = build_engine(ckpt, zorro=True, micro_batch_size=mbs, model_overrides=FUSED_MODEL,
-                             engine_overrides={**ulysses, "use_fused_kernels": True})
-        runs["zorro_sp_fused"] = run(fused, fused_td)
-        res["stock_sp"]["fused"] = _compare(runs["stock_sp"], runs["zorro_sp_fused"], td, mask)
-    # the stock SP engine against the stock engine without SP (the reference's own agreement)
-    d = (response_values(runs["stock"]["inf"]["model_output"]["log_probs"], td)
-         - response_values(runs["stock_sp"]["inf"]["model_output"]["log_probs"], td))
-    res["stock_sp_vs_stock_log_probs_max_abs"] = d[mask].abs().max().item()
+                             engine_overrides={**ulysses, "use_fused_kernels": True}, strategy=strategy)
+        out[strategy]["stock_sp"]["fused"] = _compare(stock_sp_runs[strategy], run(fused, fused_td), td, mask)
     dist.barrier()
     dist.destroy_process_group()
-    return res
+    return out
 
 
 def _compare(a: dict, b: dict, td, mask) -> dict:

@@ -19,11 +19,13 @@ gives the index that puts concatenated per-micro-batch outputs back into the ori
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
 import torch
+
+from zorro_verl.packing.placement import best_whole_placement
 
 __all__ = [
     "GroupUnit",
@@ -35,6 +37,7 @@ __all__ = [
     "microbatch_cost",
     "balance_groups_across_ranks",
     "DPBalance",
+    "regroup_within_slots",
 ]
 
 IntSeq = Union[torch.Tensor, Sequence[int]]
@@ -326,7 +329,8 @@ def _prompt_identity_groups(g: list[int], p: list[int]) -> tuple[list[int], int]
 def _pack(units: list[GroupUnit], cap: list[int], r: list[int]) -> list[list[int]]:
     """Place ``units`` into ``len(cap)`` bins of at most ``cap[k]`` rows, balancing deduplicated cost: largest cost
     first onto the least-loaded bin with room for the whole unit; units that fit nowhere whole are then cut into as
-    few pieces as possible, filling the bins with the most free rows first (each piece pays the prompt)."""
+    few pieces as possible, filling the bins with the most free rows first (each piece pays the prompt). A cut is
+    kept only when no whole-unit placement has a busiest bin as cheap (:func:`~.placement.best_whole_placement`)."""
     n = len(cap)
     bins: list[list[int]] = [[] for _ in range(n)]
     loads = [0] * n
@@ -339,6 +343,8 @@ def _pack(units: list[GroupUnit], cap: list[int], r: list[int]) -> list[list[int
         k = min(fits, key=lambda k: (loads[k], k))
         bins[k].extend(u.rows)
         loads[k] += u.cost
+    if not deferred:
+        return bins
     for u in deferred:
         rows = list(u.rows)
         while rows:
@@ -348,6 +354,12 @@ def _pack(units: list[GroupUnit], cap: list[int], r: list[int]) -> list[list[int
             piece, rows = rows[:free], rows[free:]
             bins[k].extend(piece)
             loads[k] += u.prompt_len + sum(r[b] for b in piece)
+    whole = best_whole_placement([len(u.rows) for u in units], [u.cost for u in units], cap, max(loads))
+    if whole is None:
+        return bins
+    bins = [[] for _ in range(n)]
+    for u, k in zip(units, whole):
+        bins[k].extend(u.rows)
     return bins
 
 
@@ -411,6 +423,86 @@ def balance_groups_across_ranks(row_group: IntSeq, prompt_lens: IntSeq, response
     split_rows = [sum(1 for b in rows if len(rank_owners[g[b]]) > 1) for rows in ranks]
     costs = [_cost_of(rows, g, p, r) for rows in ranks]
     return DPBalance(ranks, costs, split, mb_split, m, split_rows, relabelled)
+
+
+def regroup_within_slots(row_group: IntSeq, prompt_lens: IntSeq, response_lens: IntSeq,
+                         slot_of_position: Sequence[Hashable], world_size: int) -> DPBalance:
+    """Move rows between data-parallel ranks only among positions of one *slot*, so that a group's rows in a slot
+    sit on one rank where they fit — without changing which rows any consumer's mini-batch holds.
+
+    The batch is in the trainer's own (stock) order: position ``i`` holds row ``i`` and goes to rank
+    ``i // (B // world_size)`` (verl dispatches equal consecutive chunks). ``slot_of_position[i]`` names every
+    optimizer step position ``i`` feeds (e.g. ``(mini-batch of epoch 1, mini-batch of epoch 2, ...)`` for the actor,
+    and the critic's too): two positions with the same slot are interchangeable for every consumer, so swapping
+    their rows leaves each mini-batch's global set of rows — and hence every loss normaliser and optimizer step —
+    unchanged. Within each slot the rows' groups are packed onto the ranks' positions of that slot like
+    :func:`balance_groups_across_ranks` packs ranks (whole groups, balanced deduplicated cost, a group cut only
+    when it fits nowhere whole); a rank's rows of a slot fill its positions of that slot in ascending order,
+    siblings adjacent.
+
+    Args:
+        row_group, prompt_lens, response_lens: ``[B]`` as in :func:`balance_groups_across_ranks`.
+        slot_of_position: ``[B]`` hashable slot names.
+        world_size: data-parallel ranks; must divide ``B``.
+
+    Returns:
+        :class:`DPBalance` with ``ranks[k]`` = the rows (indices into the input order) rank ``k`` gets, in
+        position order; ``split_groups`` counts groups on more than one rank, ``minibatch_split_groups`` groups on
+        more than one (rank, slot) pair, and ``minibatches_per_rank`` the number of distinct slots.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}.")
+    g, p, r = _inputs(row_group, prompt_lens, response_lens)
+    B = len(g)
+    if len(slot_of_position) != B:
+        raise ValueError(f"slot_of_position: expected one slot per row [B={B}], got {len(slot_of_position)}.")
+    if B % world_size:
+        raise ValueError(f"world_size: the batch ({B} rows) must split into equal chunks over {world_size} ranks, "
+                         "as verl dispatches it.")
+    g, relabelled = _prompt_identity_groups(g, p)
+    chunk = B // world_size
+    positions: dict[Hashable, list[int]] = {}
+    for i, s in enumerate(slot_of_position):
+        positions.setdefault(s, []).append(i)
+    order: list[int] = [-1] * B  # position -> row
+    home: dict[int, dict[int, int]] = {}  # group -> {rank: rows placed there}
+    slot_parts: list[list[int]] = []
+    for pos in positions.values():  # slots in order of first position
+        cap = [0] * world_size
+        for i in pos:
+            cap[i // chunk] += 1
+        # the slot's rows are exactly the rows at its positions; pack them with local indices 0..len(pos)-1
+        lg, lp, lr = [g[i] for i in pos], [p[i] for i in pos], [r[i] for i in pos]
+        units = _units(lg, lp, lr)
+        # a group already placed on a rank (earlier slots) goes back there when it fits whole: the forward-only
+        # passes run a rank's rows at once, and other consumers' steps may cut one actor step into several slots
+        homed: list[list[int]] = [[] for _ in range(world_size)]
+        rest = []
+        for u in sorted(units, key=lambda u: (-len(u.rows), -u.cost, u.rows[0])):
+            ks = [k for k in home.get(u.group, ()) if cap[k] - len(homed[k]) >= len(u.rows)]
+            if ks:
+                homed[max(ks, key=lambda k: (home[u.group][k], -k))].extend(u.rows)
+            else:
+                rest.append(u)
+        bins = _pack(rest, [cap[k] - len(homed[k]) for k in range(world_size)], lr)
+        by_rank = [_siblings_adjacent([pos[j] for j in homed[k] + bins[k]], g) for k in range(world_size)]
+        for k in range(world_size):
+            for i in by_rank[k]:
+                home.setdefault(g[i], {}).setdefault(k, 0)
+                home[g[i]][k] += 1
+        for k in range(world_size):
+            mine = [i for i in pos if i // chunk == k]
+            assert len(mine) == len(by_rank[k]), "packing respects the per-rank capacity of the slot"
+            for i, row in zip(mine, by_rank[k]):
+                order[i] = row
+            slot_parts.append(by_rank[k])
+    ranks = [order[k * chunk:(k + 1) * chunk] for k in range(world_size)]
+    rank_owners = _owners(ranks, g)
+    slot_owners = _owners(slot_parts, g)
+    split_rows = [sum(1 for b in rows if len(rank_owners[g[b]]) > 1) for rows in ranks]
+    return DPBalance(ranks, [_cost_of(rows, g, p, r) for rows in ranks],
+                     sum(1 for s in rank_owners.values() if len(s) > 1),
+                     sum(1 for s in slot_owners.values() if len(s) > 1), len(positions), split_rows, relabelled)
 
 
 def _owners(parts: list[list[int]], g: list[int]) -> dict[int, set]:

@@ -9,7 +9,7 @@ def test_settings_defaults_and_mapping():
     s = ZorroSettings.from_mapping({})
     assert s.to_dict() == {"enable": False, "rollout_n": None, "logits_optimization": "none",
                            "attention_backend": "auto", "on_unsupported": "raise", "group_balance": True,
-                           "sharing": "prompt", "min_shared_len": 64}
+                           "group_balance_mode": "keep_minibatches", "sharing": "prompt", "min_shared_len": 64}
     assert s.plan_kwargs() == {"sharing": "prompt"}
     t = ZorroSettings.from_mapping({"sharing": "prefix", "min_shared_len": 16})
     assert t.plan_kwargs() == {"sharing": "prefix", "min_shared_len": 16}
@@ -27,6 +27,7 @@ def test_settings_defaults_and_mapping():
     ({"attention_backend": "flash_attention_2"}, "zorro.attention_backend"),
     ({"on_unsupported": "ignore"}, "zorro.on_unsupported"),
     ({"group_balance": 1}, "zorro.group_balance"),
+    ({"group_balance_mode": "whole"}, "zorro.group_balance_mode"),
     ({"sharing": "tree"}, "zorro.sharing"),
     ({"min_shared_len": 0}, "zorro.min_shared_len"),
     ({"min_shared_len": "64"}, "zorro.min_shared_len"),

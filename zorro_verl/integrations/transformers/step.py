@@ -25,7 +25,7 @@ from zorro_verl.logprob import (
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["zorro_step", "HeadFn", "head_fn_unsupported"]
+__all__ = ["zorro_step", "HeadFn", "head_fn_unsupported", "forward_owner"]
 
 #: ``(hidden [Nh, H], head module, targets [N] int64, temperature, calculate_entropy, index [N] int64 | None) ->
 #: (log_probs [N], entropy [N] | None)``; ``index`` None: ``Nh = N``, row ``i`` predicts ``targets[i]``
@@ -129,12 +129,12 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
 
 def _chunked_head(chunk_size: int, temperature_op: str = "upcast") -> HeadFn:
     """The ``memory`` mode's head function: the chunked autograd Function over the head's own ``weight`` / ``bias``
-    (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 the head's
-    parameters are gathered once per step (around the swapped head forward) whatever the chunk count, and their
-    gradients come back as the Function's outputs through autograd (FSDP2's post-backward reduction sees them).
-    With ``index`` (a prefix tree) the head runs once per distinct position, on the ``[Nh, H]`` rows. The
-    temperature divides each chunk's logits as ``temperature_op`` says (in the chunk's dtype for ``logits`` /
-    ``logits_rounded``: the dtype ``F.linear`` returns, autocast included)."""
+    (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 (or FSDP1 with the
+    head as its own unit) the head's parameters are gathered once per step (around the swapped head forward) whatever
+    the chunk count, and their gradients come back as the Function's outputs through autograd (FSDP's post-backward
+    reduction sees them; tested for both). With ``index`` (a prefix tree) the head runs once per distinct position,
+    on the ``[Nh, H]`` rows. The temperature divides each chunk's logits as ``temperature_op`` says (in the chunk's
+    dtype for ``logits`` / ``logits_rounded``: the dtype ``F.linear`` returns, autocast included)."""
 
     def head_fn(hidden, head, targets, temperature, calculate_entropy, index):
         weight, bias = linear_head_params(head)
@@ -143,6 +143,19 @@ def _chunked_head(chunk_size: int, temperature_op: str = "upcast") -> HeadFn:
                                temperature_op=temperature_op)
 
     return head_fn
+
+
+def forward_owner(module):
+    """The module whose ``forward`` is the model's own, for swapping it for one call: ``module`` itself (plain, or
+    FSDP2, whose ``fully_shard`` keeps the class and runs its unshard / reshard as hooks), or the module inside FSDP1
+    wrappers (``FullyShardedDataParallel.forward`` unshards the flat parameter, registers the backward hooks, then
+    calls the wrapped module's forward; an instance ``forward`` set on the wrapper would skip all that and run on
+    sharded or stale parameter views)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    while isinstance(module, FullyShardedDataParallel):
+        module = module.module
+    return module
 
 
 def head_fn_unsupported(model):
@@ -167,7 +180,9 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, tar
     backward hooks fire on the returned tensor before the gradient reaches ``head_fn``'s graph. The root must hand
     the head's output through unchanged as ``logits`` (checked): models that post-process logits are refused.
     """
-    head = model.get_output_embeddings()
+    # FSDP1 may wrap the head as its own unit (a size-based wrap policy): the wrapper's forward gathers the head's
+    # parameters and calls the inner module, whose forward is the one swapped (and whose parameters head_fn reads)
+    head = forward_owner(model.get_output_embeddings())
     reason = head_fn_unsupported(model)
     if reason is not None:
         raise ValueError(f"logits_optimization: {reason}")

@@ -15,7 +15,12 @@ Keys (documented for users in ``configs/README.md``):
   flash-attn or PyTorch's built-in flash kernels), else ``sdpa`` (logged once when that happens on CUDA).
 * ``on_unsupported`` (``raise|warn``): what to do with a setting zorro cannot run exactly; ``warn`` falls back to
   the stock forward for that batch, warns once and counts it in ``zorro/fallback_batches``.
-* ``group_balance`` (bool, True): group-aware DP balancing in the trainer.
+* ``group_balance`` (bool, True): group-aware DP balancing in the trainer (false: verl's own balancing only).
+* ``group_balance_mode`` (``keep_minibatches|whole_groups``, ``keep_minibatches``): how the trainer places rows
+  (verl 0.9). ``keep_minibatches``: every optimizer step gets exactly the rows verl's own balancing gives it; rows
+  move between DP ranks only inside each mini-batch, so a group's rows there sit on one rank (the run equals
+  stock's). ``whole_groups`` (opt-in, logged): whole groups are bin-packed into (rank, mini-batch) slots, which
+  dedups more but changes which rows share an optimizer step (docs/DESIGN.md §6).
 * ``sharing`` (``prompt|prefix``, ``prompt``): share identical prompts, or every common prefix (the prefix tree:
   shared system prompts, earlier turns of multi-turn samples, shared response starts).
 * ``min_shared_len`` (int >= 1, 64): ``sharing=prefix`` only: tokens a shared tree node must add over its parent
@@ -33,14 +38,16 @@ from zorro_verl.logprob import LOGITS_MODES
 from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, SHARING_MODES
 
 __all__ = ["ZorroSettings", "settings_of", "SETTING_KEYS", "ATTENTION_BACKEND_CHOICES", "ON_UNSUPPORTED",
+           "GROUP_BALANCE_MODES",
            "resolve_attention_backend"]
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
 ON_UNSUPPORTED = ("raise", "warn")
+GROUP_BALANCE_MODES = ("keep_minibatches", "whole_groups")
 SETTING_KEYS = ("enable", "rollout_n", "logits_optimization", "attention_backend", "on_unsupported",
-                "group_balance", "sharing", "min_shared_len")
+                "group_balance", "group_balance_mode", "sharing", "min_shared_len")
 #: Keys that may appear in a Hydra node beside the settings and are ignored here (Hydra's own).
 _IGNORED_KEYS = ("_target_",)
 
@@ -87,7 +94,8 @@ class ZorroSettings:
 
     def __init__(self, enable: bool = False, rollout_n: Optional[int] = None, logits_optimization: str = "none",
                  attention_backend: str = "auto", on_unsupported: str = "raise", group_balance: bool = True,
-                 sharing: str = "prompt", min_shared_len: int = DEFAULT_MIN_SHARED_LEN):
+                 group_balance_mode: str = "keep_minibatches", sharing: str = "prompt",
+                 min_shared_len: int = DEFAULT_MIN_SHARED_LEN):
         self.enable = _as_bool("enable", enable)
         if rollout_n is not None:
             if isinstance(rollout_n, bool) or not isinstance(rollout_n, int) or rollout_n < 1:
@@ -98,6 +106,7 @@ class ZorroSettings:
         self.attention_backend = _as_choice("attention_backend", attention_backend, ATTENTION_BACKEND_CHOICES)
         self.on_unsupported = _as_choice("on_unsupported", on_unsupported, ON_UNSUPPORTED)
         self.group_balance = _as_bool("group_balance", group_balance)
+        self.group_balance_mode = _as_choice("group_balance_mode", group_balance_mode, GROUP_BALANCE_MODES)
         self.sharing = _as_choice("sharing", sharing, SHARING_MODES)
         if isinstance(min_shared_len, bool) or not isinstance(min_shared_len, int) or min_shared_len < 1:
             raise ValueError(f"zorro.min_shared_len: expected an int >= 1 (tokens a shared prefix-tree node must "

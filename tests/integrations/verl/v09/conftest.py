@@ -1,4 +1,5 @@
-"""Fixtures for the verl 0.9 engine tests: CPU platform, a 1-process gloo group, tiny Qwen3 checkpoints on disk.
+"""Fixtures for the verl 0.9 engine tests: CPU platform, a 1-process gloo group, the FSDP strategy (FSDP2 and FSDP1),
+tiny Qwen3 checkpoints on disk.
 Skips cleanly without verl 0.9 (fails instead when ZORRO_REQUIRE_VERL=1, as scripts/test.sh sets)."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+from tests.support.verl_engines import STRATEGIES
 
 
 def _verl_09():
@@ -54,6 +57,13 @@ def verl_cpu():
     yield
 
 
+@pytest.fixture(scope="module", params=STRATEGIES)
+def strategy(request):
+    """The FSDP strategy of the engines under test: ``fsdp2``, and ``fsdp`` (FSDP1, verl's default). Module scope, so
+    a module's engines are built once per strategy."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A tiny fp32 Qwen3 (GQA, 2 layers) saved as an HF checkpoint directory."""
@@ -64,3 +74,15 @@ def tiny_ckpt(tmp_path_factory):
     model.config.architectures = ["Qwen3ForCausalLM"]
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_balance_warnings():
+    """Each test sees the trainer hook's warn-once messages afresh (they are once per process)."""
+    try:
+        from zorro_verl.integrations.verl.v09 import balance
+    except ImportError:
+        yield
+        return
+    balance._warned.clear()
+    yield

@@ -36,12 +36,17 @@ def test_group_balance_keeps_groups_whole():
     assert len(owners) == 4 and all(len(s) == 1 for s in owners.values())
 
 
-def _trainer_self(enable, group_balance=True, dp=4):
+def _trainer_self(enable, group_balance=True, dp=4, mode="whole_groups", mini=4, n=1, epochs=1, shuffle=False):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "fsdp_config": {
-        "zorro": {"enable": enable, "group_balance": group_balance}}}}})
-    return types.SimpleNamespace(config=cfg, actor_rollout_wg=None, _get_dp_size=lambda wg, role: dp)
+    cfg = OmegaConf.create({"trainer": {"critic_warmup": 0}, "actor_rollout_ref": {
+        "rollout": {"n": n},
+        "actor": {"ppo_mini_batch_size": mini, "ppo_epochs": epochs, "shuffle": shuffle, "data_loader_seed": 42,
+                  "fsdp_config": {"zorro": {"enable": enable, "group_balance": group_balance,
+                                            "group_balance_mode": mode}}}}})
+    wg = types.SimpleNamespace(_dispatch_info={"actor": list(range(dp))})
+    return types.SimpleNamespace(config=cfg, actor_rollout_wg=wg, use_critic=False, global_steps=1,
+                                 _get_dp_size=lambda wg, role: dp)
 
 
 def test_v0_trainer_hook_real_ray_trainer():
@@ -78,6 +83,7 @@ def test_v1_trainer_hook_logic():
     class Batch:
         def __init__(self, keys, tags):
             self.keys, self.tags = list(keys), list(tags)
+            self.extra_info = {}
 
         def __len__(self):
             return len(self.keys)
@@ -97,7 +103,7 @@ def test_v1_trainer_hook_logic():
     keys = [f"{u}_s0_{i}" for i, u in enumerate(uids)]
     tags = [{"prompt_len": 10 + ord(u) % 5, "response_len": 3, "seq_len": 13 + ord(u) % 5} for u in uids]
     wg = types.SimpleNamespace(_dispatch_info={"actor": [0, 1]})
-    me = types.SimpleNamespace(config=_trainer_self(True).config, actor_rollout_wg=wg,
+    me = types.SimpleNamespace(config=_trainer_self(True).config, actor_rollout_wg=wg, use_critic=False,
                                _get_required_batch_multiple=lambda dp: dp,
                                tokenizer=types.SimpleNamespace(eos_token_id=0))
     metrics = {}
@@ -112,7 +118,7 @@ def test_v1_trainer_hook_logic():
 
 
 # ------------------------------------------------------------------------------ the real V1 trainer (verl 0.9.1)
-def _v1_trainer(dp=2, mini=1, n=4, shuffle=False, rollout_n=4, enable=True):
+def _v1_trainer(dp=2, mini=1, n=4, shuffle=False, rollout_n=4, enable=True, mode="whole_groups", epochs=1):
     """verl's V1 ``PPOTrainer`` methods on a stand-in ``self``: a worker group with ``dp`` actor ranks, the config
     keys ``_balance_batch`` / ``_get_required_batch_multiple`` read."""
     from omegaconf import OmegaConf
@@ -121,8 +127,9 @@ def _v1_trainer(dp=2, mini=1, n=4, shuffle=False, rollout_n=4, enable=True):
     cfg = OmegaConf.create({
         "trainer": {"critic_warmup": 0},
         "actor_rollout_ref": {"rollout": {"n": n}, "actor": {
-            "ppo_mini_batch_size": mini, "shuffle": shuffle,
-            "fsdp_config": {"zorro": {"enable": enable, "group_balance": True, "rollout_n": rollout_n}}}}})
+            "ppo_mini_batch_size": mini, "shuffle": shuffle, "ppo_epochs": epochs, "data_loader_seed": 42,
+            "fsdp_config": {"zorro": {"enable": enable, "group_balance": True, "rollout_n": rollout_n,
+                                      "group_balance_mode": mode}}}}})
     me = types.SimpleNamespace(config=cfg, use_critic=False, global_steps=1,
                                actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": list(range(dp))}),
                                tokenizer=types.SimpleNamespace(eos_token_id=0))
@@ -216,7 +223,7 @@ def test_hook_installation_is_logged(caplog):
 
     cls = type("SomeTrainer", (), {"_balance_batch": lambda self, batch, metrics, **kw: batch})
     with caplog.at_level("WARNING"):
-        _wrap_balance_batch(cls, lambda *a: None)
+        _wrap_balance_batch(cls, lambda *a: None, lambda *a: None)
     assert "zorro: group-aware DP balancing installed in" in caplog.text and "SomeTrainer" in caplog.text
 
 

@@ -185,6 +185,33 @@ def test_other_strategies_refuse_zorro():
         turbo(model_config=None, engine_config=cfg, optimizer_config=None, checkpoint_config=None)
 
 
+def test_critic_given_a_zorro_config_refuses(tiny_ckpt):
+    """A critic (value-model engine) whose engine config enables zorro would run verl's stock forward: its engine
+    refuses at construction, naming the key to remove; a plain critic config builds the stock engine."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.settings import settings_of as zorro_settings_of
+
+    target = "critic.fsdp._target_=zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig"
+    # the critic's engine config (verl's FSDPCriticConfig.engine is its `fsdp` node)
+    critic = omega_conf_to_dataclass(_compose([target, "+critic.fsdp.zorro.enable=true"]).critic.fsdp)
+    assert zorro_settings_of(critic).enable
+    plain = omega_conf_to_dataclass(_compose().critic.fsdp)
+    value_engines = EngineRegistry._engines["value_model"]
+    assert all(c._zorro_guard for b in ("fsdp", "fsdp2") for c in value_engines[b].values())
+    cls = value_engines["fsdp2"]["cuda"]
+    kw = dict(model_config=HFModelConfig(path=tiny_ckpt, load_tokenizer=False, model_type="value_model"),
+              optimizer_config=FSDPOptimizerConfig(lr=0.0, total_training_steps=1),
+              checkpoint_config=CheckpointConfig())
+    with pytest.raises(ValueError, match=r"critic\.fsdp\.zorro: expected no zorro node .* got enable=true") as info:
+        cls(engine_config=critic, **kw)
+    assert "critic.fsdp.zorro.enable=false" in str(info.value) and "stock forward" in str(info.value)
+    assert isinstance(cls(engine_config=plain, **kw), cls)  # no zorro in the config: verl's engine
+
+
 def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
     """verl's own entry point, run from an unrelated folder, composes the preset from the installed package
     (`--config-path=pkg://zorro_verl.configs`) — the README's launch line; `--cfg job` prints it and exits."""

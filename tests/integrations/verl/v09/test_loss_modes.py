@@ -6,6 +6,7 @@ differ. KL loss and an entropy coefficient are on. Two layouts: ``padded`` (``Ra
 and response fields padded ``[B, R]``) and ``nested`` (the V1 trainer: all of them jagged). Modes zorro runs
 exactly compare loss, grad norm and every gradient; modes it cannot (``zorro_verl.integrations.verl.v09.losses``)
 raise with ``on_unsupported=raise`` and with ``warn`` run the stock forward, counted in ``zorro/fallback_batches``.
+The policy losses of ``EQUAL`` are the allow-list ``VERIFIED_POLICY_LOSSES``; any other registered loss is refused.
 
 Tolerances (docs/DESIGN.md §10): loss and grad norm relative <= 1e-5, gradients relative to the largest <= 1e-5.
 """
@@ -26,6 +27,11 @@ EQUAL = [(layout, mode, {"loss_agg_mode": mode}) for layout in ("padded", "neste
 ] + [("nested", f"policy:{m}", {"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": m}})
      for m in ("vanilla", "gspo", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl")] + [
     ("nested", "policy:dro", {"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "dro", "dro_beta": 0.5}}),
+] + [  # bypass_mode (old log-probs = rollout log-probs): token IS weights, per-token rejection; PPO-clip / REINFORCE
+    ("nested", f"policy:bypass_mode-{kind}", {"loss_agg_mode": "token-mean", "policy_loss": {
+        "loss_mode": "bypass_mode", "rollout_correction": {
+            "loss_type": kind, "rollout_is": "token", "rollout_is_threshold": 1.2, "rollout_is_batch_normalize": False,
+            "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_1.5"}}}) for kind in ("ppo_clip", "reinforce")
 ]
 # (layout, id, ppo_loss_fn kwargs, text the refusal names) of the settings zorro refuses
 REFUSED = [
@@ -177,3 +183,41 @@ def test_reasons_name_the_setting_and_the_fix():
     distill = {"distillation_loss": {"use_policy_gradient": True, "policy_loss_mode": "clip_cov"}}
     assert "clip_cov" in loss_unsupported(partial(lambda **kw: None, config=ppo_loss_fn().keywords["config"],
                                                   distillation_config=distill))
+
+
+def test_verified_policy_losses_are_the_measured_ones():
+    """The allow-list is exactly the policy losses EQUAL measures against the stock engine."""
+    from zorro_verl.integrations.verl.v09.losses import VERIFIED_POLICY_LOSSES
+
+    measured = {kw["policy_loss"]["loss_mode"] for _, _, kw in EQUAL if "policy_loss" in kw}
+    assert measured == set(VERIFIED_POLICY_LOSSES)
+
+
+def test_unverified_registered_policy_loss_is_refused(setup, monkeypatch):
+    """A policy loss registered through verl's registry that zorro has not verified, or a verified name re-registered
+    with another function, is refused with the verified list and the stock-engine switch (warn: the stock forward,
+    counted), never run unchecked."""
+    from verl.trainer.ppo import core_algos
+
+    from tests.support.verl_engines import ppo_loss_fn
+
+    (stock, zorro, warn), tds = setup
+    td = tds["nested"]
+    vanilla = core_algos.POLICY_LOSS_REGISTRY["vanilla"]
+
+    def custom_loss(**kw):  # numerically vanilla, but zorro cannot know that
+        return vanilla(**kw)
+
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "zorro_test_custom", custom_loss)
+    assert core_algos.get_policy_loss_fn("zorro_test_custom") is custom_loss
+    kw = dict(**LOSS_TERMS, policy_loss={"loss_mode": "zorro_test_custom"})
+    with pytest.raises(ValueError, match="'zorro_test_custom' is not a policy loss zorro has verified") as info:
+        _train(zorro, td, ppo_loss_fn(**kw))
+    assert "verified: vanilla, gspo" in str(info.value) and "zorro.enable=false" in str(info.value)
+    got = _train(warn, td, ppo_loss_fn(**kw))
+    assert got[0]["metrics"]["zorro/fallback_batches"] == [1.0]
+    _assert_equal(_train(stock, td, ppo_loss_fn(**kw)), got)
+    # a verified name whose registered function is not verl's own
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "vanilla", custom_loss)
+    with pytest.raises(ValueError, match="'vanilla' is registered in verl's policy-loss registry as .*custom_loss"):
+        _train(zorro, td, ppo_loss_fn(**LOSS_TERMS))

@@ -1,6 +1,8 @@
-"""logits_optimization=memory in the verl 0.9 engine (FSDP2, fp32, 1-rank gloo, untied lm_head wrapped by verl as its
-own FSDP2 unit): training steps equal the stock engine's, the head is gathered once per step whatever the chunk
-count, and static refusals happen at initialisation.
+"""logits_optimization=memory in the verl 0.9 engine (fp32, 1-rank gloo, the untied lm_head as its own FSDP unit: under
+FSDP2 verl wraps it so, under FSDP1 a size-based wrap policy does): training steps equal the stock engine's, the head
+is gathered once per step whatever the chunk count, and static refusals happen at initialisation. The head's own
+FSDP1 unit runs its wrapper's forward (which gathers the head) around zorro's head function; before, the memory mode
+refused such a head at engine start ("expected a torch.nn.Linear head, got FullyShardedDataParallel").
 
 Tolerances (docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative <= 1e-5.
 """
@@ -24,14 +26,21 @@ def _batch(**kw):
 
 
 def _head_is_own_fsdp_unit(engine) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     head = engine.module.get_output_embeddings()
-    return isinstance(head, FSDPModule) and head is not engine.module
+    return isinstance(head, (FSDPModule, FullyShardedDataParallel)) and head is not engine.module
+
+
+def _head_unit(ckpt, strategy) -> dict:
+    """``build_engine`` keywords that make the head its own FSDP unit under ``strategy``."""
+    from tests.support.verl_engines import head_unit_policy
+
+    return {"strategy": strategy, "engine_overrides": head_unit_policy(ckpt) if strategy == "fsdp" else None}
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_memory_mode_training_step_matches_stock(verl_cpu, tiny_ckpt, dynamic):
+def test_memory_mode_training_step_matches_stock(verl_cpu, tiny_ckpt, strategy, dynamic):
     """Chunks of 4 rows (several per micro-batch): loss, grad norm and every gradient equal the stock engine's."""
     from tests.support.verl_engines import build_engine, engine_grads, ppo_loss_fn
     from zorro_verl.testing import grad_rel_error
@@ -40,7 +49,7 @@ def test_memory_mode_training_step_matches_stock(verl_cpu, tiny_ckpt, dynamic):
     outs, grads = [], []
     for z in (False, True):
         eng = build_engine(tiny_ckpt, zorro=z, use_dynamic_bsz=dynamic, micro_batch_size=4, max_token_len=40,
-                           zorro_settings={"logits_optimization": "memory"})
+                           zorro_settings={"logits_optimization": "memory"}, **_head_unit(tiny_ckpt, strategy))
         if z:
             assert _head_is_own_fsdp_unit(eng)
             eng.logits_chunk_size = 4
@@ -59,22 +68,31 @@ def test_memory_mode_training_step_matches_stock(verl_cpu, tiny_ckpt, dynamic):
 
 
 @pytest.mark.parametrize("sharing", ["prompt", "prefix"])
-def test_memory_mode_gathers_the_head_once_per_step(verl_cpu, tiny_ckpt, monkeypatch, sharing):
-    """FSDP2 unshards (all-gathers) the head's parameters as often per micro-batch with 4-row chunks as with one
+def test_memory_mode_gathers_the_head_once_per_step(verl_cpu, tiny_ckpt, monkeypatch, strategy, sharing):
+    """FSDP unshards (all-gathers) the head's parameters as often per micro-batch with 4-row chunks as with one
     chunk and as the stock engine, in inference and in training: the chunk loop never calls the head module. Also
-    for prefix-tree plans (``sharing=prefix``: the head on the distinct predicting positions)."""
+    for prefix-tree plans (``sharing=prefix``: the head on the distinct predicting positions). Counted on the head's
+    FSDP2 parameter group, or on its FSDP1 unit's flat-parameter handle."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from tests.support.verl_engines import build_engine, ppo_loss_fn
 
-    engines = {"stock": build_engine(tiny_ckpt, zorro=False, micro_batch_size=4),
+    unit = _head_unit(tiny_ckpt, strategy)
+    engines = {"stock": build_engine(tiny_ckpt, zorro=False, micro_batch_size=4, **unit),
                "zorro": build_engine(tiny_ckpt, zorro=True, micro_batch_size=4,
                                      zorro_settings={"logits_optimization": "memory", "sharing": sharing,
-                                                     "min_shared_len": 4})}
-    groups = {name: e.module.get_output_embeddings()._get_fsdp_state()._fsdp_param_group
-              for name, e in engines.items()}
+                                                     "min_shared_len": 4}, **unit)}
+    assert all(_head_is_own_fsdp_unit(e) for e in engines.values())
+    if strategy == "fsdp":
+        cls = FlatParamHandle
+        groups = {name: e.module.get_output_embeddings()._handle for name, e in engines.items()}
+    else:
+        cls = FSDPParamGroup
+        groups = {name: e.module.get_output_embeddings()._get_fsdp_state()._fsdp_param_group
+                  for name, e in engines.items()}
     counts = {}
-    orig = FSDPParamGroup.unshard
+    orig = cls.unshard
 
     def counting(self, *a, **k):
         for name, g in groups.items():
@@ -82,7 +100,7 @@ def test_memory_mode_gathers_the_head_once_per_step(verl_cpu, tiny_ckpt, monkeyp
                 counts[name] = counts.get(name, 0) + 1
         return orig(self, *a, **k)
 
-    monkeypatch.setattr(FSDPParamGroup, "unshard", counting)
+    monkeypatch.setattr(cls, "unshard", counting)
     td = _batch()
 
     def per_micro_batch(name, chunk=None):

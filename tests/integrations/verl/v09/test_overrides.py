@@ -81,3 +81,41 @@ def test_readme_ulysses_launch_line_composes_with_the_preset():
         assert settings_of(c.engine).enable
     group = cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.n * cfg.data.max_response_length
     assert group <= actor.ppo_max_token_len_per_gpu * 4
+
+
+def test_e2e_overrides_select_the_strategy(strategy):
+    """The end-to-end runs' overrides (tests/e2e/runner.py: ``base_overrides(strategy=...)`` with the CPU and
+    micro-batch overrides) compose with the preset into actor and reference engine configs of that strategy, and
+    verl's registry resolves the zorro engine for it (the reference's ``strategy`` follows the actor's in verl's
+    config; its worker renames the ``log_prob_*`` keys before building it, as here)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from tests.e2e.runner import base_overrides, micro_batch_overrides
+    from tests.support.verl_cpu_e2e import cpu_overrides
+    from zorro_verl.integrations.verl.presets import preset_dir
+    from zorro_verl.integrations.verl.settings import settings_of
+
+    assets = {"num_prompts": 4, "model": "/m", "train": "/t.parquet", "reward": "/r.py"}
+    overrides = (base_overrides(assets, out_dir=Path("/tmp/run"), strategy=strategy) + cpu_overrides(1)
+                 + micro_batch_overrides(dynamic=False))
+    with initialize_config_dir(config_dir=preset_dir(), version_base=None):
+        cfg = compose(config_name="zorro_ppo_trainer", overrides=overrides)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    node = cfg.actor_rollout_ref.ref
+    assert node.strategy == strategy
+    with open_dict(node):
+        node.ppo_mini_batch_size = actor.ppo_mini_batch_size
+        for old, new in (("log_prob_micro_batch_size", "ppo_micro_batch_size"),
+                         ("log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                         ("log_prob_use_dynamic_bsz", "use_dynamic_bsz"),
+                         ("log_prob_max_token_len_per_gpu", "ppo_max_token_len_per_gpu")):
+            node[new] = node.pop(old, None)
+    ref = omega_conf_to_dataclass(node)
+    for c in (actor, ref):
+        assert c.strategy == c.engine.strategy == strategy and settings_of(c.engine).enable
+        assert getattr(EngineRegistry.get_engine_cls("language_model", c.engine.strategy), "zorro_engine", False)
+    with pytest.raises(ValueError, match="strategy"):
+        base_overrides(assets, out_dir=Path("/tmp/run"), strategy="megatron")

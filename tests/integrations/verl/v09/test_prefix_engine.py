@@ -1,5 +1,5 @@
-"""The zorro FSDP engine with ``sharing=prefix`` (prefix trees) vs verl 0.9.1's stock engine on CPU (FSDP2, fp32,
-1-rank gloo): an agentic batch (a shared system prompt over several questions, plus multi-turn trajectories
+"""The zorro FSDP engine with ``sharing=prefix`` (prefix trees) vs verl 0.9.1's stock engine on CPU (FSDP2 and FSDP1,
+fp32, 1-rank gloo): an agentic batch (a shared system prompt over several questions, plus multi-turn trajectories
 emitted as one sample per turn with tool observations masked out of the loss). Tolerances as the engine suite:
 log-probs / entropy max abs <= 1e-5; loss, grad norm and gradients relative <= 1e-5 (fp32)."""
 
@@ -28,10 +28,11 @@ def _agentic_batch(**kw):
 
 
 @pytest.fixture(scope="module")
-def engines(verl_cpu, tiny_ckpt):
+def engines(verl_cpu, tiny_ckpt, strategy):
     from tests.support.verl_engines import build_engine
 
-    return build_engine(tiny_ckpt, zorro=False), build_engine(tiny_ckpt, zorro=True, zorro_settings=PREFIX)
+    return (build_engine(tiny_ckpt, zorro=False, strategy=strategy),
+            build_engine(tiny_ckpt, zorro=True, zorro_settings=PREFIX, strategy=strategy))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -65,16 +66,16 @@ def test_microbatches_keep_clusters_within_budget(engines):
 
 
 @pytest.mark.parametrize("logits_mode", ["none", "memory"])
-def test_train_step_matches_stock(verl_cpu, tiny_ckpt, logits_mode):
+def test_train_step_matches_stock(verl_cpu, tiny_ckpt, strategy, logits_mode):
     """``memory``: the chunked head on the trees' distinct predicting positions, 4-row chunks (several per
-    micro-batch), FSDP2 with the untied head as its own unit."""
+    micro-batch; FSDP2 with the untied head as its own unit, FSDP1 with it in the root unit)."""
     from tests.support.verl_engines import build_engine, engine_grads, ppo_loss_fn
     from zorro_verl.testing import grad_rel_error
 
     td = _agentic_batch(temperature=0.9, calculate_entropy=True, use_dynamic_bsz=True, max_token_len=60)
     outs, grads = [], []
     for z in (False, True):
-        eng = build_engine(tiny_ckpt, zorro=z, use_dynamic_bsz=True, max_token_len=60,
+        eng = build_engine(tiny_ckpt, zorro=z, use_dynamic_bsz=True, max_token_len=60, strategy=strategy,
                            zorro_settings={**PREFIX, "logits_optimization": logits_mode} if z else None)
         if z:
             eng.logits_chunk_size = 4

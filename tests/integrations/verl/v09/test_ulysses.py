@@ -1,6 +1,7 @@
 """zorro under verl's Ulysses sequence parallelism (docs/DESIGN.md §8): the zorro engine with SP = 2 against verl's
-stock engine with the same SP and against the stock engine without SP, on CPU over gloo (FSDP2, fp32), in one
-inference pass and one training step (tests/support/verl_ulysses.py runs each rank).
+stock engine with the same SP and against the stock engine without SP, on CPU over gloo (fp32; FSDP2 and FSDP1, in the
+same processes, one test per strategy), in one inference pass and one training step (tests/support/verl_ulysses.py
+runs each rank).
 
 Cases: SP = 2 in 2 processes on a model with one KV head (kv_heads < SP: repeated) and SP = 2 x DP = 2 in 4
 processes (two KV heads); 12 rows of 3 shuffled prompts per DP rank with a 1-token and an empty response, fixed
@@ -113,30 +114,44 @@ def _check_common(results: list, sp: int) -> None:
     assert first and all(r["stock"]["grad_norm"] is not None for r in first)
 
 
-def test_sp2_matches_stock_kv_heads_below_sp(kv1_ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def sp2_results(kv1_ckpt, tmp_path_factory):
+    """SP = 2 in 2 processes (one SP group), both strategies."""
     from tests.support.multi_rank import run_ranks
 
-    results = run_ranks("tests.support.verl_ulysses", 2, [kv1_ckpt, 2], tmp_path, HANG_TIMEOUT_S)
+    return run_ranks("tests.support.verl_ulysses", 2, [kv1_ckpt, 2], tmp_path_factory.mktemp("sp2"), HANG_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def sp2_dp2_results(tiny_ckpt, tmp_path_factory):
+    """SP = 2 x DP = 2 in 4 processes, both strategies."""
+    from tests.support.multi_rank import run_ranks
+
+    return run_ranks("tests.support.verl_ulysses", 4, [tiny_ckpt, 2], tmp_path_factory.mktemp("sp2_dp2"),
+                     HANG_TIMEOUT_S)
+
+
+def test_sp2_matches_stock_kv_heads_below_sp(sp2_results, strategy):
+    results = [r[strategy] for r in sp2_results]
     assert results[0]["kv_heads"] == 1
-    _record("SP=2 (kv_heads=1)", results)
+    _record(f"SP=2 (kv_heads=1), {strategy}", results)
     _check_common(results, 2)
     for r in results:
         _check_equal(r["stock_sp"]["memory"])  # with gradient checkpointing
         _check_equal(r["stock_sp"]["fused"])
         _check_equal(r["stock_sp"]["head_rows_on_one_rank"])
         assert r["head_rows_per_rank"][0] == 0  # SP rank 0 computes no head row there
-        ref = r["refusals"]
+    for r in sp2_results:  # checked once, under FSDP2: they do not depend on the strategy
+        ref = r["fsdp2"]["refusals"]
         assert "hold different batches" in ref["mismatch"]
         assert "hybrid linear-attention" in ref["hybrid_raise"] and "Ulysses" in ref["hybrid_raise"]
         assert ref["hybrid_warn_active"] is False and "hybrid" in ref["hybrid_warn_reason"]
 
 
-def test_sp2_dp2_matches_stock(tiny_ckpt, tmp_path):
-    from tests.support.multi_rank import run_ranks
-
-    results = run_ranks("tests.support.verl_ulysses", 4, [tiny_ckpt, 2], tmp_path, HANG_TIMEOUT_S)
+def test_sp2_dp2_matches_stock(sp2_dp2_results, strategy):
+    results = [r[strategy] for r in sp2_dp2_results]
     assert results[0]["kv_heads"] == 2
-    _record("SP=2 x DP=2", results)
+    _record(f"SP=2 x DP=2, {strategy}", results)
     _check_common(results, 2)
     # the two SP groups hold different batches
     assert results[0]["zorro_mb_tokens"] != results[2]["zorro_mb_tokens"]

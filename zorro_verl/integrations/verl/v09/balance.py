@@ -1,18 +1,25 @@
 """Group-aware DP balancing for the verl >= 0.9 trainers' ``_balance_batch`` (docs/DESIGN.md §6).
 
 verl's balancing spreads a prompt's rollouts over DP ranks by sequence length, so each rank sees most prompts once
-per group member and deduplication saves almost nothing on multi-GPU runs. With zorro enabled and
-``zorro.group_balance: true`` (the default) the trainer instead bin-packs whole groups onto ranks by deduplicated
-token cost (:func:`~zorro_verl.packing.microbatch.balance_groups_across_ranks`); ranks still get equal row counts
-(verl dispatches equal chunks), so a group is split only when it cannot fit (counted in
-``zorro/balance_split_groups``). Each rank's rows are also packed into the mini-batches the worker will cut them
-into (``ppo_mini_batch_size * rollout.n / dp`` rows, in order), so whole groups fill mini-batches
-(``zorro/balance_minibatch_split_groups``; ``actor.shuffle=true`` defeats this and is warned about). Balancing never
-stops a run: an error inside it is warned once, counted in ``zorro/balance_fallbacks`` and verl's balancing runs.
-With zorro disabled or the key false, verl's own balancing runs unchanged. With ``zorro.sharing: prefix`` the units
-are trie clusters (rows sharing anything) costed by their prefix tree (:func:`tree_balance`, :func:`v1_tree_costs`).
-"""
+per group member and deduplication saves little on multi-GPU runs. With zorro enabled and ``zorro.group_balance:
+true`` (the default) the hook places rows by ``zorro.group_balance_mode``:
 
+* ``keep_minibatches`` (default): verl's own balancing runs first, then rows move between DP ranks only among
+  positions that feed the same optimizer steps — the same mini-batch of every epoch of the actor (and of the critic
+  when there is one), as verl's worker cuts them, shuffling included (:func:`trainer_minibatch_slots`, which runs
+  verl's own mini-batch iterator). Each mini-batch therefore holds exactly the rows it holds in a stock run: same
+  loss normalisers, same optimizer steps; a group's rows inside a mini-batch sit on one rank where they fit.
+* ``whole_groups`` (opt-in, warned once): whole groups are bin-packed by deduplicated token cost onto ranks and
+  into the mini-batches each rank is cut into (``ppo_mini_batch_size * rollout.n / dp`` rows, in order):
+  more deduplication, but the rows sharing an optimizer step differ from a stock run's.
+
+Ranks always get equal row counts (verl dispatches equal chunks), so a group is split only when it cannot fit
+(``zorro/balance_split_groups``, ``zorro/balance_minibatch_split_groups``). Balancing never stops a run: an error
+inside it is warned once and counted in ``zorro/balance_fallbacks`` (``keep_minibatches`` then keeps verl's placement,
+``whole_groups`` runs verl's balancing). With zorro disabled or ``group_balance: false``, verl's own balancing runs
+unchanged. With ``zorro.sharing: prefix`` the units are trie clusters (rows sharing anything) costed by their prefix
+tree (:func:`tree_balance`, :func:`v1_tree_costs`).
+"""
 from __future__ import annotations
 
 import functools
@@ -22,11 +29,13 @@ from collections import Counter
 import torch
 
 from zorro_verl.integrations.verl.settings import ZorroSettings
+from zorro_verl.integrations.verl.v09.markers import mark_balanced
 from zorro_verl.packing import group_ids
-from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks
+from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks, regroup_within_slots
 from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["group_balance", "tree_balance", "v1_tree_costs", "install_v0_hook", "install_v1_hook",
+           "verl_minibatch_ids", "trainer_minibatch_slots",
            "trainer_zorro_settings", "v1_group_of_key",
            "v1_session_of_key"]
 
@@ -209,25 +218,111 @@ def _log_balance(metrics: dict, seqlens: list[int], bal: DPBalance, prefix: str,
     _balance_metrics(metrics, bal, dp_size)
 
 
-def _wrap_balance_batch(cls, balance) -> None:
-    """Replace ``cls._balance_batch`` (once) by: the stock method unless zorro and ``group_balance`` are on (or
-    ``keep_minibatch`` is asked, which group balancing does not support), else ``balance(self, batch, metrics,
-    logging_prefix)``. Balancing never stops a run: an error inside it is warned once, counted in
-    ``zorro/balance_fallbacks`` and verl's balancing runs for that step."""
+def _dp_size(worker_group, role: str) -> int:
+    """Data-parallel size of ``role`` in ``worker_group`` (verl's ``_get_dp_size``: the dispatch info, cached)."""
+    info = worker_group._dispatch_info
+    if role not in info:
+        info[role] = worker_group._query_dispatch_info(role)
+    return max(info[role]) + 1
+
+
+def verl_minibatch_ids(batch_size: int, dp_size: int, mini_batch_size: int, epochs: int, seed: int,
+                       shuffle: bool) -> list[tuple]:
+    """Which optimizer steps each position of the dispatched batch feeds, as verl's worker cuts them.
+
+    verl hands rank ``k`` the ``k``-th of ``dp_size`` equal consecutive chunks, and its worker
+    (``train_mini_batch``) iterates ``verl.utils.tensordict_utils.make_iterator(chunk, mini_batch_size / dp_size,
+    epochs, seed=seed + k, shuffle)``; the ``j``-th mini-batch of every rank is one optimizer step. This runs that
+    same iterator over position indices, so the answer is verl's own, shuffling included.
+
+    Returns:
+        ``[batch_size]`` tuples: for each epoch, the index of the optimizer step (``epoch * steps_per_epoch + j``)
+        that position takes part in.
+    """
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    if batch_size % dp_size or mini_batch_size % dp_size or (batch_size // dp_size) % (mini_batch_size // dp_size):
+        raise ValueError(f"the batch ({batch_size} rows) does not split into mini-batches of {mini_batch_size} rows "
+                         f"over {dp_size} DP ranks (verl's worker would refuse it too)")
+    chunk, mini = batch_size // dp_size, mini_batch_size // dp_size
+    ids: list[list[int]] = [[] for _ in range(batch_size)]
+    for k in range(dp_size):
+        td = TensorDict({"position": torch.arange(chunk)}, batch_size=[chunk])
+        it = tu.make_iterator(td, mini_batch_size=mini, epochs=epochs, seed=seed + k,
+                              dataloader_kwargs={"shuffle": shuffle})
+        for step, mb in enumerate(it):
+            for i in mb["position"].tolist():
+                ids[k * chunk + i].append(step)
+    return [tuple(x) for x in ids]
+
+
+def trainer_minibatch_slots(trainer, batch_size: int) -> list[tuple]:
+    """For each position of the batch the trainer dispatches, every optimizer step it feeds: the actor's (when
+    the actor updates this step) and the critic's (when there is one), each with its own DP size, mini-batch size
+    (``ppo_mini_batch_size * rollout.n``), ``ppo_epochs``, ``shuffle`` and ``data_loader_seed`` as the trainers pass
+    them to ``train_mini_batch``. Positions with equal slots are interchangeable for every consumer."""
+    cfg = trainer.config
+    n = int(cfg.actor_rollout_ref.rollout.get("n", 1) or 1)
+    consumers = []
+    if int(cfg.get("trainer", {}).get("critic_warmup", 0) or 0) <= int(getattr(trainer, "global_steps", 0) or 0):
+        consumers.append(("actor", trainer.actor_rollout_wg, cfg.actor_rollout_ref.actor))
+    if getattr(trainer, "use_critic", False):
+        consumers.append(("critic", trainer.critic_wg, cfg.critic))
+    slots: list[tuple] = [() for _ in range(batch_size)]
+    for role, wg, node in consumers:
+        ids = verl_minibatch_ids(batch_size, _dp_size(wg, role), int(node.get("ppo_mini_batch_size")) * n,
+                                 int(node.get("ppo_epochs", 1)), int(node.get("data_loader_seed", 42)),
+                                 bool(node.get("shuffle", False)))
+        slots = [s + (role,) + i for s, i in zip(slots, ids)]
+    return slots
+
+
+def _log_whole_groups_once() -> None:
+    _warn_once("whole_groups", "zorro: group_balance_mode=whole_groups: whole prompt groups are packed into (rank, "
+               "mini-batch) slots, so the rows that share an optimizer step differ from verl's own mini-batches "
+               "(more deduplication, a different run than stock on the same rollouts). The default "
+               "group_balance_mode=keep_minibatches keeps verl's mini-batches exactly.")
+
+
+def _wrap_balance_batch(cls, rows_of, whole_groups) -> None:
+    """Replace ``cls._balance_batch`` (once).
+
+    * zorro off, or ``group_balance: false``: the stock method.
+    * ``group_balance_mode: keep_minibatches`` (default): the stock method first (verl's own balancing, upsampling,
+      ``keep_minibatch`` and all), then rows move between DP ranks only among positions that feed the same optimizer
+      steps (:func:`trainer_minibatch_slots`, :func:`~zorro_verl.packing.microbatch.regroup_within_slots`); groups
+      from ``rows_of(self, batch, settings, metrics) -> (groups, prompt_lens, response_lens, seqlens)``. An error
+      there keeps verl's placement for that step (still exact; warned once, counted in ``zorro/balance_fallbacks``).
+    * ``group_balance_mode: whole_groups`` (opt-in, warned once): ``whole_groups(self, batch, metrics,
+      logging_prefix, settings)`` packs whole groups into (rank, mini-batch) slots; ``keep_minibatch`` is not
+      supported there (raise, or warn and stock); an error runs verl's balancing (warned once, counted).
+    """
     orig = cls._balance_batch
     if getattr(orig, "_zorro_hook", False):
         return
 
-    @functools.wraps(orig)
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+    def _placed(self, batch, metrics, logging_prefix, keep_minibatch):
         settings = trainer_zorro_settings(self.config)
         if not (settings.enable and settings.group_balance):
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        if settings.group_balance_mode == "keep_minibatches":
+            out = orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+            target = batch if out is None else out  # V0 reorders in place and returns None; V1 returns the batch
+            try:
+                _keep_minibatches(self, target, metrics, logging_prefix, settings, rows_of)
+            except Exception as e:  # verl's placement stands: the run stays stock's, only deduplication is lost
+                _warn_once("error_keep", "zorro: regrouping inside verl's mini-batches failed (%s: %s); verl's "
+                           "placement is kept for such steps (same training, less deduplication; counted in "
+                           "zorro/balance_fallbacks). Please report this.", type(e).__name__, e, exc_info=True)
+                _count(metrics, "zorro/balance_fallbacks")
+            return out
+        _log_whole_groups_once()
         if keep_minibatch:
             _unsupported_keep_minibatch(settings, metrics)
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
         try:
-            return balance(self, batch, metrics, logging_prefix, settings)
+            return whole_groups(self, batch, metrics, logging_prefix, settings)
         except Exception as e:  # never stop training over a placement heuristic; loud and counted instead
             _warn_once("error", "zorro: group-aware balancing failed (%s: %s); verl's balancing runs for such steps "
                        "(counted in zorro/balance_fallbacks). Please report this.", type(e).__name__, e,
@@ -235,35 +330,68 @@ def _wrap_balance_batch(cls, balance) -> None:
             _count(metrics, "zorro/balance_fallbacks")
             return orig(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
 
+    @functools.wraps(orig)
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        out = _placed(self, batch, metrics, logging_prefix, keep_minibatch)
+        # the stamp the engine checks (markers.py): this batch went through zorro's hook, whatever it decided
+        target = batch if out is None else out
+        meta = getattr(target, "meta_info", None)
+        mark_balanced(meta if meta is not None else target.extra_info)
+        return out
+
     _balance_batch._zorro_hook = True
     cls._balance_batch = _balance_batch
     logger.warning("zorro: group-aware DP balancing installed in %s.%s", cls.__module__, cls.__qualname__)
 
 
+def _keep_minibatches(trainer, batch, metrics: dict, logging_prefix: str, settings: ZorroSettings, rows_of) -> None:
+    """Reorder ``batch`` (already in verl's balanced order) in place: rows change ranks only among positions with
+    the same optimizer-step slots, so every mini-batch keeps exactly verl's global set of rows."""
+    dp_size = _dp_size(trainer.actor_rollout_wg, "actor")
+    slots = trainer_minibatch_slots(trainer, len(batch))
+    g, p, r, seqlens = rows_of(trainer, batch, settings, metrics)
+    bal = regroup_within_slots(g, p, r, slots, dp_size)
+    perm = bal.permutation()
+    batch.reorder(torch.tensor(perm, dtype=torch.long) if hasattr(batch, "batch") else perm)
+    _log_balance(metrics, seqlens, bal, logging_prefix, dp_size)
+    metrics["zorro/balance_minibatch_slots"] = bal.minibatches_per_rank
+
+
+def _v0_rows(trainer, batch, settings: ZorroSettings, metrics: dict):
+    """``(groups, prompt_lens, response_lens, seqlens)`` of a V0 ``DataProto`` batch, from its prompt tokens (trie
+    clusters and their tree costs under ``sharing=prefix``); checks group sizes and the micro-batch size."""
+    am = batch.batch["attention_mask"]
+    if settings.sharing == "prefix":
+        tc = tree_row_costs(batch.batch["input_ids"], am, batch.batch["responses"].shape[1], settings.min_shared_len)
+        g, p, r = tc["cluster"], tc["root_len"], tc["own"]
+    else:
+        prompts = batch.batch["prompts"]
+        pw = prompts.shape[1]
+        pm = am[:, :pw] != 0
+        g, p, r = group_ids(prompts, pm), pm.sum(1), (am[:, pw:] != 0).sum(1)
+    uids = batch.non_tensor_batch.get("uid") if batch.non_tensor_batch else None
+    if uids is not None:
+        _check_group_sizes(metrics, list(Counter(str(u) for u in uids).values()), settings.rollout_n)
+    _check_micro_batch_size(metrics, trainer.config, settings.rollout_n)
+    return g, p, r, am.sum(-1).tolist()
+
+
 def install_v0_hook(module) -> None:
     """Wrap ``verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch`` (``DataProto`` batches), once.
 
-    Groups come from the prompt tokens; rows are packed into (rank, mini-batch) slots (:func:`minibatches_per_rank`).
+    Groups come from the prompt tokens. ``whole_groups`` packs rows into (rank, mini-batch) slots
+    (:func:`minibatches_per_rank`).
     """
 
-    def balance(self, batch, metrics, logging_prefix, settings):
+    def whole_groups(self, batch, metrics, logging_prefix, settings):
         dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
-        am = batch.batch["attention_mask"]
         m = minibatches_per_rank(self.config, len(batch), dp_size, metrics)
-        if settings.sharing == "prefix":
-            bal = tree_balance(batch.batch["input_ids"], am, batch.batch["responses"].shape[1], dp_size,
-                               minibatches_per_rank=m, min_shared_len=settings.min_shared_len)
-        else:
-            bal = group_balance(batch.batch["prompts"], am, dp_size, minibatches_per_rank=m)
-        seqlens = am.sum(-1).tolist()
-        uids = batch.non_tensor_batch.get("uid") if batch.non_tensor_batch else None
-        if uids is not None:
-            _check_group_sizes(metrics, list(Counter(str(u) for u in uids).values()), settings.rollout_n)
-        _check_micro_batch_size(metrics, self.config, settings.rollout_n)
+        g, p, r, seqlens = _v0_rows(self, batch, settings, metrics)
+        bal = balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=m)
         batch.reorder(torch.tensor(bal.permutation(), dtype=torch.long))
         _log_balance(metrics, seqlens, bal, logging_prefix, dp_size)
 
-    _wrap_balance_batch(module.RayPPOTrainer, balance)
+    _wrap_balance_batch(module.RayPPOTrainer, _v0_rows, whole_groups)
 
 
 def v1_group_of_key(key: str) -> str:
@@ -278,43 +406,49 @@ def v1_session_of_key(key: str) -> str:
     return parts[0] if len(parts) == 2 and "_" in parts[0] else str(key)
 
 
-def install_v1_hook(module) -> None:
-    """Wrap ``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch`` (``KVBatchMeta`` batches), once.
+def _v1_rows(trainer, batch, settings: ZorroSettings, metrics: dict):
+    """``(groups, prompt_lens, response_lens, seqlens)`` of a V1 ``KVBatchMeta`` from its keys and tags.
 
     A group is the key's ``uid`` **and** the ``prompt_len`` tag: an agent loop may store several outputs of one
     trajectory under one uid (``{uid}_{session}_{i}``), and output ``i > 0`` carries the accumulated conversation
     as its prompt, a different prompt. (Tags hold no prompt tokens, so two later turns of one uid with equal prompt
     lengths count as one group; that only skews the cost estimate — the engine finds the real groups from tokens.)
-    Costs come from the ``prompt_len`` / ``response_len`` tags; padding rows added by verl's upsampling are their
-    own groups. Rows are packed into (rank, mini-batch) slots (:func:`minibatches_per_rank`).
+    Padding rows added by verl's upsampling are their own groups. Under ``sharing=prefix`` a uid's outputs form
+    one trie cluster (:func:`v1_tree_costs`).
+    """
+    labels: dict[str, int] = {}
+    g = [labels.setdefault(v1_group_of_key(k), len(labels)) for k in batch.keys]
+    p = [int(t.get("prompt_len", 0)) for t in batch.tags]
+    r = [int(t.get("response_len", t["seq_len"] - t.get("prompt_len", 0))) for t in batch.tags]
+    sessions: dict[str, set] = {}
+    for i, (k, t) in enumerate(zip(batch.keys, batch.tags)):
+        if t.get("is_padding") or "prompt_len" not in t:
+            g[i] = len(labels) + i
+        else:
+            sessions.setdefault(v1_group_of_key(k), set()).add(v1_session_of_key(k))
+    _check_group_sizes(metrics, [len(s) for s in sessions.values()], settings.rollout_n)
+    _check_micro_batch_size(metrics, trainer.config, settings.rollout_n)
+    if settings.sharing == "prefix":
+        g, p, r = v1_tree_costs(list(batch.keys), list(batch.tags))
+    return g, p, r, [int(t["seq_len"]) for t in batch.tags]
+
+
+def install_v1_hook(module) -> None:
+    """Wrap ``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch`` (``KVBatchMeta`` batches), once.
+
+    Costs come from the ``prompt_len`` / ``response_len`` tags (:func:`_v1_rows`). ``whole_groups`` upsamples as
+    verl does and packs rows into (rank, mini-batch) slots (:func:`minibatches_per_rank`).
     """
 
-    def balance(self, batch, metrics, logging_prefix, settings):
-        worker_group = self.actor_rollout_wg
-        if "actor" not in worker_group._dispatch_info:
-            worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
-        dp_size = max(worker_group._dispatch_info["actor"]) + 1
+    def whole_groups(self, batch, metrics, logging_prefix, settings):
+        dp_size = _dp_size(self.actor_rollout_wg, "actor")
         batch = module.upsample_batch_to_divisible_size(batch, self._get_required_batch_multiple(dp_size),
                                                         self.tokenizer.eos_token_id)
-        labels: dict[str, int] = {}
-        g = [labels.setdefault(v1_group_of_key(k), len(labels)) for k in batch.keys]
-        p = [int(t.get("prompt_len", 0)) for t in batch.tags]
-        r = [int(t.get("response_len", t["seq_len"] - t.get("prompt_len", 0))) for t in batch.tags]
-        sessions: dict[str, set] = {}
-        # verl's synthetic padding rows (upsampling) are no-ops: each its own group
-        for i, (k, t) in enumerate(zip(batch.keys, batch.tags)):
-            if t.get("is_padding") or "prompt_len" not in t:
-                g[i] = len(labels) + i
-            else:
-                sessions.setdefault(v1_group_of_key(k), set()).add(v1_session_of_key(k))
-        _check_group_sizes(metrics, [len(s) for s in sessions.values()], settings.rollout_n)
-        _check_micro_batch_size(metrics, self.config, settings.rollout_n)
+        g, p, r, seqlens = _v1_rows(self, batch, settings, metrics)
         m = minibatches_per_rank(self.config, len(g), dp_size, metrics)
-        if settings.sharing == "prefix":  # a uid's outputs form one trie cluster
-            g, p, r = v1_tree_costs(list(batch.keys), list(batch.tags))
         bal = balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=m)
         batch.reorder(bal.permutation())
-        _log_balance(metrics, [int(t["seq_len"]) for t in batch.tags], bal, logging_prefix, dp_size)
+        _log_balance(metrics, seqlens, bal, logging_prefix, dp_size)
         return batch
 
-    _wrap_balance_batch(module.PPOTrainer, balance)
+    _wrap_balance_batch(module.PPOTrainer, _v1_rows, whole_groups)

@@ -37,11 +37,12 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 from zorro_verl.attention.ulysses import check_ulysses_heads
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.hybrid import linear_attention_modules, text_config
-from zorro_verl.integrations.transformers.step import head_fn_unsupported
+from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.losses import loss_unsupported
+from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
 from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
@@ -93,6 +94,16 @@ def row_group_ids(td, p: torch.Tensor) -> torch.Tensor:
     prompts[row, col] = vals[off[:-1][row] + j].long()
     mask[row, col] = True
     return group_ids(prompts, mask)
+
+
+def _standard_positions(pos: torch.Tensor) -> bool:
+    """Whether jagged ``position_ids`` count ``0, 1, 2, ...`` along each row (verl's text layout; one host read).
+    Padded position ids are not read here (only the no-padding layout runs zorro)."""
+    if not pos.is_nested:
+        return True
+    vals, off = pos.values(), pos.offsets().to(pos.values().device)
+    start = torch.repeat_interleave(off[:-1], off.diff())
+    return bool((vals.long() == torch.arange(vals.numel(), device=vals.device) - start).all())
 
 
 def _to_verl_padded(nested: torch.Tensor, p: torch.Tensor, r: torch.Tensor, pw: int, rw: int, fill: int = 0):
@@ -161,6 +172,9 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
                 return "multimodal inputs"
         if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
             return "3-D position ids (mrope)"
+        if "position_ids" in data.keys() and not _standard_positions(data["position_ids"]):
+            return ("position_ids that do not count 0, 1, 2, ... along each row (verl's text layout): zorro recomputes "
+                    "the positions on its packed row, so other positions would change results")
         return None
 
     # ------------------------------------------------------------------ model
@@ -195,7 +209,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         if self.zorro.logits_optimization != "memory":
             return None
         try:
-            linear_head_params(self.module.get_output_embeddings())
+            linear_head_params(forward_owner(self.module.get_output_embeddings()))
         except ValueError as e:
             return f"logits_optimization=memory with this model's head ({e})"
         reason = head_fn_unsupported(self.module)
@@ -225,12 +239,21 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        # the loss settings travel with each call (the bound actor config), not in the engine config
-        reason = (self._zorro_static_reason or self._zorro_batch_unsupported(data)
-                  or loss_unsupported(loss_function, data))
-        if self._zorro_static_reason is None:
+        hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
+        reason, local = self._zorro_static_reason, None
+        if reason is None:
+            # Every check that can fail on one rank runs before the ranks agree (a rank raising or branching alone
+            # would leave its peers waiting in the next collective): the unsupported settings, the batch's layout
+            # and its micro-batching. The loss settings travel with each call (the bound actor config).
+            error = None
+            try:
+                reason = self._zorro_batch_unsupported(data) or loss_unsupported(loss_function, data)
+                if reason is None:
+                    local = self._zorro_local_micro_batches(data)
+            except Exception as e:  # noqa: BLE001 - raised by the agreement, on this rank and (quoted) on every other
+                error = e
             # The two paths issue different collectives: every rank of the DP x SP mesh must take the same one.
-            reason = self._zorro_agreed_reason(reason)
+            reason = self._zorro_agreed_reason(reason, error)
         if reason is None and self.ulysses_sequence_parallel_size > 1:
             self._check_sp_batches_agree(data)
         if reason is not None:
@@ -238,7 +261,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
                 self._zorro_unsupported(reason)
             with self._stock_attention():
                 out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            self._add_metrics(out, {"zorro/fallback_batches": 1.0})
+            self._add_metrics(out, {"zorro/fallback_batches": 1.0, **hooks_missing})
             return out
 
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
@@ -249,7 +272,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
-        mbs = self.zorro_micro_batches(data)
+        mbs = self.zorro_micro_batches(data, local)
         micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]
         self._zorro_tree_stats = [0, 0]  # prefix sharing: tokens run by the plans, deepest tree
 
@@ -282,21 +305,59 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             self._add_metrics(out, {"zorro/tree_depth": float(depth)})
         self._add_metrics(out, dedup_metrics(ordinary, computed, mbs.split_groups, 0))
         # tokens actually run: with prompt_tokens_saved, the trainer scales verl's MFU to zorro/effective_mfu/<pass>
-        self._add_metrics(out, {"zorro/computed_tokens": float(computed)})
+        self._add_metrics(out, {"zorro/computed_tokens": float(computed), **hooks_missing})
         self.zorro_last_micro_batches = mbs
         return out
 
-    def _zorro_agreed_reason(self, reason):
-        """This rank's unsupported ``reason`` (or None) made the same decision on every DP rank: an all-reduce (MAX)
-        of the flag, so that if any rank's batch is unsupported all ranks raise, or all run the stock forward (the
-        zorro and stock paths issue different collectives; diverging would hang). One collective per call."""
-        flag = torch.tensor([0 if reason is None else 1], device=get_device_id())
+    def _zorro_agreed_reason(self, reason, error=None):
+        """This rank's unsupported ``reason`` (or None) and the ``error`` its checks raised (or None) made the same
+        decision on every rank: an all-reduce (MAX) of two flags, so that if any rank's batch is unsupported all
+        ranks raise (``on_unsupported=raise``) or all run the stock forward (``warn``), and if any rank's checks
+        failed all ranks raise (the zorro and stock paths issue different collectives; a rank raising or branching
+        alone would leave the others waiting). One collective per call; when the ranks raise, one more gathers the
+        first failing rank's message, which the other ranks quote."""
+        raising = error is not None or (reason is not None and self.zorro.on_unsupported == "raise")
+        flags = torch.tensor([int(reason is not None), int(raising)], device=get_device_id())
         # the whole mesh (DP x SP): FSDP's collectives and the Ulysses exchanges span all ranks
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if reason is None and int(flag.item()):
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        any_reason, any_raising = (int(v) for v in flags.tolist())
+        if any_raising:
+            mine = (f"{type(error).__name__}: {error}" if error is not None
+                    else f"zorro: unsupported setting: {reason}" if raising else None)
+            messages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(messages, mine)
+            if error is not None:
+                raise error
+            if raising:
+                self._zorro_unsupported(reason)  # raises with the fix
+            rank, msg = next((i, m) for i, m in enumerate(messages) if m is not None)
+            raise ValueError(f"zorro engine: the batch of rank {rank} cannot run (every rank stops here, so that none "
+                             f"waits for it in a collective). Rank {rank}: {msg}")
+        if reason is None and any_reason:
             return ("the batch of another data-parallel rank is unsupported (see that rank's message); all ranks "
                     "take the same path")
         return reason
+
+    def _zorro_balance_hooks_missing(self, data) -> float:
+        """1.0 (warned once per engine) when zorro's group balancing is on but the batch carries no stamp of the
+        trainer's balance hook (:mod:`.markers`): the trainer process did not install zorro's hooks, so verl's length
+        balancing scattered each prompt's rollouts over the DP ranks; else 0.0. Counted in
+        ``zorro/balance_hooks_missing``."""
+        if not self.zorro.group_balance or tu.get_non_tensor_data(data=data, key=BALANCE_MARKER_KEY, default=False):
+            return 0.0
+        if "balance_hooks_missing" not in self._zorro_warned:
+            self._zorro_warned.add("balance_hooks_missing")
+            logger.warning(
+                "zorro: this batch did not pass through zorro's group-aware balancing in the trainer (no %r stamp): "
+                "the trainer process did not install zorro's hooks (e.g. VERL_USE_EXTERNAL_PLUGINS excludes the "
+                "zorro_verl entry point and actor_rollout_ref.model.external_lib does not name "
+                "zorro_verl.integrations.verl.v09.plugin), or the trainer does not balance "
+                "(trainer.balance_batch=false). verl's length balancing then scatters each prompt's rollouts over the "
+                "DP ranks and deduplication saves little. Fix: set actor_rollout_ref.model.external_lib="
+                "zorro_verl.integrations.verl.v09.plugin (or let VERL_USE_EXTERNAL_PLUGINS load zorro_verl); or set "
+                "fsdp_config.zorro.group_balance=false if the trainer's balancing is off on purpose. Counted in "
+                "zorro/balance_hooks_missing.", BALANCE_MARKER_KEY)
+        return 1.0
 
     def _check_sp_batches_agree(self, data) -> None:
         """Every rank of an SP group must hold the same batch (verl all-gathers it over the SP group), since each
@@ -326,8 +387,28 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         for k, v in values.items():
             metrics.setdefault(k, []).append(v)
 
-    def zorro_micro_batches(self, data):
-        """Group-aware micro-batches of ``data`` (row index lists), the same count on every DP rank."""
+    def zorro_micro_batches(self, data, local=None):
+        """Group-aware micro-batches of ``data`` (row index lists), the same count on every DP rank; ``local``: this
+        rank's own packing, :meth:`_zorro_local_micro_batches` (computed here when None)."""
+        mbs, g, p, r = self._zorro_local_micro_batches(data) if local is None else local
+        # FSDP collectives need the same number of forward/backward calls on every DP rank.
+        # Over the whole DP x SP mesh: the ranks of an SP group hold the same batch (checked) and agree anyway.
+        # The fewest rows of any rank come with it (MAX of -rows), so that every rank can tell whether all can split.
+        counts = torch.tensor([len(mbs), -len(g)], device=get_device_id())
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        count, fewest = int(counts[0]), -int(counts[1])
+        if count > fewest:
+            raise ValueError(f"zorro engine: the ranks need {count} micro-batches (the most any rank's batch needs; "
+                             f"FSDP runs the same number on every rank), but a rank holds only {fewest} rows and every "
+                             "micro-batch needs one (all ranks raise this). Give the DP ranks equal row counts (verl's "
+                             "balancing does), or raise max_token_len_per_gpu / micro_batch_size_per_gpu.")
+        if count > len(mbs):
+            mbs = split_to_count(mbs, count, g, p, r)
+        return mbs
+
+    def _zorro_local_micro_batches(self, data):
+        """This rank's group-aware micro-batches of ``data`` and the units they were packed from: ``(mbs, g, p,
+        r)``. Raises on a batch zorro cannot read or pack (no collective: run before the ranks agree)."""
         p, r = row_lengths(data)
         r_split = None
         if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
@@ -338,21 +419,14 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             g, p, r, r_split = tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
         else:
             g = row_group_ids(data, p)
-        sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
+        sp = self.ulysses_sequence_parallel_size
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             # the budget of one SP group's micro-batch (as verl: per-GPU budget x sp), each prompt counted once
             max_tok = int(tu.get(data, "max_token_len_per_gpu")) * sp
             mbs = dynamic_microbatches(g, p, r, max_tok, split_response_lens=r_split)
         else:
             mbs = fixed_size_microbatches(g, p, r, int(tu.get(data, "micro_batch_size_per_gpu")))
-        # FSDP collectives need the same number of forward/backward calls on every DP rank.
-        # Over the whole DP x SP mesh: the ranks of an SP group hold the same batch (checked) and agree anyway.
-        count = torch.tensor([len(mbs)], device=get_device_id())
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-        count = int(count.item())
-        if count > len(mbs):
-            mbs = split_to_count(mbs, count, g, p, r)
-        return mbs
+        return mbs, g, p, r
 
     # ------------------------------------------------------------------ micro-batch
     def forward_step(self, micro_batch, loss_function, forward_only):

@@ -15,21 +15,26 @@ other keyword (``**loss_kwargs``), so zorro's ``zorro_ctx`` would never reach th
 ignores ``logits_to_keep`` and would compute the head at every position of the packed row with wrong rolled labels
 (the packed row's next token is not each response's next token).
 
-The chosen way. For the duration of one step the root module gets an *instance* ``forward``
-(:func:`_zorro_root_forward`) that does what verl's ``forward_base_model`` does — ``self.model(...)`` — but passes
-zorro's keywords through, and then calls the head module on the ``[1, N, H]`` response-predicting hidden states
-(``logits_to_keep`` = the plan's ``logit_index``). The root is still called as a module, so FSDP's hooks (unshard,
-input casting, backward registration) run as in any forward. The head module's forward is in turn swapped by
-``zorro_step``'s head-function seam (``head_fn``, see ``zorro_verl.integrations.transformers.step._head_step``) for
-:class:`FusedHead`, which hands the ``[N, H]`` hidden states, the head's weight, the plan's targets and the batch's
-float temperature to the same verl kernel verl's forward would use, with verl's chunk size. Per row this is the op
-sequence of verl's fused forward (``hidden @ W.T / temperature``, fp32 upcast, log-softmax / entropy), only at the
-``N`` rows that predict response tokens. For a prefix-tree plan (``sharing=prefix``) the head receives the ``Nh``
-distinct predicting positions and each output's row; verl's kernel takes one hidden row per target, so
-:class:`FusedHead` expands them per output: on this path the head runs once per output, not once per distinct
-position as in zorro's own ``memory`` mode (the decoder still runs once per trie token). The root forward's output
-is a ``ModelOutput`` (FSDP2 traverses it to register its backward hooks). An instance attribute shadows the class's
-(patched) ``forward`` without touching the class, which verl patched for the whole process.
+The chosen way. For the duration of one step the model gets an *instance* ``forward`` (:func:`_zorro_root_forward`)
+that does what verl's ``forward_base_model`` does — ``self.model(...)`` — but passes zorro's keywords through, and
+then calls the head module on the ``[1, N, H]`` response-predicting hidden states (``logits_to_keep`` = the plan's
+``logit_index``). "The model" is the root module under FSDP2 (``fully_shard`` keeps the class and works through
+hooks) and the module inside the root's wrapper under FSDP1 (``forward_owner``), which is where verl's class patch
+takes effect too: the root is still called as a module, so FSDP2's hooks or FSDP1's wrapper forward (lazy root
+initialisation, unshard, input casting, backward registration) run as in any forward. An instance ``forward`` on the
+FSDP1 wrapper itself would skip them (measured: the first call fails, a decoder-layer unit having initialised itself
+as the root; with 2 ranks the wrapper's parameters are still sharded). The head module's forward is in turn swapped
+by ``zorro_step``'s head-function seam (``head_fn``, see ``zorro_verl.integrations.transformers.step._head_step``;
+under FSDP1 also inside the head's own wrapper, if a wrap policy made it a unit) for :class:`FusedHead`, which hands
+the ``[N, H]`` hidden states, the head's weight, the plan's targets and the batch's float temperature to the same
+verl kernel verl's forward would use, with verl's chunk size. Per row this is the op sequence of verl's fused
+forward (``hidden @ W.T / temperature``, fp32 upcast, log-softmax / entropy), only at the ``N`` rows that predict
+response tokens. For a prefix-tree plan (``sharing=prefix``) the head receives the ``Nh`` distinct predicting
+positions and each output's row; verl's kernel takes one hidden row per target, so :class:`FusedHead` expands them
+per output: on this path the head runs once per output, not once per distinct position as in zorro's own ``memory``
+mode (the decoder still runs once per trie token). The root forward's output is a ``ModelOutput`` (FSDP2 traverses
+it to register its backward hooks). An instance attribute shadows the class's (patched) ``forward`` without touching
+the class, which verl patched for the whole process.
 
 Refused, as verl refuses them (checked by the engine before the step): per-sample temperature tensors (verl's fused
 path asserts a float) and ``calculate_sum_pi_squared``. A model verl did not patch (``use_fused_kernels`` without a
@@ -43,6 +48,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.integrations.transformers import zorro_step
+from zorro_verl.integrations.transformers.step import forward_owner
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["FusedHead", "fused_backend", "zorro_fused_step"]
@@ -127,17 +133,19 @@ def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: floa
         raise ValueError("temperature: verl's fused kernels take one float temperature, got a tensor of shape "
                          f"{tuple(temperature.shape)}; use one temperature per batch or use_fused_kernels=false.")
     head = FusedHead(fused_backend(module))
-    had_own = "forward" in module.__dict__
-    saved = module.__dict__.get("forward")
-    module.forward = _zorro_root_forward.__get__(module)
+    owner = forward_owner(module)
+    had_own = "forward" in owner.__dict__
+    saved = owner.__dict__.get("forward")
+    owner.forward = _zorro_root_forward.__get__(owner)
     try:
+        # called through the root as a module: FSDP1's wrapper forward (unshard, input casting) then the model's
         logp, ent = zorro_step(module, plan, backend=backend, temperature=float(temperature),
                                calculate_entropy=calculate_entropy, head_fn=head, shard=shard)
     finally:
         if had_own:
-            module.forward = saved
+            owner.forward = saved
         else:
-            del module.forward
+            del owner.forward
     if ent is not None:
         ent = ent.to(head.entropy_dtype)
     return logp, ent

@@ -15,7 +15,12 @@ the regrouping exactly when it is a sum of per-row terms normalised by global qu
 * ``policy_loss.loss_mode`` ``clip_cov`` / ``kl_cov``: tokens picked from the micro-batch's covariance statistics
   (mean over the micro-batch, a count proportional to its tokens) -> refused; ``geo_mean``: ``torch.mean`` over the
   micro-batch's rows -> refused; ``bypass_mode`` with ``rollout_correction.rollout_is_batch_normalize``: IS weights
-  normalised per micro-batch -> refused; every other registered mode aggregates through ``agg_loss`` -> equal.
+  normalised per micro-batch -> refused;
+* every policy loss is checked against an **allow-list**, :data:`VERIFIED_POLICY_LOSSES`: verl's registered losses
+  that aggregate through ``agg_loss`` and that ``tests/integrations/verl/v09/test_loss_modes.py`` measures equal to
+  the stock engine. Any other name (a loss registered with verl's ``register_policy_loss``) and a verified name whose
+  registered function is not verl's own (re-registered) are refused: zorro cannot know whether they depend on which
+  rows share a micro-batch.
 
 The loss settings are not part of the engine config: the worker hands the engine ``functools.partial(ppo_loss,
 config=actor_config)`` (or ``distillation_ppo_loss``, or a critic's ``value_loss``) with each batch, so the check
@@ -25,9 +30,16 @@ reads the config bound to that partial, per batch. Imports no verl.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Optional
 
-__all__ = ["loss_unsupported", "bound_loss_config"]
+__all__ = ["loss_unsupported", "bound_loss_config", "VERIFIED_POLICY_LOSSES"]
+
+#: policy_loss.loss_mode values zorro has verified to give the stock engine's loss and gradients under its regrouping
+#: (tests/integrations/verl/v09/test_loss_modes.py); ``bypass_mode`` without ``rollout_is_batch_normalize``.
+VERIFIED_POLICY_LOSSES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "bypass_mode")
+#: Where verl defines its own policy losses (a verified name registered from elsewhere is not verl's function).
+_VERL_LOSSES_MODULE = "verl.trainer.ppo.core_algos"
 
 #: policy_loss.loss_mode values whose loss depends on which rows share a micro-batch (see the module doc).
 _PER_MICRO_BATCH_MODES = {
@@ -63,10 +75,31 @@ def bound_loss_config(loss_function) -> tuple[Any, Any]:
     return config, distill
 
 
+def _registered_elsewhere(loss_mode: str) -> Optional[str]:
+    """``module.name`` of the function verl's policy-loss registry holds for ``loss_mode`` when it is not verl's own
+    (None when it is, or when verl's registry is not loaded in this process: then the worker has not built it)."""
+    core = sys.modules.get(_VERL_LOSSES_MODULE)
+    fn = getattr(core, "POLICY_LOSS_REGISTRY", {}).get(loss_mode) if core is not None else None
+    module = getattr(fn, "__module__", _VERL_LOSSES_MODULE)
+    return None if fn is None or module == _VERL_LOSSES_MODULE else f"{module}.{getattr(fn, '__qualname__', fn)}"
+
+
 def _policy_mode_unsupported(loss_mode: Optional[str], policy_loss: Any, where: str) -> Optional[str]:
     if loss_mode in _PER_MICRO_BATCH_MODES:
         return (f"{where}={loss_mode} {_PER_MICRO_BATCH_MODES[loss_mode]}, so its loss depends on which rows share "
                 "a micro-batch and zorro regroups rows by prompt (use another policy loss mode, e.g. vanilla)")
+    verified = ", ".join(VERIFIED_POLICY_LOSSES)
+    if loss_mode not in VERIFIED_POLICY_LOSSES:
+        return (f"{where}={loss_mode!r} is not a policy loss zorro has verified (verified: {verified}); zorro "
+                "regroups rows by prompt across micro-batches and cannot know whether this loss depends on which "
+                "rows share one (use a verified loss mode, or run this loss with the stock engine: "
+                "fsdp_config.zorro.enable=false)")
+    elsewhere = _registered_elsewhere(loss_mode)
+    if elsewhere is not None:
+        return (f"{where}={loss_mode!r} is registered in verl's policy-loss registry as {elsewhere}, not verl's own "
+                f"function that zorro verified (verified: verl's {verified}); zorro regroups rows by prompt across "
+                "micro-batches and cannot know whether this loss depends on which rows share one (register it under "
+                "another name and run it with the stock engine: fsdp_config.zorro.enable=false)")
     if loss_mode == "bypass_mode":
         rc = _get(policy_loss, "rollout_correction")
         if _get(rc, "rollout_is_batch_normalize", False):
@@ -103,6 +136,6 @@ def loss_unsupported(loss_function, data=None) -> Optional[str]:
     if reason is None and distill is not None:
         dl = _get(distill, "distillation_loss")
         if _get(dl, "use_policy_gradient", False):
-            reason = _policy_mode_unsupported(_get(dl, "policy_loss_mode"), _get(dl, "policy_loss"),
+            reason = _policy_mode_unsupported(_get(dl, "policy_loss_mode", "vanilla"), _get(dl, "policy_loss"),
                                               "distillation.distillation_loss.policy_loss_mode")
     return reason

@@ -8,7 +8,8 @@
   ``fsdp``/``fsdp2`` backends (every device key it was registered for, plus ``cpu``); the zorro class is the stock
   engine unless its engine config enables zorro, so runs without the preset are unchanged. Every other
   language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
-  zorro-enabled config instead of silently running the stock forward;
+  zorro-enabled config instead of silently running the stock forward; so are the value-model (critic) engines
+  (zorro deduplicates the actor and the reference only);
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
   (:mod:`.balance`, switchable by config), and the V1 trainer reports the zorro metrics of its log-prob passes
   (:mod:`.trainer_metrics`).
@@ -23,17 +24,21 @@ from __future__ import annotations
 import importlib.metadata as md
 import logging
 import os
+from typing import Optional
 
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09 import balance, trainer_metrics
 
-__all__ = ["install", "is_installed", "check_engine_registered", "why_not_installed", "PLUGIN_DISABLE_ENV"]
+__all__ = ["install", "is_installed", "check_engine_registered", "why_not_installed", "entry_point_skipped",
+           "PLUGIN_DISABLE_ENV", "PLUGIN_MODULE"]
 
 logger = logging.getLogger(__name__)
 
 #: Set to ``1`` to keep the ``verl.plugins`` entry point from installing anything (zorro-enabled configs then stop
 #: at start with the reason).
 PLUGIN_DISABLE_ENV = "ZORRO_VERL_PLUGIN_DISABLE"
+#: The plugin module (the entry point's target; the preset also names it in ``actor_rollout_ref.model.external_lib``).
+PLUGIN_MODULE = "zorro_verl.integrations.verl.v09.plugin"
 _BACKENDS = ("fsdp", "fsdp2")
 _installed = False
 
@@ -84,6 +89,10 @@ def _register_engine(engine_package) -> None:
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
                 slots[key] = _guarded(cls, backend)
+    for slots in engine_package.EngineRegistry._engines.get("value_model", {}).values():
+        for key, cls in list(slots.items()):
+            if not getattr(cls, "_zorro_guard", False):
+                slots[key] = _value_model_guarded(cls)
 
 
 def _guarded(cls, backend: str):
@@ -100,6 +109,25 @@ def _guarded(cls, backend: str):
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
+def _value_model_guarded(cls):
+    """A subclass of value-model (critic) engine ``cls`` whose constructor raises when its engine config enables
+    zorro: zorro deduplicates the actor and the reference only, so the critic would silently run verl's stock forward
+    with a config that asks for zorro. Configs that do not enable zorro build the stock engine unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
+        if engine_config is not None and settings_of(engine_config).enable:
+            raise ValueError(
+                "critic.fsdp.zorro: expected no zorro node (or enable=false) in the critic's engine config, got "
+                "enable=true. zorro deduplicates the actor and the reference model (language-model engines) only; the "
+                f"critic's value-model engine ({cls.__qualname__}) would run verl's stock forward. Remove "
+                "critic.fsdp.zorro (and critic.fsdp._target_) or set critic.fsdp.zorro.enable=false.")
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
 def _engine_device() -> str:
     """The device key verl's ``EngineRegistry`` looks engines up by (``VERL_ENGINE_DEVICE`` overrides it)."""
     if os.environ.get("VERL_ENGINE_DEVICE"):
@@ -109,7 +137,9 @@ def _engine_device() -> str:
     return get_device_name()
 
 
-def why_not_installed() -> str:
+def entry_point_skipped() -> Optional[str]:
+    """Why ``import verl`` in a process with this environment would not install zorro's hooks through the
+    ``verl.plugins`` entry point, or None when it would (barring an import error, see :func:`why_not_installed`)."""
     if os.environ.get(PLUGIN_DISABLE_ENV, "0") == "1":
         return f"{PLUGIN_DISABLE_ENV}=1 is set in this process"
     if not verl_is_09_or_newer():
@@ -120,8 +150,12 @@ def why_not_installed() -> str:
     policy = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
     if policy == "none" or (policy not in ("auto", "") and "zorro_verl" not in policy.split(",")):
         return f"VERL_USE_EXTERNAL_PLUGINS={policy!r} does not load the entry point 'zorro_verl'"
-    return ("verl failed to load the plugin (it logs plugin errors at DEBUG only); `python -c \"import "
-            "zorro_verl.integrations.verl.v09.plugin\"` shows the error")
+    return None
+
+
+def why_not_installed() -> str:
+    return entry_point_skipped() or ("verl failed to load the plugin (it logs plugin errors at DEBUG only); `python -c "
+                                     "\"import zorro_verl.integrations.verl.v09.plugin\"` shows the error")
 
 
 def check_engine_registered() -> None:
