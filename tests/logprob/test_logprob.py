@@ -336,3 +336,151 @@ def test_memory_mode_shared_rows_empty():
     assert lp.shape == (0,) and ent.shape == (0,)
     gw, gb = torch.autograd.grad(lp.sum() + ent.sum(), [head.weight, head.bias], allow_unused=True)
     assert gw is None or not gw.any()
+
+
+def _fp32_blocks(fn, v):
+    """Run ``fn()`` and return the row counts of every ``[rows, v]`` fp32 tensor an op creates meanwhile (forward
+    and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    rows = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2 and t.shape[-1] == v:
+                    rows.append(t.shape[0])
+            return out
+
+    with Record():
+        fn()
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
+@pytest.mark.parametrize("n", [1, 37, 200])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_modes_hold_fp32_blocks_of_a_sixteenth_of_the_rows(mode, n, temperature):
+    """Every mode on bf16 logits (``memory``: a bf16 head on bf16 hidden states): forward and backward create fp32
+    ``[rows, V]`` temporaries of at most ``ceil(rows / LEAN_BLOCKS)`` rows of the logits they hold (all ``N`` rows
+    for ``none`` / ``compute``, one chunk for ``memory``, here the default chunk of 1024 > ``N``) and of at most
+    ``chunk_size`` rows, never an fp32 copy of all of them: their bytes per logits element beyond the bf16 logits
+    stay a fraction of theirs whatever ``N`` (docs/BENCHMARKS.md)."""
+    from zorro_verl.logprob import LEAN_BLOCKS
+
+    v, h = 48, 5
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n, h, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weight = torch.randn(v, h, generator=g).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), generator=g)
+
+    def step(**kw):
+        if mode == "memory":
+            lp, ent = linear_logprobs(hidden, weight, None, targets, temperature=temperature, calculate_entropy=True,
+                                      **kw)
+        else:
+            lp, ent = logits_logprobs(torch.nn.functional.linear(hidden, weight), targets, temperature=temperature,
+                                      calculate_entropy=True, logits_optimization=mode, **kw)
+        torch.autograd.grad((lp + ent).sum(), [hidden, weight])
+
+    rows = _fp32_blocks(step, v)
+    assert rows and max(rows) <= -(-n // LEAN_BLOCKS)
+    rows = _fp32_blocks(lambda: step(chunk_size=2), v)
+    assert max(rows) <= 2
+
+
+@pytest.mark.parametrize("op", ["upcast", "logits", "logits_rounded"])
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
+def test_temperature_ops_match_their_oracle_fp64(op, mode):
+    """Every ``temperature_op`` in every mode vs the reference run with the same op, fp64, values and the
+    gradients of hidden / weight / bias <= 1e-12 (``logits_rounded`` divides by the temperature's fp32 value, as
+    verl's engine does, also for fp64 logits)."""
+    head, hidden, targets = _setup(bias=True)
+    params = [hidden, *head.parameters()]
+    lp_ref, ent_ref = logprobs_from_logits(head(hidden), targets, 0.7, True, temperature_op=op)
+    lp, ent = response_logprobs(hidden, head, targets, temperature=0.7, calculate_entropy=True,
+                                logits_optimization=mode, chunk_size=4, temperature_op=op)
+    assert (lp - lp_ref).abs().max().item() <= TOL and (ent - ent_ref).abs().max().item() <= TOL
+    w = torch.randn(13, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = torch.autograd.grad((lp_ref * w + ent_ref).sum(), params)
+    got = torch.autograd.grad((lp * w + ent).sum(), params)
+    for a, b in zip(want, got):
+        assert (a - b).abs().max().item() <= TOL
+    if op == "logits_rounded":  # fp32(0.7) != 0.7: not the upcast op's values in fp64
+        assert (lp - logprobs_from_logits(head(hidden), targets, 0.7, False)[0]).abs().max().item() > 1e-9
+
+
+def test_temperature_ops_are_one_op_in_fp32():
+    """For fp32 logits the three ops are the same operation: bitwise equal values and gradients."""
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(11, 29, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, 29, (11,), generator=g)
+    outs = []
+    for op in ("upcast", "logits", "logits_rounded"):
+        lp, ent = logits_logprobs(logits, targets, temperature=0.7, calculate_entropy=True, temperature_op=op)
+        outs.append((lp, ent, *torch.autograd.grad((lp + 0.5 * ent).sum(), [logits])))
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("op", ["logits", "logits_rounded"])
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
+def test_bf16_temperature_rounds_as_stock(op, mode):
+    """bf16, T = 0.7: stock verl divides the bf16 logits by T in bf16 before the log-softmax (verl 0.7's actor:
+    ``logits.div_(T)`` -> op ``logits``; verl 0.9's engine: ``logits / T.to(logits.dtype)`` -> ``logits_rounded``).
+    Oracle: the exact (fp64) log-softmax / entropy of stock's bf16 quotient, and their exact gradients w.r.t. the
+    head's input and weight. Reference path run in bf16: stock's formula as verl runs it on GPU — the bf16 quotient,
+    log-probs from an fp32 log-softmax (flash-attn's cross-entropy computes in fp32), entropy returned in bf16 (the
+    compiled ``entropy_from_logits`` keeps its input's dtype) — with autograd. The relative rule (docs/DESIGN.md
+    §10): zorro's relative error <= 2x the reference path's for values, 3x for gradients. Dividing the fp32 upcast
+    by the exact T instead (op ``upcast``, what the memory mode did) leaves the log-probs far outside it."""
+    bf = torch.bfloat16
+    n, h, v, T = 48, 32, 2048, 0.7
+    g = torch.Generator().manual_seed(0)
+    hidden0 = torch.randn(n, h, generator=g).to(bf)
+    weight0 = (0.5 * torch.randn(v, h, generator=g)).to(bf)
+    targets = torch.randint(0, v, (n,), generator=g)
+    w1, w2 = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+
+    def stock_quotient(z):  # [n, V] bf16, verl's operation and dtype
+        return z / T if op == "logits" else z / torch.full((z.shape[0], 1), T).to(z.dtype)
+
+    divisor = T if op == "logits" else float(torch.tensor(T).to(bf))
+    q64 = stock_quotient(torch.nn.functional.linear(hidden0, weight0)).double().requires_grad_(True)
+    lp_o, ent_o = logprobs_from_logits(q64, targets, 1.0, True)
+    (g_q,) = torch.autograd.grad((lp_o * w1 + ent_o * w2).sum(), [q64])
+    g_z = g_q / divisor  # d quotient / d logits, exactly
+    oracle = [lp_o.detach(), ent_o.detach(), g_z @ weight0.double(), g_z.t() @ hidden0.double()]
+
+    def run(fn):
+        hidden, weight = hidden0.clone().requires_grad_(True), weight0.clone().requires_grad_(True)
+        lp, ent = fn(hidden, weight)
+        return [lp, ent, *torch.autograd.grad((lp.double() * w1 + ent.double() * w2).sum(), [hidden, weight])]
+
+    def stock(hidden, weight):
+        q = stock_quotient(torch.nn.functional.linear(hidden, weight))
+        lp, ent = logprobs_from_logits(q, targets, 1.0, True)
+        return lp, ent.to(bf)
+
+    def zorro(temperature_op):
+        def fn(hidden, weight):
+            if mode == "memory":
+                return linear_logprobs(hidden, weight, None, targets, temperature=T, calculate_entropy=True,
+                                       chunk_size=64, temperature_op=temperature_op)
+            return logits_logprobs(torch.nn.functional.linear(hidden, weight), targets, temperature=T,
+                                   calculate_entropy=True, logits_optimization=mode, chunk_size=5,
+                                   temperature_op=temperature_op)
+        return fn
+
+    ref = [_rel(a, o) for a, o in zip(run(stock), oracle)]
+    got = [_rel(a, o) for a, o in zip(run(zorro(op)), oracle)]
+    assert all(e > 0 for e in ref)
+    assert got[0] <= 2 * ref[0] and got[1] <= 2 * ref[1], (got, ref)  # log-probs, entropy
+    assert got[2] <= 3 * ref[2] and got[3] <= 3 * ref[3], (got, ref)  # d hidden, d weight
+    before = _rel(run(zorro("upcast"))[0], oracle[0])
+    assert before > 100 * ref[0], (before, ref[0])  # the fp32 division: ~1e-3 against stock's ~1e-8

@@ -29,13 +29,16 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                  max_token_len: int = 64, use_remove_padding: bool = True, gradient_checkpointing: bool = False,
                  zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None,
                  model_overrides: Optional[dict] = None, attn_implementation: str = "sdpa",
-                 strategy: str = "fsdp2", optim_overrides: Optional[dict] = None):
+                 strategy: str = "fsdp2", optim_overrides: Optional[dict] = None, compute_dtype: str = "fp32",
+                 use_torch_compile: bool = False):
     """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt`` under
     ``strategy`` (``fsdp2``, or ``fsdp``: FSDP1 with verl's default wrap policy, one unit per decoder layer);
     ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
     config (e.g. ``ulysses_sequence_parallel_size``), ``optim_overrides`` to the optimizer config (default: verl's
     AdamW at ``lr``; :data:`STEPS_OPTIM` for multi-step comparisons); ``attn_implementation`` is the stock model's
-    attention (zorro replaces it)."""
+    attention (zorro replaces it). ``compute_dtype="bf16"``: verl's default mixed precision (fp32 parameters, bf16
+    compute: ``param_dtype`` bf16, so the forward and the logits run in bf16); ``use_torch_compile``: verl's default
+    (True) compiles the entropy function."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead
@@ -47,8 +50,8 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                                  override_config={"attn_implementation": attn_implementation},
                                  use_remove_padding=use_remove_padding,
                                  enable_gradient_checkpointing=gradient_checkpointing, **(model_overrides or {}))
-    common = dict(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
-                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+    common = dict(strategy=strategy, model_dtype="fp32", use_torch_compile=use_torch_compile,
+                  mixed_precision={"param_dtype": compute_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                   use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
                   infer_micro_batch_size_per_gpu=micro_batch_size, max_token_len_per_gpu=max_token_len,
                   infer_max_token_len_per_gpu=max_token_len, use_remove_padding=use_remove_padding,

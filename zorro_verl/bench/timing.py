@@ -10,11 +10,15 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+import weakref
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["Clock", "rss_bytes", "reset_peak_rss", "peak_rss_bytes", "steady_heap", "trim_heap", "time_interleaved"]
+__all__ = ["Clock", "rss_bytes", "reset_peak_rss", "peak_rss_bytes", "steady_heap", "trim_heap", "time_interleaved",
+           "LiveTensorBytes"]
 
 
 class Clock:
@@ -131,3 +135,42 @@ def time_interleaved(variants: dict, batches: list, warmup: int, reps: int, cloc
                 times[name].append((t1 - t0) * 1e3)
     reset()
     return times, peaks, method
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages that ops allocate while this mode is active, by torch's own accounting of
+    storage sizes: deterministic, independent of the allocator and of other processes (unlike RSS).
+
+    Every op output whose storage is not one of the op's inputs' (so views and in-place results of existing tensors
+    are not counted) adds its storage's ``nbytes`` until that storage is freed (a finalizer on the storage object).
+    Tensors that existed before the mode (inputs, parameters) count only through what the ops allocate. Autograd's
+    backward runs its ops through the same dispatcher on CPU, so ``loss.backward()`` / ``torch.autograd.grad`` inside
+    the mode are counted too. Code compiled with ``torch.compile`` does not run under a dispatch mode: measure it
+    another way (peak RSS). Attributes: ``peak`` and ``live`` (bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}  # storage data_ptr -> nbytes, for storages allocated under the mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, n = storage.data_ptr(), storage.nbytes()
+            if n == 0 or key in inputs or key in self._sizes:
+                continue
+            self._sizes[key] = n
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        n = self._sizes.pop(key, None)
+        if n is not None:
+            self.live -= n

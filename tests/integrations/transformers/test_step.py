@@ -244,3 +244,33 @@ def test_head_fn_runs_as_the_head_forward_and_refuses_post_processed_logits():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="soft-caps"):
         zorro_step(model, plan, logits_optimization="memory")
+
+
+def test_bf16_temperature_tensor_divides_as_verl_in_every_mode():
+    """bf16 model, the temperature as verl 0.9's engine hands it over (a per-row tensor, here all 0.7): every mode
+    divides the bf16 logits by the bf16 temperature before the softmax (verl's ``logits / T.to(logits.dtype)``; the
+    materialised modes ran it as a per-row ``[N, V]`` division before, now per block), so the memory mode's
+    log-probs / entropy equal the materialised modes' up to fp32 summation order. The memory mode used to divide
+    the fp32 upcast by the exact T, as a float temperature still does (``temperature_op="upcast"``): 3e-4 nats
+    mean off verl's values here (this random model's logits are small; ~1e-2 at logits of a few units). Rows with
+    different temperatures still run the per-row division (none / compute)."""
+    batch = batch_of(seed=3)
+    R, B = batch["responses"].shape[1], batch["input_ids"].shape[0]
+    model = tiny_model("qwen3", dtype=torch.bfloat16)
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+    temps = torch.full((B,), 0.7)
+    with torch.no_grad():
+        outs = {mode: zorro_step(model, plan, temperature=temps, calculate_entropy=True, logits_optimization=mode,
+                                 chunk_size=5) for mode in ("none", "compute", "memory")}
+        upcast = zorro_step(model, plan, temperature=0.7, calculate_entropy=True, logits_optimization="memory")
+        mixed = temps.clone()
+        mixed[0] = 0.9  # not uniform: the per-row [N, V] division, verl's op on every row
+        lp_mixed, _ = zorro_step(model, plan, temperature=mixed, logits_optimization="none")
+    rows = plan.out_row != 0
+    for mode, (lp, ent) in outs.items():
+        assert lp.dtype == torch.float32
+        assert (lp - outs["none"][0]).abs().max().item() <= 1e-5, mode
+        assert (ent - outs["none"][1]).abs().max().item() <= 1e-5, mode
+    assert (lp_mixed[rows] - outs["none"][0][rows]).abs().max().item() <= 1e-5
+    assert (upcast[0] - outs["memory"][0]).abs().mean().item() > 1e-4  # the old memory-mode rounding

@@ -17,6 +17,7 @@ from zorro_verl.integrations.transformers.install import forward_packed
 from zorro_verl.logprob import (
     DEFAULT_CHUNK,
     check_logits_optimization,
+    check_temperature_op,
     linear_head_params,
     linear_logprobs,
     logits_logprobs,
@@ -33,19 +34,21 @@ HeadFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, float, bool, Opt
 
 
 def _per_row_temperature(temperature: torch.Tensor, plan: ZorroPlan, memory: bool):
-    """A per-row temperature tensor ``[B]`` (or ``[B, 1]``) -> ``(float, None)`` when no division is needed (all
-    ones) or a head function takes one float (``memory``), else ``(1.0, divisors [N] float32)``; one host sync."""
+    """A per-row temperature tensor ``[B]`` (or ``[B, 1]``) -> ``(float, None)`` when all rows have the same one
+    (verl's usual case: one float per batch, handed over as a tensor), which then divides each block of logits as
+    verl does (``temperature_op="logits_rounded"``, no ``[N, V]`` quotient held), else ``(1.0, divisors [N]
+    float32)`` (refused for ``memory``: a head function takes one float); one host sync."""
     t = temperature.reshape(-1).to(torch.float32)
     if t.numel() != plan.B:
         raise ValueError(f"temperature: expected a float or a tensor with one value per row ({plan.B}), got shape "
                          f"{tuple(temperature.shape)}.")
-    uniform, ones, first = torch.stack([(t == t[0]).all(), (t == 1).all(), t[0]]).tolist()
-    if memory:
-        if not uniform:
-            raise ValueError("temperature: per-row temperatures with logits_optimization='memory' (or a head "
-                             "function) are not supported: the head takes one temperature; use 'none' or 'compute'.")
+    uniform, first = torch.stack([(t == t[0]).all(), t[0]]).tolist()
+    if uniform:
         return first, None
-    return 1.0, (None if ones else t[plan.out_row])
+    if memory:
+        raise ValueError("temperature: per-row temperatures with logits_optimization='memory' (or a head "
+                         "function) are not supported: the head takes one temperature; use 'none' or 'compute'.")
+    return 1.0, t[plan.out_row]
 
 
 def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
@@ -53,7 +56,8 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
                logits_optimization: str = "none", chunk_size: int = DEFAULT_CHUNK,
                calls: Optional[LayerCalls] = None,
                head_fn: Optional[HeadFn] = None,
-               shard: Optional[UlyssesShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               shard: Optional[UlyssesShard] = None,
+               temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Deduplicated forward of ``plan``: log-probs (and entropy) of every valid response token, original row order.
 
     Args:
@@ -61,9 +65,10 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             (:func:`~zorro_verl.integrations.transformers.install_zorro`).
         plan: the micro-batch's plan (:func:`~zorro_verl.packing.build_plan`).
         backend: a registered attention backend name (:data:`~zorro_verl.attention.BACKEND_NAMES`).
-        temperature: a float > 0 (divides the logits after their fp32 upcast), or a per-row tensor ``[B]`` as
-            verl passes per-sample temperatures (divides the logits in their own dtype, as verl does; the memory
-            mode needs them all equal).
+        temperature: a float > 0 (divides the logits where ``temperature_op`` says), or a per-row tensor ``[B]``
+            as verl 0.9's engine passes temperatures (divides the logits in their own dtype by the temperature cast
+            to that dtype, verl's ``logits / temperature.to(logits.dtype)``, in every mode; the memory mode needs
+            them all equal).
         calculate_entropy: also compute the entropy.
         logits_optimization: ``none | compute | memory`` (:mod:`zorro_verl.logprob`).
         chunk_size: rows per chunk of the ``compute`` / ``memory`` modes.
@@ -79,15 +84,21 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             of ``plan``; every rank of the SP group calls with the same plan): the model runs on the rank's slice
             of the packed row, the head at the response-predicting rows it holds, and the outputs are all-gathered
             (autograd-aware) into ``[N]`` on every SP rank.
+        temperature_op: for a float ``temperature``: ``upcast`` (divide after the fp32 upcast, OpenRLHF's order),
+            ``logits`` (divide in the logits' dtype, verl 0.7's ``logits.div_(temperature)``) or ``logits_rounded``
+            (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`); a tensor ``temperature`` always runs ``logits_rounded``.
+            Ignored by a ``head_fn`` (verl's fused kernel applies its own float temperature).
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` — fp32 (fp64 for fp64 models); ``plan.to_padded`` gives ``[B, R]``.
     """
     mode = check_logits_optimization(logits_optimization)
+    op = check_temperature_op(temperature_op)
     ctx = StepContext(plan, backend, calls, shard)
     divisors = None
     if isinstance(temperature, torch.Tensor):
         temperature, divisors = _per_row_temperature(temperature, plan, memory=mode == "memory" or head_fn is not None)
+        op = "logits_rounded"  # verl's op; the divisors below run it as a tensor op, the memory mode as this op
     # the head rows this call computes: all N, or (sequence parallel) the ones whose predicting row this rank holds
     keep, targets = (plan.logit_index, plan.target_ids) if shard is None else (shard.logit_index, shard.target_ids)
     index = None  # prefix trees: the head runs once per distinct position, head_inverse maps outputs to its rows
@@ -99,7 +110,7 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
     if divisors is not None and shard is not None:
         divisors = divisors[shard.rows]
     if head_fn is None and mode == "memory":
-        head_fn = _chunked_head(chunk_size)
+        head_fn = _chunked_head(chunk_size, op)
     if head_fn is not None:
         logp, ent = _head_step(model, ctx, head_fn, keep, targets, temperature, calculate_entropy, index)
     else:
@@ -109,25 +120,27 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
                 logits, index = logits[index], None
             logits = logits / divisors.clamp(min=1e-8).to(logits.dtype)[:, None]
         logp, ent = logits_logprobs(logits, targets, temperature=temperature, calculate_entropy=calculate_entropy,
-                                    logits_optimization=mode, chunk_size=chunk_size, index=index)
+                                    logits_optimization=mode, chunk_size=chunk_size, index=index, temperature_op=op)
     if shard is not None:
         logp = gather_rows(logp, shard)
         ent = None if ent is None else gather_rows(ent, shard)
     return logp, ent
 
 
-def _chunked_head(chunk_size: int) -> HeadFn:
+def _chunked_head(chunk_size: int, temperature_op: str = "upcast") -> HeadFn:
     """The ``memory`` mode's head function: the chunked autograd Function over the head's own ``weight`` / ``bias``
     (:func:`~zorro_verl.logprob.linear_logprobs`). It never calls the head module, so under FSDP2 (or FSDP1 with the
     head as its own unit) the head's parameters are gathered once per step (around the swapped head forward) whatever
     the chunk count, and their gradients come back as the Function's outputs through autograd (FSDP's post-backward
-    reduction sees them; tested for both).
-    With ``index`` (a prefix tree) the head runs once per distinct position, on the ``[Nh, H]`` rows."""
+    reduction sees them; tested for both). With ``index`` (a prefix tree) the head runs once per distinct position,
+    on the ``[Nh, H]`` rows. The temperature divides each chunk's logits as ``temperature_op`` says (in the chunk's
+    dtype for ``logits`` / ``logits_rounded``: the dtype ``F.linear`` returns, autocast included)."""
 
     def head_fn(hidden, head, targets, temperature, calculate_entropy, index):
         weight, bias = linear_head_params(head)
         return linear_logprobs(hidden, weight, bias, targets, temperature=temperature,
-                               calculate_entropy=calculate_entropy, chunk_size=chunk_size, index=index)
+                               calculate_entropy=calculate_entropy, chunk_size=chunk_size, index=index,
+                               temperature_op=temperature_op)
 
     return head_fn
 

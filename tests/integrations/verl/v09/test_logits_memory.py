@@ -1,6 +1,10 @@
-"""Peak memory of a training step: zorro's engine (modes none and memory) vs verl 0.9's stock engine, the same
-micro-batch, a 32K vocabulary and a response-heavy batch (R >= P). Measured as in scripts/verl_memory.py (one fresh
-subprocess per engine, peak RSS delta via /proc/self/clear_refs + VmHWM). zorro's peak must not exceed stock's.
+"""Logits memory vs verl 0.9's stock path (scripts/verl_memory.py, docs/BENCHMARKS.md).
+
+* Peak memory of a training step: zorro's engine (modes none and memory) vs the stock engine, the same micro-batch,
+  a 32K vocabulary and a response-heavy batch (R >= P), fp32. One fresh subprocess per engine, peak RSS delta via
+  /proc/self/clear_refs + VmHWM. zorro's peak must not exceed stock's.
+* Bytes per logits element of the head in bf16 (the dtype users train in), counted deterministically: the default
+  mode's must not exceed stock's.
 """
 
 import importlib.util
@@ -34,3 +38,29 @@ def test_training_step_peak_memory_not_above_stock(tmp_path):
     assert stock["peak_bytes"] > 8 * 2**20  # a real measurement (the logits alone are ~50 MiB)
     assert none["peak_bytes"] <= stock["peak_bytes"], (none, stock)
     assert memory["peak_bytes"] <= stock["peak_bytes"], (memory, stock)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_default_mode_bytes_per_logits_element_not_above_stock(temperature):
+    """bf16, the dtype users train in: the bytes the default mode (``none``) allocates per logits element beyond the
+    logits, counted deterministically (``LiveTensorBytes``: torch's storage sizes, forward and backward), are at most
+    stock's — verl's CPU path (its own functions, eager) and the model of its GPU path (flash-attn's cross-entropy +
+    the fused entropy: the leanest stock runs). Inference at T = 1 is the one case where stock's GPU path holds
+    nothing beyond the logits: there the default's blocks must stay within 1/LEAN_BLOCKS of an 8-byte fp32 pair.
+    The earlier default upcast all rows at once: 8 (T = 1) / 10 (T = 0.7) bytes per element, against stock GPU's
+    2 (T = 0.7, inference) and 6 (training)."""
+    from zorro_verl.logprob import LEAN_BLOCKS
+
+    mod = _script()
+    shape = dict(rows=256, vocab=4096, hidden=8, chunk=16, temperature=temperature)
+    per_elem = {}
+    for path in ("stock_gpu", "stock_cpu", "none"):
+        for phase in ("infer", "train"):
+            per_elem[path, phase] = mod.head_bytes(path, phase, **shape) / (shape["rows"] * shape["vocab"])
+    for phase in ("infer", "train"):
+        stock_gpu, stock_cpu, none = (per_elem[p, phase] for p in ("stock_gpu", "stock_cpu", "none"))
+        assert none <= stock_cpu, (phase, per_elem)
+        if phase == "infer" and temperature == 1.0:
+            assert stock_gpu < 0.1 and none <= 8 / LEAN_BLOCKS + 0.01, per_elem
+        else:
+            assert none <= stock_gpu, (phase, per_elem)

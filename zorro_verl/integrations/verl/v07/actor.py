@@ -235,10 +235,11 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
         if plan.tree is not None:
             self._zorro_counts["tree_depth"] = max(self._zorro_counts["tree_depth"], plan.tree.levels)
         with torch.autocast(device_type=self.device_name, dtype=self.param_dtype):  # same autocast as the parent
+            # temperature_op="logits": the parent's logits_rmpad.div_(temperature) on the model-dtype logits
             logp, ent = zorro_step(self.actor_module, plan, backend=self._zorro_backend,
                                    temperature=float(temperature), calculate_entropy=calculate_entropy,
                                    logits_optimization=self.zorro.logits_optimization,
-                                   chunk_size=self.logits_chunk_size)
+                                   chunk_size=self.logits_chunk_size, temperature_op="logits")
         outputs = {"log_probs": plan.to_padded(logp)}  # [B, R], 0 on pads like the parent's remove-padding path
         if calculate_entropy:
             outputs["entropys"] = plan.to_padded(ent)
