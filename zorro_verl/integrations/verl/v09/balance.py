@@ -239,7 +239,6 @@ def verl_minibatch_ids(batch_size: int, dp_size: int, mini_batch_size: int, epoc
         ``[batch_size]`` tuples: for each epoch, the index of the optimizer step (``epoch * steps_per_epoch + j``)
         that position takes part in.
     """
-    from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
     if batch_size % dp_size or mini_batch_size % dp_size or (batch_size // dp_size) % (mini_batch_size // dp_size):
@@ -248,7 +247,7 @@ def verl_minibatch_ids(batch_size: int, dp_size: int, mini_batch_size: int, epoc
     chunk, mini = batch_size // dp_size, mini_batch_size // dp_size
     ids: list[list[int]] = [[] for _ in range(batch_size)]
     for k in range(dp_size):
-        td = TensorDict({"position": torch.arange(chunk)}, batch_size=[chunk])
+        td = tu.get_tensordict({"position": torch.arange(chunk)})
         it = tu.make_iterator(td, mini_batch_size=mini, epochs=epochs, seed=seed + k,
                               dataloader_kwargs={"shuffle": shuffle})
         for step, mb in enumerate(it):
