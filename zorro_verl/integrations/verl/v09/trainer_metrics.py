@@ -22,6 +22,8 @@ import logging
 from numbers import Number
 from typing import Any
 
+from zorro_verl.integrations.verl.v09.markers import mark_balanced
+
 __all__ = ["install_v1_hook", "pass_metrics", "output_metrics", "effective_mfu"]
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,16 @@ def _capture(trainer, targets, sink: list):
                 delattr(wg, method)
 
 
+def _restamp(batch) -> None:
+    """Put the balance hook's stamp (markers.py) back on a V1 batch before a worker pass: verl replaces a
+    ``KVBatchMeta``'s ``extra_info`` by each worker call's output meta data, so the stamp the balance hook left is
+    gone after the first pass. (These wrappers are installed with the balance hook, :func:`.registration.install`:
+    a trainer that has them has the hook.)"""
+    info = getattr(batch, "extra_info", None)
+    if isinstance(info, dict):
+        mark_balanced(info)
+
+
 def _wrap_pass(cls, attr: str, name: str, targets) -> None:
     orig = getattr(cls, attr)
     if getattr(orig, "_zorro_metrics_hook", False):
@@ -137,6 +149,7 @@ def _wrap_pass(cls, attr: str, name: str, targets) -> None:
 
     @functools.wraps(orig)
     def wrapped(self, batch, metrics, *args, **kwargs):
+        _restamp(batch)
         outputs: list = []
         with _capture(self, targets, outputs):
             result = orig(self, batch, metrics, *args, **kwargs)
@@ -155,6 +168,7 @@ def _wrap_update_actor(cls) -> None:
 
     @functools.wraps(orig)
     def _update_actor(self, batch, metrics, *args, **kwargs):
+        _restamp(batch)
         result = orig(self, batch, metrics, *args, **kwargs)
         mfu, computed = metrics.get("perf/mfu/actor"), metrics.get("actor/zorro/computed_tokens")
         saved = metrics.get("actor/zorro/prompt_tokens_saved")
