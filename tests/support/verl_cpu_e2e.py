@@ -29,7 +29,7 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
 seed derived from its prompt tokens and how many requests with that prompt the server has seen (vLLM's shared
 sampler RNG otherwise depends on how requests happen to be batched). Siblings of a group get different seeds, and
 two runs with the same weights produce the same set of responses per prompt.
-:func:`install_ordered_batches` goes further for the V1 trainer: sequential prompt uids, each sampled batch in key
+:func:`install_ordered_batches` goes further: sequential prompt uids (both trainers), each V1 sampled batch in key
 order instead of rollout completion order (so verl's balancing, and hence its mini-batches, are the same in two runs
 on the same rollouts), and every request seeded on the agent-loop side by its sample's ``{uid}_{session}`` and turn,
 whichever rollout server (one per training worker) it lands on. From the second step on two runs' weights differ
@@ -234,7 +234,7 @@ def _patch_agent_loop(module) -> None:
 
 def _patch_llm_client(module) -> None:
     """Per-request seeds and record/replay on the agent-loop side, keyed by the sample's ``{uid}_{session}`` (uids are
-    sequential, :func:`_patch_v1_uids`) and the request's turn in that session: the same in every run, whichever
+    sequential, :func:`_patch_uids`) and the request's turn in that session: the same in every run, whichever
     rollout server (one per training worker) a request lands on."""
     import functools
     import zlib
@@ -298,9 +298,9 @@ def _record_or_replay(key: str, out):
                                   "stop_reason": rec["stop_reason"]})
 
 
-def _patch_v1_uids(module) -> None:
-    """Sequential prompt uids in the V1 trainer (it draws ``uuid4()`` per prompt): the same uids, in dataset order,
-    in every run."""
+def _patch_uids(module) -> None:
+    """Sequential prompt uids in a trainer (both draw ``uuid4()`` per prompt): the same uids, in dataset order, in
+    every run."""
     import itertools
     import types
     import uuid
@@ -315,7 +315,7 @@ def _patch_replay_order(module) -> None:
     """The V1 replay buffer hands out a step's samples in the order their rollouts finished (asynchronous agent
     loops, timing-dependent); verl's balancing then cuts mini-batches from that order, so two runs on the same
     rollouts would put different rows in an optimizer step. Sort each sampled batch by ``(uid, session, index)``
-    (the key ``{uid}_{session}_{index}``; uids are sequential, :func:`_patch_v1_uids`): dataset order."""
+    (the key ``{uid}_{session}_{index}``; uids are sequential, :func:`_patch_uids`): dataset order."""
 
     def order_key(key: str):
         uid, session, index = str(key).rsplit("_", 2)
@@ -337,9 +337,10 @@ def _patch_replay_order(module) -> None:
 
 
 def install_ordered_batches() -> None:
-    """Deterministic samples and batch order in the V1 trainer: sequential uids, each sampled batch sorted by key,
+    """Deterministic samples and batch order: sequential uids (both trainers), each V1 sampled batch sorted by key,
     and each request seeded (and recorded or replayed) by its sample's uid, session and turn."""
-    _after_import("verl.trainer.ppo.v1.trainer_base", _patch_v1_uids)
+    _after_import("verl.trainer.ppo.v1.trainer_base", _patch_uids)
+    _after_import("verl.trainer.ppo.ray_trainer", _patch_uids)
     _after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_order)
     _after_import("verl.experimental.agent_loop.agent_loop", _patch_agent_loop)
     _after_import("verl.workers.rollout.llm_server", _patch_llm_client)

@@ -19,6 +19,24 @@ def readme_overrides() -> list[str]:
     return [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
 
 
+def _actor_and_ref(cfg):
+    """The actor's and the reference's config dataclasses, as verl's engine worker builds them (it renames the
+    ref's ``log_prob_*`` keys to the actor's names first)."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    node = cfg.actor_rollout_ref.ref
+    with open_dict(node):
+        node.ppo_mini_batch_size = actor.ppo_mini_batch_size
+        for old, new in (("log_prob_micro_batch_size", "ppo_micro_batch_size"),
+                         ("log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                         ("log_prob_use_dynamic_bsz", "use_dynamic_bsz"),
+                         ("log_prob_max_token_len_per_gpu", "ppo_max_token_len_per_gpu")):
+            node[new] = node.pop(old, None)
+    return actor, omega_conf_to_dataclass(node)
+
+
 def test_readme_overrides_build_the_zorro_engine_for_actor_and_ref():
     import verl
     from hydra import compose, initialize_config_dir
@@ -53,8 +71,6 @@ def test_readme_ulysses_launch_line_composes_with_the_preset():
     """The README's long-context line (16K prompts, n = 16, SP = 4) composes with the preset into zorro engine
     configs with SP = 4 for actor and reference, and its token budget holds a whole group per SP group."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-    from verl.utils.config import omega_conf_to_dataclass
 
     from zorro_verl.integrations.verl.presets import preset_dir
     from zorro_verl.integrations.verl.settings import settings_of
@@ -66,16 +82,7 @@ def test_readme_ulysses_launch_line_composes_with_the_preset():
     with initialize_config_dir(config_dir=preset_dir(), version_base=None):
         cfg = compose(config_name="zorro_ppo_trainer", overrides=overrides + [
             "actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.train_batch_size=16"])
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    node = cfg.actor_rollout_ref.ref
-    with open_dict(node):  # verl's engine worker renames the ref's log_prob_* keys the same way before building it
-        node.ppo_mini_batch_size = actor.ppo_mini_batch_size
-        for old, new in (("log_prob_micro_batch_size", "ppo_micro_batch_size"),
-                         ("log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
-                         ("log_prob_use_dynamic_bsz", "use_dynamic_bsz"),
-                         ("log_prob_max_token_len_per_gpu", "ppo_max_token_len_per_gpu")):
-            node[new] = node.pop(old, None)
-    ref = omega_conf_to_dataclass(node)
+    actor, ref = _actor_and_ref(cfg)
     for c in (actor, ref):
         assert c.ulysses_sequence_parallel_size == 4 and c.engine.ulysses_sequence_parallel_size == 4
         assert settings_of(c.engine).enable
@@ -89,8 +96,6 @@ def test_e2e_overrides_select_the_strategy(strategy):
     verl's registry resolves the zorro engine for it (the reference's ``strategy`` follows the actor's in verl's
     config; its worker renames the ``log_prob_*`` keys before building it, as here)."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-    from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine import EngineRegistry
 
     from tests.e2e.runner import base_overrides, micro_batch_overrides
@@ -103,17 +108,8 @@ def test_e2e_overrides_select_the_strategy(strategy):
                  + micro_batch_overrides(dynamic=False))
     with initialize_config_dir(config_dir=preset_dir(), version_base=None):
         cfg = compose(config_name="zorro_ppo_trainer", overrides=overrides)
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    node = cfg.actor_rollout_ref.ref
-    assert node.strategy == strategy
-    with open_dict(node):
-        node.ppo_mini_batch_size = actor.ppo_mini_batch_size
-        for old, new in (("log_prob_micro_batch_size", "ppo_micro_batch_size"),
-                         ("log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
-                         ("log_prob_use_dynamic_bsz", "use_dynamic_bsz"),
-                         ("log_prob_max_token_len_per_gpu", "ppo_max_token_len_per_gpu")):
-            node[new] = node.pop(old, None)
-    ref = omega_conf_to_dataclass(node)
+    assert cfg.actor_rollout_ref.ref.strategy == strategy
+    actor, ref = _actor_and_ref(cfg)
     for c in (actor, ref):
         assert c.strategy == c.engine.strategy == strategy and settings_of(c.engine).enable
         assert getattr(EngineRegistry.get_engine_cls("language_model", c.engine.strategy), "zorro_engine", False)
