@@ -468,9 +468,10 @@ def regroup_within_slots(row_group: IntSeq, prompt_lens: IntSeq, response_lens: 
     home: dict[int, dict[int, int]] = {}  # group -> {rank: rows placed there}
     slot_parts: list[list[int]] = []
     for pos in positions.values():  # slots in order of first position
-        cap = [0] * world_size
+        mine = [[] for _ in range(world_size)]  # each rank's positions of this slot, ascending
         for i in pos:
-            cap[i // chunk] += 1
+            mine[i // chunk].append(i)
+        cap = [len(m) for m in mine]
         # the slot's rows are exactly the rows at its positions; pack them with local indices 0..len(pos)-1
         lg, lp, lr = [g[i] for i in pos], [p[i] for i in pos], [r[i] for i in pos]
         units = _units(lg, lp, lr)
@@ -491,9 +492,8 @@ def regroup_within_slots(row_group: IntSeq, prompt_lens: IntSeq, response_lens: 
                 home.setdefault(g[i], {}).setdefault(k, 0)
                 home[g[i]][k] += 1
         for k in range(world_size):
-            mine = [i for i in pos if i // chunk == k]
-            assert len(mine) == len(by_rank[k]), "packing respects the per-rank capacity of the slot"
-            for i, row in zip(mine, by_rank[k]):
+            assert len(mine[k]) == len(by_rank[k]), "packing respects the per-rank capacity of the slot"
+            for i, row in zip(mine[k], by_rank[k]):
                 order[i] = row
             slot_parts.append(by_rank[k])
     ranks = [order[k * chunk:(k + 1) * chunk] for k in range(world_size)]

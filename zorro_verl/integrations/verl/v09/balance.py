@@ -68,12 +68,24 @@ def group_balance(prompts: torch.Tensor, attention_mask: torch.Tensor, dp_size: 
     Returns:
         :class:`DPBalance`; ``permutation()`` is the reorder index for ``batch.reorder``.
     """
+    g, p, r = _prompt_group_costs(prompts, attention_mask)
+    return balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=minibatches_per_rank)
+
+
+def _prompt_group_costs(prompts: torch.Tensor, attention_mask: torch.Tensor):
+    """``(groups [B], prompt_lens [B], response_lens [B])`` from left-padded ``prompts [B, Pw]`` and verl's
+    ``attention_mask [B, Pw + R]``: groups of identical valid prompt tokens."""
     pw = prompts.shape[1]
     pm = attention_mask[:, :pw] != 0
-    g = group_ids(prompts, pm)
-    p = pm.sum(1)
-    r = (attention_mask[:, pw:] != 0).sum(1)
-    return balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=minibatches_per_rank)
+    return group_ids(prompts, pm), pm.sum(1), (attention_mask[:, pw:] != 0).sum(1)
+
+
+def _tree_group_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
+                      min_shared_len: int):
+    """``(clusters, root_lens, own_lens)`` per row for ``sharing=prefix``: trie clusters costed by their prefix tree
+    (:func:`~zorro_verl.packing.tree.tree_row_costs`)."""
+    tc = tree_row_costs(input_ids, attention_mask, response_width, min_shared_len)
+    return tc["cluster"], tc["root_len"], tc["own"]
 
 
 def tree_balance(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, dp_size: int,
@@ -81,9 +93,8 @@ def tree_balance(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
     """:func:`group_balance` for ``sharing=prefix``: whole trie clusters (rows sharing anything) on ranks, each
     costing its prefix tree's tokens (:func:`~zorro_verl.packing.tree.tree_row_costs`: the root once, every inner
     node once). ``input_ids [B, Pw + R]``, ``attention_mask [B, Pw + R]`` in verl's layout."""
-    tc = tree_row_costs(input_ids, attention_mask, response_width, min_shared_len)
-    return balance_groups_across_ranks(tc["cluster"], tc["root_len"], tc["own"], dp_size, equal_size=True,
-                                       minibatches_per_rank=minibatches_per_rank)
+    g, p, r = _tree_group_costs(input_ids, attention_mask, response_width, min_shared_len)
+    return balance_groups_across_ranks(g, p, r, dp_size, equal_size=True, minibatches_per_rank=minibatches_per_rank)
 
 
 def v1_tree_costs(keys: list, tags: list) -> tuple[list, list, list]:
@@ -361,13 +372,10 @@ def _v0_rows(trainer, batch, settings: ZorroSettings, metrics: dict):
     clusters and their tree costs under ``sharing=prefix``); checks group sizes and the micro-batch size."""
     am = batch.batch["attention_mask"]
     if settings.sharing == "prefix":
-        tc = tree_row_costs(batch.batch["input_ids"], am, batch.batch["responses"].shape[1], settings.min_shared_len)
-        g, p, r = tc["cluster"], tc["root_len"], tc["own"]
+        g, p, r = _tree_group_costs(batch.batch["input_ids"], am, batch.batch["responses"].shape[1],
+                                    settings.min_shared_len)
     else:
-        prompts = batch.batch["prompts"]
-        pw = prompts.shape[1]
-        pm = am[:, :pw] != 0
-        g, p, r = group_ids(prompts, pm), pm.sum(1), (am[:, pw:] != 0).sum(1)
+        g, p, r = _prompt_group_costs(batch.batch["prompts"], am)
     uids = batch.non_tensor_batch.get("uid") if batch.non_tensor_batch else None
     if uids is not None:
         _check_group_sizes(metrics, list(Counter(str(u) for u in uids).values()), settings.rollout_n)
