@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RunResult", "STRATEGIES", "base_overrides", "run_main_ppo", "parse_step_metrics", "read_rollouts",
-           "expected_dedup", "rel_diff", "format_table", "REPO_ROOT", "ENGINE_LINE"]
+__all__ = ["RunResult", "STRATEGIES", "base_overrides", "set_override", "run_main_ppo", "parse_step_metrics",
+           "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role", "REPO_ROOT", "ENGINE_LINE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank (\d+)")
@@ -40,6 +40,7 @@ class RunResult:
     steps: dict = field(default_factory=dict)  # step -> {metric: float}
     engine_ranks: set = field(default_factory=set)
     timed_out: bool = False
+    role_peak_gb: dict = field(default_factory=dict)  # process role -> peak RSS of one process of that role (GiB)
 
     def tail(self, n: int = 60) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -51,11 +52,12 @@ STRATEGIES = ("fsdp2", "fsdp")
 
 
 def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, seed: int = 7,
-                   dtype: str = "fp32", lr: float = 2e-3, strategy: str = "fsdp2") -> list[str]:
+                   dtype: str = "fp32", lr: float = 2e-3, strategy: str = "fsdp2",
+                   param_dtype: str | None = None) -> list[str]:
     """GRPO on the tiny assets: all prompts in one batch (train_batch_size = number of prompts), ``n`` rollouts
     each, reference model + low-var KL loss, entropy bonus, actor/ref under ``strategy`` (``fsdp2`` or ``fsdp``) in
-    ``dtype``, vLLM rollouts with rollout log-probs (for verl's rollout-vs-actor metrics), console logger, rollout
-    dump in ``out_dir``.
+    ``dtype`` (computing in ``param_dtype``, default ``dtype``: verl's mixed precision), vLLM rollouts with rollout
+    log-probs (for verl's rollout-vs-actor metrics), console logger, rollout dump in ``out_dir``.
 
     ``strategy`` sets ``actor_rollout_ref.actor.strategy`` (which the engine workers look the engine up by; verl's
     config makes ``actor_rollout_ref.ref.strategy`` follow it, and its actor config copies each role's strategy into
@@ -65,7 +67,7 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES} (verl's FSDP engine), got {strategy!r}.")
     b = assets["num_prompts"]
-    mp = f"{{param_dtype:{dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
+    mp = f"{{param_dtype:{param_dtype or dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
@@ -119,6 +121,18 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
         f"trainer.default_local_dir={out_dir / 'ckpt'}",
         f"trainer.rollout_data_dir={out_dir / 'rollouts'}",
     ]
+
+
+def set_override(overrides: list[str], key: str, value) -> None:
+    """Set Hydra override ``key=value`` in ``overrides`` in place, replacing an earlier one of the same key (Hydra
+    refuses a key given twice; a ``+``/``++`` prefix of the earlier one is kept)."""
+    bare = [o.lstrip("+").split("=", 1)[0] for o in overrides]
+    if key.lstrip("+") in bare:
+        i = bare.index(key.lstrip("+"))
+        prefix = overrides[i][: len(overrides[i]) - len(overrides[i].lstrip("+"))]
+        overrides[i] = f"{prefix}{key.lstrip('+')}={value}"
+    else:
+        overrides.append(f"{key}={value}")  # a new key keeps the "+" the caller gave it
 
 
 def micro_batch_overrides(*, dynamic: bool, micro: int = 4, max_tokens: int = 512) -> list[str]:
@@ -193,7 +207,27 @@ def rel_diff(a: float, b: float, floor: float = 1e-6) -> float:
     return abs(a - b) / max(abs(a), abs(b), floor)
 
 
-def _tree_rss(proc) -> int:
+#: Ray's process titles (``ray::<actor class>.<method>``) and vLLM's -> the role reported in ``role_peak_gb``.
+_ROLES = (("WorkerDict", "train worker"), ("ActorRolloutRef", "train worker"), ("vLLMHttpServer", "rollout server"),
+          ("EngineCore", "vLLM engine"), ("TaskRunner", "trainer"), ("AgentLoopWorker", "agent loop"),
+          ("RewardLoopWorker", "reward"), ("raylet", "ray"), ("gcs_server", "ray"), ("dashboard", "ray"))
+
+
+def process_role(cmdline: str) -> str:
+    """The role of one process of a run from its command line (Ray sets ``ray::<class>.<method>`` titles):
+    ``train worker`` (actor/ref FSDP workers), ``rollout server``, ``vLLM engine``, ``trainer``, ``agent loop``,
+    ``reward``, ``ray`` (Ray's own daemons), ``driver`` (``main_ppo`` itself) or ``other``."""
+    for needle, role in _ROLES:
+        if needle in cmdline:
+            return role
+    if "verl.trainer.main_ppo" in cmdline:
+        return "driver"
+    return "other"
+
+
+def _tree_rss(proc, roles: dict | None = None) -> int:
+    """Resident bytes of ``proc`` and its descendants; with ``roles``, also the largest single process of each role
+    (``{role: bytes}``, updated to the running maximum)."""
     import psutil
 
     total = 0
@@ -203,7 +237,11 @@ def _tree_rss(proc) -> int:
         return 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            rss = p.memory_info().rss
+            total += rss
+            if roles is not None:
+                role = process_role(" ".join(p.cmdline()))
+                roles[role] = max(roles.get(role, 0), rss)
         except psutil.Error:
             pass
     return total
@@ -234,6 +272,7 @@ def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, pyth
     full_env = {**os.environ, **env, "RAY_TMPDIR": str(ray_tmp)}
     shm_before = _shm_entries()
     peak = 0
+    roles: dict[str, int] = {}
     t0 = time.time()
     timed_out = False
     with open(log_path, "w") as log:
@@ -250,7 +289,7 @@ def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, pyth
             nonlocal peak, fatal_at
             pos = 0
             while not stop.is_set():
-                peak = max(peak, _tree_rss(ps))
+                peak = max(peak, _tree_rss(ps, roles))
                 with open(log_path, errors="replace") as f:
                     f.seek(pos)
                     chunk = f.read()
@@ -285,7 +324,8 @@ def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, pyth
     text = log_path.read_text(errors="replace")
     return RunResult(name=name, returncode=rc, seconds=seconds, peak_rss_gb=peak / 2**30, log_path=log_path,
                      rollout_dir=out_dir / "rollouts", steps=parse_step_metrics(text),
-                     engine_ranks={int(m) for m in ENGINE_LINE.findall(text)}, timed_out=timed_out)
+                     engine_ranks={int(m) for m in ENGINE_LINE.findall(text)}, timed_out=timed_out,
+                     role_peak_gb={k: v / 2**30 for k, v in roles.items()})
 
 
 def _kill_group(pgid: int) -> None:

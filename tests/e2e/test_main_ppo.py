@@ -47,6 +47,7 @@ from tests.e2e.runner import (  # noqa: E402
     read_rollouts,
     rel_diff,
     run_main_ppo,
+    set_override,
 )
 from tests.support.verl_cpu_e2e import ROLLOUT_FILE_ENV, ROLLOUT_MODE_ENV, cpu_overrides, e2e_env  # noqa: E402
 
@@ -88,16 +89,6 @@ INFORMATIONAL = ["actor/ppo_kl", "actor/pg_clipfrac"]
 REPORT: list[str] = []
 
 
-def _set(overrides: list[str], key: str, value) -> None:
-    """Set Hydra override ``key=value`` in place (Hydra refuses a key given twice)."""
-    bare = [o.lstrip("+").split("=", 1)[0] for o in overrides]
-    item = f"{key}={value}"
-    if key in bare:
-        overrides[bare.index(key)] = item
-    else:
-        overrides.append(item)
-
-
 def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     spec = RUNS[name]
     sgd = spec["optimizer"] == "SGD"  # lr 0.1 moves each weight about a tenth as far as AdamW's lr 2e-3 does here
@@ -106,8 +97,8 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     o += cpu_overrides(spec["workers"])
     o += micro_batch_overrides(dynamic=spec["dynamic"])
     o.append(f"trainer.use_v1={spec['v1']}")
-    _set(o, "actor_rollout_ref.actor.ppo_mini_batch_size", spec["mini"])
-    _set(o, "actor_rollout_ref.actor.ppo_epochs", spec["epochs"])
+    set_override(o, "actor_rollout_ref.actor.ppo_mini_batch_size", spec["mini"])
+    set_override(o, "actor_rollout_ref.actor.ppo_epochs", spec["epochs"])
     if sgd:
         o += ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.weight_decay=0.0"]
     if not spec["zorro"]:

@@ -20,6 +20,13 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
   CPU, ``tensor.to("cpu")`` returns the view itself, so a view can outlive the bucket and ``SharedMemory.close()``
   raises ``BufferError`` ("cannot close exported pointers exist"); after a garbage collection the mapping is left
   to the process's exit instead (the sender unlinks the segment);
+* registers ``attn_implementation="cpu_varlen"`` (:mod:`tests.support.cpu_stock_kernels`: per-row causal
+  attention of a remove-padding forward, what flash-attn's varlen kernel computes on a GPU) and, with
+  ``ZORRO_E2E_STOCK_KERNELS=1``, makes verl's stock engine compute log-probs block-wise (what flash-attn's
+  cross-entropy kernel does on a GPU) instead of in a Python loop over tokens: the e2e benchmark's stock runs use
+  both, so that stock is not charged for CPU artefacts;
+* lets vLLM's idle worker wait on its socket at once instead of busy-looping for a second after each read (on a
+  two-core host that second takes a core from the trainer's next phase);
 * keeps vLLM's CPU linear layers on ``torch.nn.functional.linear`` over their own weights: vLLM's CPU GEMM dispatch
   (oneDNN) repacks each weight after loading and replaces the layer's parameter by an empty one without a
   ``weight_loader``, so the trainer's weight sync into the running server fails with ``AttributeError``.
@@ -49,7 +56,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["install", "install_seeded_rollout", "e2e_env", "cpu_overrides", "REPO_ROOT", "ROLLOUT_MODE_ENV",
-           "ROLLOUT_FILE_ENV"]
+           "ROLLOUT_FILE_ENV", "POLL_INTERVAL_ENV",
+           "STOCK_KERNELS_ENV"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _installed = False
@@ -181,6 +189,24 @@ def _patch_vllm_cpu_gemm(module) -> None:
     module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
+def _patch_vllm_idle_spin(module) -> None:
+    """vLLM's shared-memory message queue keeps a reader busy-looping (``sched_yield``) for ``busy_loop_s`` = 1 s after
+    its last read before it waits on its socket: after each generation the idle vLLM worker keeps a core busy for a
+    second, on a two-core host half the machine, while the trainer runs its next phase. Readers here go idle at once
+    (the writer notifies them on every write, so nothing is missed)."""
+    cls = getattr(module, "SpinCondition", None)
+    if cls is None or getattr(cls.__init__, "_zorro_e2e", False):
+        return
+    orig = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["busy_loop_s"] = 0.0
+        orig(self, *args, **kwargs)
+
+    __init__._zorro_e2e = True
+    cls.__init__ = __init__
+
+
 def _patch_vllm_server(module) -> None:
     cls = getattr(module, "vLLMHttpServer", None)
     if cls is None or getattr(cls.generate, "_zorro_e2e", False):
@@ -256,7 +282,7 @@ def _patch_llm_client(module) -> None:
         sampling_params = dict(sampling_params)
         sampling_params.setdefault("seed", zlib.crc32(key.encode()) % (2**31 - 1))
         out = await orig(self, request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-        return _record_or_replay(key, out)
+        return _record_or_replay(key, out, prompt_ids)
 
     generate._zorro_e2e = True
     cls.generate = generate
@@ -269,8 +295,9 @@ ROLLOUT_FILE_ENV = "ZORRO_E2E_ROLLOUT_FILE"
 _replay: dict = {}
 
 
-def _record_or_replay(key: str, out):
-    """Record mode appends ``out``'s tokens, log-probs and stop reason under ``key`` (one JSON line); replay mode
+def _record_or_replay(key: str, out, prompt_ids=()):
+    """Record mode appends ``out``'s tokens, log-probs and stop reason under ``key`` (one JSON line, with the
+    request's ``prompt_ids``: the e2e benchmark's FLOP model reads every row's tokens from it); replay mode
     returns the recorded response for ``key`` in place of ``out``, so that a second run trains on exactly the first
     run's rollouts at every step, although its weights differ from the first run's by float rounding (which can
     flip a sampled token). A key missing from the recording raises: a replay never silently samples anew."""
@@ -281,7 +308,8 @@ def _record_or_replay(key: str, out):
         return out
     if mode == "record":
         with open(path, "a") as f:
-            f.write(json.dumps({"key": key, "token_ids": list(out.token_ids), "log_probs": out.log_probs,
+            f.write(json.dumps({"key": key, "prompt_ids": [int(t) for t in prompt_ids],
+                                "token_ids": list(out.token_ids), "log_probs": out.log_probs,
                                 "stop_reason": out.stop_reason}) + "\n")
         return out
     if mode != "replay":
@@ -311,16 +339,35 @@ def _patch_uids(module) -> None:
     module.uuid = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(counter)), UUID=uuid.UUID, _zorro_e2e=True)
 
 
+#: set (to anything): verl's stock engine computes log-probs with tests.support.cpu_stock_kernels.blocked_logprobs
+STOCK_KERNELS_ENV = "ZORRO_E2E_STOCK_KERNELS"
+#: seconds between the V1 replay buffer's polls for finished rollouts (verl's default 2.0 rounds the ``gen`` phase,
+#: and so the step time, up to whole polls; the e2e benchmark sets 0.05 for both runs it compares)
+POLL_INTERVAL_ENV = "ZORRO_E2E_POLL_INTERVAL"
+
+
 def _patch_replay_order(module) -> None:
-    """The V1 replay buffer hands out a step's samples in the order their rollouts finished (asynchronous agent
-    loops, timing-dependent); verl's balancing then cuts mini-batches from that order, so two runs on the same
-    rollouts would put different rows in an optimizer step. Sort each sampled batch by ``(uid, session, index)``
+    """With :data:`POLL_INTERVAL_ENV` set, the replay buffer polls that often. The V1 replay buffer hands out a
+    step's samples in the order their rollouts finished (asynchronous agent loops, timing-dependent); verl's
+    balancing then cuts mini-batches from that order, so two runs on the same rollouts would put different rows in
+    an optimizer step. Sort each sampled batch by ``(uid, session, index)``
     (the key ``{uid}_{session}_{index}``; uids are sequential, :func:`_patch_uids`): dataset order."""
 
     def order_key(key: str):
         uid, session, index = str(key).rsplit("_", 2)
         return uid, int(session), int(index)
 
+    poll = os.environ.get(POLL_INTERVAL_ENV)
+    base = getattr(module, "ReplayBuffer", None)
+    if poll and base is not None and not getattr(base.__init__, "_zorro_e2e", False):
+        orig_init = base.__init__
+
+        def __init__(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            self.poll_interval = float(poll)
+
+        __init__._zorro_e2e = True
+        base.__init__ = __init__
     for cls in (getattr(module, "ReplayBuffer", None), getattr(module, "ReplayBufferAsync", None)):
         if cls is None or getattr(cls.sample, "_zorro_e2e", False) or "sample" not in vars(cls):
             continue
@@ -370,8 +417,14 @@ def install() -> None:
 
     allow_cpu_fsdp1()
     _patch_offload_policy()
+    from tests.support.cpu_stock_kernels import register, use_blocked_logprobs
+
+    register()  # attn_implementation=cpu_varlen (the e2e benchmark's stand-in for flash varlen)
+    if os.environ.get(STOCK_KERNELS_ENV):
+        _after_import("verl.workers.engine.fsdp.transformer_impl", use_blocked_logprobs)
     _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
     _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)
+    _after_import("vllm.distributed.device_communicators.shm_broadcast", _patch_vllm_idle_spin)
     install_seeded_rollout()
     install_ordered_batches()
     _installed = True

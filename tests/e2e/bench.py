@@ -1,0 +1,247 @@
+"""The e2e speed benchmark: verl's ``python -m verl.trainer.main_ppo`` GRPO runs, stock vs zorro on identical
+rollouts, phase by phase (run by scripts/bench_e2e.sh; the GPU sibling is scripts/gpu_e2e.sh --bench).
+
+Runs (each a subprocess of the real entry point, V1 trainer, one training worker, FSDP1 = verl's default strategy,
+bf16 compute with fp32 master weights, reference model + KL loss, entropy, dynamic batch size, 2 mini-batches per
+step, on the benchmark assets of tests/e2e/assets.py: one ~320-token shared system instruction + a question per
+prompt, ``rollout.n`` = 8, responses up to 64 tokens):
+
+* ``stock``        — ``zorro.enable=false`` (verl's own engine); records every response vLLM returns;
+* ``zorro``        — the preset (``sharing: prompt``), replaying the stock run's responses;
+* ``zorro_prefix`` — the preset with ``sharing: prefix`` (the tree also shares the system instruction across
+  questions), replaying the same responses.
+
+From each run's console log it reads verl's ``timing_s/*`` per step; the first ``--warmup`` steps are dropped and
+the medians of the rest are compared phase by phase (:mod:`zorro_verl.bench.e2e`) against the FLOP model's ideal for
+the phase's batch (every row's tokens from the recording), with the targets of :data:`zorro_verl.bench.e2e.TARGETS`.
+Prints the table, writes ``report.json``, ``report.md`` and ``phases.svg`` under ``--out``; exits 1 when a run
+fails or a target is missed.
+
+    python -m tests.e2e.bench [--quick] [--steps 4] [--warmup 1] [--out DIR] [--runs stock,zorro,zorro_prefix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.e2e.assets import BENCH_MODEL, BENCH_SYSTEM_TOKENS, build_bench_assets
+from tests.e2e.runner import REPO_ROOT, base_overrides, micro_batch_overrides, run_main_ppo, set_override
+
+N = 8  # rollout.n
+RUNS = {
+    "stock": dict(zorro=False, rollouts="record"),
+    "zorro": dict(zorro=True, sharing="prompt", rollouts="replay"),
+    "zorro_prefix": dict(zorro=True, sharing="prefix", rollouts="replay"),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The batch and machine of a benchmark: ``prompts`` per step (``train_batch_size``), ``mini`` prompts per
+    mini-batch, ``system_tokens`` of shared instruction, responses up to ``response``, ``max_tokens`` per micro-batch
+    (dynamic batch size), the model's dimensions (``dims``; vocab: the tokenizer's 512) and the stock attention."""
+
+    name: str
+    prompts: int
+    mini: int
+    system_tokens: int
+    response: int
+    max_tokens: int
+    dims: dict
+    attn: str
+    gpu: bool = False
+
+
+#: Qwen/Qwen3-0.6B and -1.7B's dimensions (config.json) with the benchmark tokenizer's vocabulary.
+QWEN3 = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
+}
+CPU = Setup("cpu", prompts=8, mini=4, system_tokens=BENCH_SYSTEM_TOKENS, response=64, max_tokens=8192,
+            dims=BENCH_MODEL, attn="cpu_varlen")
+
+
+def gpu_setup(model: str) -> Setup:
+    """One H200: 16 prompts x 8 of ~2K-token instruction + question, responses <= 256, flash-attn varlen."""
+    return Setup(model, prompts=16, mini=8, system_tokens=2048, response=256, max_tokens=32768, dims=QWEN3[model],
+                 attn="flash_attention_2", gpu=True)
+
+
+def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CPU,
+              strategy: str = "fsdp") -> list[str]:
+    """Hydra overrides of run ``name`` (:data:`RUNS`) on ``setup``."""
+    spec = RUNS[name]
+    o = base_overrides(assets, out_dir=work / name, steps=steps, n=N, dtype="fp32", param_dtype="bf16",
+                       strategy=strategy, lr=1e-5)
+    if setup.gpu:
+        o += ["trainer.n_gpus_per_node=1", "trainer.nnodes=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+              "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"]
+    else:
+        from tests.support.verl_cpu_e2e import cpu_overrides
+
+        o += cpu_overrides(1)
+    o += micro_batch_overrides(dynamic=True, max_tokens=setup.max_tokens)
+    max_prompt = max(assets["prompt_lengths"]) + 64
+    for k, v in {"data.train_batch_size": setup.prompts, "data.max_prompt_length": max_prompt,
+                 "data.max_response_length": setup.response, "actor_rollout_ref.actor.ppo_mini_batch_size": setup.mini,
+                 "actor_rollout_ref.rollout.max_model_len": max_prompt + setup.response,
+                 "actor_rollout_ref.rollout.max_num_batched_tokens": setup.max_tokens,
+                 "actor_rollout_ref.rollout.max_num_seqs": setup.prompts * N, "trainer.use_v1": True,
+                 "+actor_rollout_ref.model.override_config.attn_implementation": setup.attn}.items():
+        set_override(o, k, v)
+    if not spec["zorro"]:
+        o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
+    else:
+        o.append(f"actor_rollout_ref.actor.fsdp_config.zorro.sharing={spec['sharing']}")
+    return o
+
+
+def _zorro_settings(name: str) -> dict:
+    return {"sharing": RUNS[name]["sharing"], "min_shared_len": 64}
+
+
+def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: int,
+            targets: dict) -> tuple[dict, list[str]]:
+    """Phase tables of every zorro run against ``stock`` (``{run: rows}``) and the missed targets."""
+    from transformers import AutoConfig
+
+    from zorro_verl.bench import e2e
+
+    cfg = AutoConfig.from_pretrained(assets["model"])
+    steps = [st for st in e2e.read_recording(work / "rollouts.jsonl", setup.prompts) if st.step > warmup]
+    stock = results["stock"]
+    tables, missed = {}, []
+    for name, r in results.items():
+        if name == "stock":
+            continue
+        zs = _zorro_settings(name)
+        ideals = e2e.phase_ideals(cfg, steps, sharing=zs["sharing"], mini_batch=setup.mini,
+                                  min_shared_len=zs["min_shared_len"])
+        rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets)
+        tables[name] = rows
+        missed += [f"{name}: {m}" for m in e2e.check_targets(
+            rows, stock.role_peak_gb.get("train worker"), r.role_peak_gb.get("train worker"))]
+    return tables, missed
+
+
+def gpu_env() -> dict:
+    """Environment of a GPU run: offline, the rollout record/replay and seeds (no CPU platform, no stand-ins)."""
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
+            "VERL_USE_EXTERNAL_MODULES": "tests.support.verl_gpu_bench_plugin",
+            "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
+    d = setup.dims
+    where = ("1 GPU, stock attention flash-attn varlen" if setup.gpu else
+             "stock attention: per-row causal sdpa (cpu_varlen, flash varlen's CPU equivalent), stock log-probs "
+             "block-wise (flash cross-entropy's CPU equivalent)")
+    return (f"verl 0.9.1 main_ppo, V1 trainer, 1 training worker (FSDP1, fp32 weights, bf16 compute); "
+            f"{setup.prompts} prompts x n={N} per step, prompts {min(assets['prompt_lengths'])}-"
+            f"{max(assets['prompt_lengths'])} tokens (one shared system instruction + a question), responses <= "
+            f"{setup.response} tokens, {setup.prompts // setup.mini} mini-batches per step, dynamic batch size "
+            f"{setup.max_tokens} tokens per micro-batch, reference model + KL loss, entropy; model Qwen3 "
+            f"{d['num_hidden_layers']} layers x hidden {d['hidden_size']} ({d['num_attention_heads']} heads x "
+            f"{d['head_dim']}, {d['num_key_value_heads']} KV heads), vocab 512; {where}; {warmup} warm-up + "
+            f"{steps} measured steps")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="work dir (default: a new temporary one)")
+    ap.add_argument("--quick", action="store_true", help="the CI version: 2 measured steps, efficiency bound 0.6")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps after --warmup (default 4, --quick 2)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--threads", type=int, default=2, help="CPU: OMP threads of every process (the machine's cores)")
+    ap.add_argument("--timeout", type=int, default=1200, help="time limit of one run, seconds")
+    ap.add_argument("--docs", action="store_true", help="write the table and plot into docs/BENCHMARKS.md")
+    ap.add_argument("--gpu", choices=sorted(QWEN3), default=None,
+                    help="run on one CUDA GPU with this model's dimensions (scripts/gpu_e2e.sh --bench)")
+    a = ap.parse_args(argv)
+    from tests.support.verl_cpu_e2e import (
+        POLL_INTERVAL_ENV,
+        ROLLOUT_FILE_ENV,
+        ROLLOUT_MODE_ENV,
+        STOCK_KERNELS_ENV,
+        e2e_env,
+    )
+    from zorro_verl.bench import e2e
+    from zorro_verl.bench.report import git_sha
+
+    setup = gpu_setup(a.gpu) if a.gpu else CPU
+    steps = a.steps or (2 if a.quick else 4)
+    targets = e2e.QUICK_TARGETS if a.quick else e2e.TARGETS
+    names = [r for r in a.runs.split(",") if r]
+    if not names or names[0] != "stock" or any(n not in RUNS for n in names):
+        raise SystemExit(f"--runs: expected stock first (it records the rollouts the others replay), then any of "
+                         f"{list(RUNS)[1:]}, got {names}")
+    work = Path(a.out or tempfile.mkdtemp(prefix="zorro_bench_e2e_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    assets = build_bench_assets(work / "assets", dtype="bfloat16", system_tokens=setup.system_tokens,
+                                dims=setup.dims)
+    rec = work / "rollouts.jsonl"
+    results, failed = {}, []
+    for name in names:
+        env = gpu_env() if setup.gpu else {**e2e_env(a.threads), STOCK_KERNELS_ENV: "1"}
+        mode = RUNS[name]["rollouts"]
+        if mode == "record" and rec.exists():
+            rec.unlink()
+        env.update({ROLLOUT_MODE_ENV: mode, ROLLOUT_FILE_ENV: str(rec), POLL_INTERVAL_ENV: "0.05"})
+        r = run_main_ppo(name, overrides(name, assets, work, a.warmup + steps, setup), work=work, env=env,
+                         python=sys.executable, timeout_s=a.timeout)
+        print(f"[bench-e2e] {name}: rc={r.returncode} {r.seconds:.0f}s steps={sorted(r.steps)} "
+              f"peak {r.peak_rss_gb:.1f} GiB (process tree)", flush=True)
+        (work / f"{name}.steps.json").write_text(json.dumps(
+            {"steps": r.steps, "roles": r.role_peak_gb, "rc": r.returncode, "seconds": r.seconds}, indent=1))
+        if r.returncode != 0 or sorted(r.steps) != list(range(1, a.warmup + steps + 1)):
+            failed.append(f"{name}: rc={r.returncode}, steps {sorted(r.steps)} ({r.log_path}):\n{r.tail(40)}")
+        results[name] = r
+    if failed:
+        print("\n".join(failed))
+        return 1
+    if len(results) < 2:
+        print(f"[bench-e2e] only {list(results)} ran: nothing to compare (logs in {work})")
+        return 0
+    tables, missed = analyse(results, work, assets, setup, warmup=a.warmup, targets=targets)
+    for name, r in results.items():
+        if name != "stock":
+            bad = [k for m in r.steps.values() for k, v in m.items()
+                   if (k.endswith("zorro/fallback_batches") or k.endswith("balance_fallbacks")) and v]
+            if bad:
+                missed.append(f"{name}: zorro fell back to the stock path ({sorted(set(bad))})")
+    where = e2e.machine(gpu=setup.gpu)
+    meta = {"command": "bash scripts/" + (f"gpu_e2e.sh --bench {a.gpu}" if a.gpu else
+                                          "bench_e2e.sh" + (" --quick" if a.quick else "")),
+            "machine": where, "git sha": git_sha(), "settings": describe(setup, assets, steps, a.warmup),
+            "targets": (f"actor phases with ideal >= {targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
+                        "step: >= Amdahl's law with those phase floors; training worker peak RSS: zorro <= stock")}
+    roles = {n: r.role_peak_gb for n, r in results.items()}
+    md = e2e.format_markdown(tables, roles, meta)
+    (work / "report.md").write_text(md)
+    (work / "report.json").write_text(json.dumps({"tables": tables, "meta": meta, "missed": missed,
+                                                  "roles": roles}, indent=1))
+    e2e.svg_plot(tables, work / "phases.svg", title=f"verl main_ppo GRPO step, stock vs zorro ({where})")
+    print(md)
+    if a.docs:
+        e2e.write_docs_section(REPO_ROOT / "docs" / "BENCHMARKS.md", md, REPO_ROOT / "docs" / "bench_e2e.svg",
+                               work / "phases.svg")
+        print("[bench-e2e] wrote docs/BENCHMARKS.md and docs/bench_e2e.svg")
+    print("\n" + ("TARGETS MISSED:\n  " + "\n  ".join(missed) if missed else "[bench-e2e] all targets hold"))
+    print(f"[bench-e2e] logs, report.md, report.json, phases.svg in {work}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

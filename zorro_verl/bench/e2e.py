@@ -1,0 +1,345 @@
+"""The e2e benchmark's analysis: verl's per-step ``timing_s/*`` of a stock and a zorro ``main_ppo`` run on identical
+rollouts -> per-phase medians, speedups, the FLOP model's ideal for each phase's batch, efficiencies, the targets,
+and the report (Markdown table, SVG bar plot). The runs themselves are launched by tests/e2e/bench.py
+(scripts/bench_e2e.sh); nothing here starts a process.
+
+The ideal of a phase is ``stock FLOPs / zorro FLOPs`` of the phase's batch (:mod:`zorro_verl.bench.flops`; a
+backward costs twice its forward on both sides, so the ratio holds for the update too):
+
+* stock = verl's remove-padding forward: every row's ``P + R`` tokens through the layers, causal attention within
+  each row, the LM head on every token (the model's forward computes logits for the whole packed sequence);
+* zorro = each unique prompt once per sharing unit (``sharing: prompt``; the prefix tree of the unit's rows for
+  ``sharing: prefix``), every response against its prompt, the LM head on response tokens only. The sharing unit is
+  what zorro can deduplicate over at best: the rank's whole batch for the forward-only passes (``old_log_prob``,
+  ``ref``), each mini-batch of ``mini_batch`` whole groups for ``update_actor``.
+
+A measured speedup below the ideal is overhead (planning, micro-batching, data movement) or sharing lost to
+micro-batch boundaries; above it, stock computing more than the FLOP model counts for it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from zorro_verl.bench.flops import (
+    flop_model,
+    linear_attention_flops_per_token,
+    linear_flops_per_token,
+    mlp_flops_per_token,
+    tree_flop_model,
+)
+
+__all__ = ["PHASES", "ACTOR_PHASES", "TARGETS", "QUICK_TARGETS", "StepRows", "read_recording", "stock_flops",
+           "zorro_flops", "phase_ideals", "phase_table", "amdahl_speedup", "check_targets", "format_markdown",
+           "svg_plot", "machine", "write_docs_section", "DOCS_BEGIN", "DOCS_END"]
+
+#: verl's ``timing_s/<phase>`` keys reported, in the table's order (``step`` = the whole training step).
+PHASES = ("gen", "old_log_prob", "ref", "update_actor", "step")
+#: The phases zorro's engine runs (the rest it leaves to verl).
+ACTOR_PHASES = ("old_log_prob", "ref", "update_actor")
+#: ``efficiency``: measured / ideal speedup of each actor phase whose ideal is >= ``min_ideal``, and the whole
+#: step's floor (Amdahl with those phase speedups); ``memory``: zorro's peak RSS of a training worker <= stock's.
+TARGETS = {"efficiency": 0.8, "min_ideal": 2.0}
+#: The CI version (one warm-up and two measured steps on a busy 2-core machine): a looser efficiency bound.
+QUICK_TARGETS = {"efficiency": 0.6, "min_ideal": 2.0}
+
+
+@dataclass
+class StepRows:
+    """One training step's rows, in group order: ``groups[g]`` = ``(prompt_ids, [response_ids of each sample])``."""
+
+    step: int
+    groups: list
+
+    def lengths(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``p_len [B] int64``, ``r_len [B] int64``, ``row_group [B] int64`` of the step's rows."""
+        p, r, g = [], [], []
+        for gi, (prompt, responses) in enumerate(self.groups):
+            for resp in responses:
+                p.append(len(prompt))
+                r.append(len(resp))
+                g.append(gi)
+        return torch.tensor(p), torch.tensor(r), torch.tensor(g)
+
+
+def _uid_number(uid: str) -> int:
+    """Sequential uids (``uuid.UUID(int=k)``) and plain integers -> ``k``; anything else keeps its text order."""
+    try:
+        return int(uid.replace("-", ""), 16)
+    except ValueError:
+        return -1
+
+
+def read_recording(path, prompts_per_step: int) -> list[StepRows]:
+    """The rows of every step from a rollout recording (JSON lines ``{"key": "{uid}_{session}:{turn}",
+    "prompt_ids": [...], "token_ids": [...]}``, tests/support/verl_cpu_e2e.py): requests grouped by ``uid``, uids in
+    sequence order, ``prompts_per_step`` groups per step."""
+    by_uid: dict[str, tuple[list, list]] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        uid_session, turn = rec["key"].rsplit(":", 1)
+        uid, session = uid_session.rsplit("_", 1)
+        if int(turn) != 0:
+            raise ValueError(f"read_recording: multi-turn request {rec['key']} in {path}; the e2e benchmark's FLOP "
+                             "model takes single-turn GRPO rows.")
+        prompt = [int(t) for t in rec["prompt_ids"]]
+        entry = by_uid.setdefault(uid, (prompt, []))
+        if entry[0] != prompt:
+            raise ValueError(f"read_recording: uid {uid} has two different prompts in {path}.")
+        entry[1].append((int(session), [int(t) for t in rec["token_ids"]]))
+    uids = sorted(by_uid, key=lambda u: (_uid_number(u), u))
+    steps = []
+    for s in range(0, len(uids), prompts_per_step):
+        chunk = uids[s:s + prompts_per_step]
+        groups = [(by_uid[u][0], [t for _, t in sorted(by_uid[u][1], key=lambda x: x[0])]) for u in chunk]
+        steps.append(StepRows(step=s // prompts_per_step + 1, groups=groups))
+    return steps
+
+
+def _layer_costs(cfg) -> tuple[int, int, int]:
+    """``(full-attention layers, per-token FLOPs of all layers, attention FLOPs per (query, key) pair per layer)``."""
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    L, L_lin = types.count("full_attention"), types.count("linear_attention")
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = L * linear_flops_per_token(cfg)
+    if L_lin:
+        per_token += L_lin * (linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg))
+    return L, per_token, 4 * cfg.num_attention_heads * D
+
+
+def stock_flops(cfg, p_len: torch.Tensor, r_len: torch.Tensor) -> int:
+    """Forward FLOPs of verl's remove-padding forward of these rows (``[B] int64`` lengths): ``P + R`` tokens per row
+    through every layer, causal attention within the row, logits on every token."""
+    L, per_token, per_pair = _layer_costs(cfg)
+    t = p_len + r_len
+    tokens, pairs = int(t.sum()), int((t * (t + 1) // 2).sum())
+    return per_token * tokens + L * per_pair * pairs + 2 * cfg.hidden_size * cfg.vocab_size * tokens
+
+
+def zorro_flops(cfg, groups: Sequence, sharing: str = "prompt", min_shared_len: int = 64) -> int:
+    """Forward FLOPs of zorro's deduplicated forward of ``groups`` (``(prompt_ids, [response_ids...])``) computed as
+    one unit: each prompt once (``sharing="prompt"``), or the prefix tree of all rows (``"prefix"``)."""
+    p, r, g = StepRows(0, list(groups)).lengths()
+    if sharing == "prompt":
+        S = int((p + r).max())
+        return flop_model(cfg, p, r, g, S)["zorro"]
+    if sharing != "prefix":
+        raise ValueError(f"sharing: expected 'prompt' or 'prefix', got {sharing!r}.")
+    from zorro_verl.packing.plan import build_tree_plan
+
+    Pw = int(p.max())
+    Rw = max(1, int(r.max()))
+    B = p.numel()
+    ids = torch.zeros(B, Pw + Rw, dtype=torch.long)
+    am = torch.zeros(B, Pw + Rw, dtype=torch.long)
+    row = 0
+    for prompt, responses in groups:
+        for resp in responses:
+            ids[row, Pw - len(prompt):Pw] = torch.tensor(prompt)  # left-padded prompt, right-padded response
+            am[row, Pw - len(prompt):Pw] = 1
+            if resp:
+                ids[row, Pw:Pw + len(resp)] = torch.tensor(resp)
+                am[row, Pw:Pw + len(resp)] = 1
+            row += 1
+    plan = build_tree_plan(ids, am, Rw, min_shared_len=min_shared_len)
+    return tree_flop_model(cfg, plan)["zorro"]
+
+
+def phase_ideals(cfg, steps: Sequence[StepRows], *, sharing: str, mini_batch: int, min_shared_len: int = 64) -> dict:
+    """``{phase: ideal speedup}`` for ``old_log_prob``, ``ref`` (the step's batch as one unit) and ``update_actor``
+    (units of ``mini_batch`` groups), summed over ``steps``."""
+    s_tot = z_fwd = z_upd = 0
+    for st in steps:
+        p, r, _ = st.lengths()
+        s_tot += stock_flops(cfg, p, r)
+        z_fwd += zorro_flops(cfg, st.groups, sharing, min_shared_len)
+        z_upd += sum(zorro_flops(cfg, st.groups[i:i + mini_batch], sharing, min_shared_len)
+                     for i in range(0, len(st.groups), mini_batch))
+    return {"old_log_prob": s_tot / z_fwd, "ref": s_tot / z_fwd, "update_actor": s_tot / z_upd}
+
+
+def _median(steps: dict, phase: str, warmup: int) -> tuple[Optional[float], list[float]]:
+    vals = [m[f"timing_s/{phase}"] for s, m in sorted(steps.items()) if s > warmup and f"timing_s/{phase}" in m]
+    return (statistics.median(vals) if vals else None), vals
+
+
+def amdahl_speedup(stock_times: dict, phase_speedups: dict, total: str = "step") -> float:
+    """Whole-step speedup when each phase ``p`` of ``phase_speedups`` gets ``phase_speedups[p]`` times faster and the
+    rest of ``stock_times[total]`` stays: ``T / (T - sum T_p + sum T_p / s_p)``."""
+    T = stock_times[total]
+    rest = T - sum(stock_times[p] for p in phase_speedups)
+    return T / (rest + sum(stock_times[p] / s for p, s in phase_speedups.items()))
+
+
+def phase_table(stock_steps: dict, zorro_steps: dict, ideals: dict, *, warmup: int,
+                targets: dict = TARGETS) -> list[dict]:
+    """One row per phase of :data:`PHASES`: ``stock_s``, ``zorro_s`` (medians of the steps after ``warmup``),
+    ``speedup`` = stock / zorro, ``ideal`` and ``efficiency`` = speedup / ideal (actor phases), ``target`` (the
+    least speedup the targets ask for) and ``n`` (measured steps). The ``step`` row's ideal is Amdahl's law with each
+    actor phase at its ideal; its target Amdahl's with each actor phase at ``efficiency x ideal`` where that ideal is
+    >= ``min_ideal`` (else 1)."""
+    rows, med_s = [], {}
+    for ph in PHASES:
+        s, sv = _median(stock_steps, ph, warmup)
+        z, zv = _median(zorro_steps, ph, warmup)
+        med_s[ph] = s
+        row = {"phase": ph, "stock_s": s, "zorro_s": z, "n": min(len(sv), len(zv)),
+               "speedup": (s / z) if s and z else None, "ideal": ideals.get(ph), "efficiency": None, "target": None}
+        if row["ideal"] and row["speedup"]:
+            row["efficiency"] = row["speedup"] / row["ideal"]
+            if row["ideal"] >= targets["min_ideal"]:
+                row["target"] = targets["efficiency"] * row["ideal"]
+        rows.append(row)
+    present = [p for p in ACTOR_PHASES if med_s.get(p) and ideals.get(p)]
+    if med_s.get("step") and present:
+        step = rows[PHASES.index("step")]
+        step["ideal"] = amdahl_speedup(med_s, {p: ideals[p] for p in present})
+        floor = {p: targets["efficiency"] * ideals[p] if ideals[p] >= targets["min_ideal"] else 1.0 for p in present}
+        step["target"] = amdahl_speedup(med_s, floor)
+        if step["speedup"]:
+            step["efficiency"] = step["speedup"] / step["ideal"]
+    return rows
+
+
+def check_targets(rows: list[dict], stock_peak_gb: Optional[float] = None,
+                  zorro_peak_gb: Optional[float] = None) -> list[str]:
+    """The missed targets, as sentences (empty when all hold): each row's ``speedup >= target`` (actor phases and the
+    whole step), and ``zorro_peak_gb <= stock_peak_gb`` (a training worker's peak RSS) when both are given."""
+    missed = []
+    for r in rows:
+        if r["target"] is None:
+            continue
+        if r["speedup"] is None or r["speedup"] < r["target"]:
+            missed.append(f"{r['phase']}: speedup {r['speedup'] or 0:.2f}x < target {r['target']:.2f}x "
+                          f"(ideal {r['ideal']:.2f}x)")
+    if stock_peak_gb is not None and zorro_peak_gb is not None and zorro_peak_gb > stock_peak_gb:
+        missed.append(f"memory: zorro's training worker peaked at {zorro_peak_gb:.3f} GiB > stock's "
+                      f"{stock_peak_gb:.3f} GiB")
+    return missed
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_markdown(tables: dict, roles: dict, meta: dict) -> str:
+    """The report: one phase table per zorro run (``tables``: run name -> :func:`phase_table` rows), the peak RSS per
+    process role of every run (``roles``: run -> {role: GiB}), and ``meta`` (command, machine, sha, settings)."""
+    out = []
+    for name, rows in tables.items():
+        out.append(f"**{name} vs stock** (medians over {rows[0]['n']} measured steps)\n")
+        out.append("| phase | stock s | zorro s | speedup | ideal | efficiency | target |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            out.append(f"| {r['phase']} | {_f(r['stock_s'], '.2f')} | {_f(r['zorro_s'], '.2f')} | "
+                       f"{_f(r['speedup'], '.2f')}x | {_f(r['ideal'], '.2f')}x | {_f(r['efficiency'], '.2f')} | "
+                       f"{_f(r['target'], '.2f') + 'x' if r['target'] else '-'} |")
+        out.append("")
+    all_roles = sorted({k for v in roles.values() for k in v})
+    out.append("**Peak RSS per process (GiB)**, largest process of each role\n")
+    out.append("| role | " + " | ".join(roles) + " |")
+    out.append("|---|" + "---:|" * len(roles))
+    for role in all_roles:
+        out.append(f"| {role} | " + " | ".join(_f(roles[n].get(role), ".2f") for n in roles) + " |")
+    out.append("")
+    for k, v in meta.items():
+        out.append(f"- {k}: {v}")
+    return "\n".join(out) + "\n"
+
+
+def svg_plot(tables: dict, path, title: str = "") -> None:
+    """Per-phase bars (median seconds): stock and each zorro run of ``tables``, with the ideal (stock / ideal
+    speedup) marked on each zorro bar as a black tick. Plain SVG, no plotting library."""
+    phases = [r["phase"] for r in next(iter(tables.values()))]
+    series = [("stock", "#8c8c8c", [r["stock_s"] for r in next(iter(tables.values()))], None)]
+    colors = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd"]
+    for i, (name, rows) in enumerate(tables.items()):
+        series.append((name, colors[i % len(colors)], [r["zorro_s"] for r in rows],
+                       [r["stock_s"] / r["ideal"] if r["ideal"] and r["stock_s"] else None for r in rows]))
+    top = max((v for _, _, vals, _ in series for v in vals if v), default=1.0) * 1.1
+    W, H, left, bottom, topm = 760, 360, 60, 50, 40
+    ph_w = (W - left - 20) / len(phases)
+    bar_w = ph_w * 0.8 / len(series)
+    y = lambda v: topm + (H - topm - bottom) * (1 - v / top)  # noqa: E731
+    el = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+          f'font-size="11">', f'<rect width="{W}" height="{H}" fill="white"/>',
+          f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">{_esc(title)}</text>']
+    for k in range(6):  # y grid
+        v = top * k / 5
+        el.append(f'<line x1="{left}" x2="{W - 20}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>')
+        el.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}</text>')
+    el.append(f'<text x="14" y="{(H - bottom + topm) / 2}" transform="rotate(-90 14 {(H - bottom + topm) / 2})" '
+              'text-anchor="middle">median seconds per step</text>')
+    for i, ph in enumerate(phases):
+        x0 = left + i * ph_w + ph_w * 0.1
+        for j, (_, color, vals, ideal) in enumerate(series):
+            v = vals[i]
+            if v is None:
+                continue
+            x = x0 + j * bar_w
+            el.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar_w * 0.9:.1f}" height="{y(0) - y(v):.1f}" '
+                      f'fill="{color}"/>')
+            if ideal and ideal[i] is not None:
+                el.append(f'<line x1="{x - 2:.1f}" x2="{x + bar_w * 0.9 + 2:.1f}" y1="{y(ideal[i]):.1f}" '
+                          f'y2="{y(ideal[i]):.1f}" stroke="black" stroke-width="2"/>')
+        el.append(f'<text x="{left + (i + 0.5) * ph_w:.1f}" y="{H - bottom + 16}" text-anchor="middle">{ph}</text>')
+    lx = left
+    for name, color, _, _ in series:
+        el.append(f'<rect x="{lx}" y="{H - 18}" width="10" height="10" fill="{color}"/>')
+        el.append(f'<text x="{lx + 14}" y="{H - 9}">{_esc(name)}</text>')
+        lx += 24 + 7 * len(name)
+    el.append(f'<line x1="{lx}" x2="{lx + 14}" y1="{H - 13}" y2="{H - 13}" stroke="black" stroke-width="2"/>')
+    el.append(f'<text x="{lx + 18}" y="{H - 9}">ideal (FLOP model)</text>')
+    el.append("</svg>")
+    Path(path).write_text("\n".join(el) + "\n")
+
+
+def _esc(s: str) -> str:
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def machine(gpu: bool = False) -> str:
+    """The CPU model and core count of this host (the e2e runs' processes share its cores); with ``gpu``, the first
+    CUDA device's name first."""
+    import os
+    import platform
+
+    if gpu and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (host: {machine()})"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+#: docs/BENCHMARKS.md's e2e section lies between these two lines (rewritten by ``--docs``).
+DOCS_BEGIN = "<!-- bench_e2e:begin (written by scripts/bench_e2e.sh --docs) -->"
+DOCS_END = "<!-- bench_e2e:end -->"
+
+
+def write_docs_section(doc_path, report_md: str, svg_dest, svg_src) -> None:
+    """Replace the text between :data:`DOCS_BEGIN` and :data:`DOCS_END` in ``doc_path`` by ``report_md`` and the plot
+    (``svg_src`` copied to ``svg_dest``, linked relative to the document)."""
+    import shutil
+
+    doc_path, svg_dest = Path(doc_path), Path(svg_dest)
+    text = doc_path.read_text()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise ValueError(f"{doc_path}: expected the markers {DOCS_BEGIN!r} and {DOCS_END!r} around the e2e section.")
+    shutil.copyfile(svg_src, svg_dest)
+    rel = svg_dest.relative_to(doc_path.parent) if svg_dest.is_relative_to(doc_path.parent) else svg_dest
+    body = f"{report_md}\n![per-phase median seconds, stock vs zorro, ideal marked]({rel})\n"
+    head, rest = text.split(DOCS_BEGIN, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    doc_path.write_text(f"{head}{DOCS_BEGIN}\n{body}{DOCS_END}{tail}")
