@@ -6,6 +6,12 @@
 #      remove-padding and dynamic batch size on, per-request rollout seeds so both runs get the same rollouts
 #   -> the same checks and tables as the CPU test (step-1 metrics within --rtol, default 1e-2 for bf16; dedup ratio
 #      equal to the value from the batch's token counts; zorro engine line; no fallbacks; step-2 KL > 0).
+#
+# --bench [qwen3-0.6b|qwen3-1.7b] [bench options]: the e2e speed benchmark instead (tests/e2e/bench.py --gpu):
+# stock vs zorro (sharing=prompt) vs zorro (sharing=prefix) on identical recorded rollouts, random weights with the
+# model's real dimensions (vocabulary: the benchmark tokenizer's 512), bf16 compute, flash-attn varlen for stock,
+# 16 prompts x 8 per step behind a ~2K-token shared instruction, responses <= 256; prints the same per-phase table
+# as scripts/bench_e2e.sh and writes phases.svg (exit 1 when a target is missed).
 # Needs a Python with torch (CUDA), vllm (a CUDA build verl 0.9.1 accepts), verl 0.9.1, TransferQueue 0.1.11,
 # pandas/pyarrow, psutil and zorro_verl installed (PYTHON=... to choose it); nothing is downloaded.
 # Logs and rollout dumps go to $OUT (the device tool's folder) or ./bench-out/gpu_e2e.
@@ -27,7 +33,15 @@ for name in ("torch", "vllm", "verl", "TransferQueue", "transformers", "zorro-ve
         raise SystemExit(f"{name} is not installed in {__import__('sys').executable}")
 print("device", torch.cuda.get_device_name(0))
 PYEOF
-timeout 2400 "$PY" -m tests.e2e.gpu_pair --work "$WORK" "$@"
-rc=$?
+if [ "${1:-}" = "--bench" ]; then
+  shift
+  model="qwen3-0.6b"
+  case "${1:-}" in qwen3-*) model="$1"; shift ;; esac
+  timeout 3000 "$PY" -m tests.e2e.bench --gpu "$model" --out "$WORK/bench-$model" "$@"
+  rc=$?
+else
+  timeout 2400 "$PY" -m tests.e2e.gpu_pair --work "$WORK" "$@"
+  rc=$?
+fi
 echo "[gpu-e2e] exit $rc (logs in $WORK)"
 exit $rc

@@ -261,3 +261,29 @@ def test_blocked_logprobs_equals_log_softmax():
     assert lp.dtype == torch.float32
     assert (lp.double() - torch.log_softmax(logits.detach().to(torch.bfloat16).double(), -1).gather(
         -1, labels.unsqueeze(-1)).squeeze(-1)).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_bench_overrides(tmp_path, gpu):
+    """The benchmark's Hydra overrides (tests/e2e/bench.py): each key once (Hydra refuses a key given twice), the
+    runs differ only in zorro's switch and sharing mode, stock's attention is the flash-varlen stand-in on CPU."""
+    from tests.e2e import bench
+
+    setup = bench.gpu_setup("qwen3-0.6b") if gpu else bench.CPU
+    assets = {"train": "t.parquet", "model": "m", "reward": "r.py", "num_prompts": 24, "prompt_lengths": [343, 361]}
+    runs = {name: bench.overrides(name, assets, tmp_path, 5, setup) for name in bench.RUNS}
+    for name, o in runs.items():
+        keys = [x.lstrip("+").split("=", 1)[0] for x in o]
+        assert len(keys) == len(set(keys)), (name, [k for k in keys if keys.count(k) > 1])
+        kv = dict(x.lstrip("+").split("=", 1) for x in o)
+        assert kv["data.train_batch_size"] == str(setup.prompts)
+        assert kv["actor_rollout_ref.actor.ppo_mini_batch_size"] == str(setup.mini)
+        assert kv["actor_rollout_ref.model.override_config.attn_implementation"] == setup.attn
+        assert kv["data.max_prompt_length"] == str(361 + 64)
+        assert kv["actor_rollout_ref.actor.strategy"] == "fsdp"  # verl's default, FSDP1
+        assert ("trainer.device" in kv) is (not gpu)
+    assert "actor_rollout_ref.actor.fsdp_config.zorro.enable=false" in runs["stock"]
+    assert "actor_rollout_ref.actor.fsdp_config.zorro.sharing=prefix" in runs["zorro_prefix"]
+    strip = lambda o: [x for x in o if "zorro" not in x and "experiment_name" not in x and "local_dir" not in x  # noqa: E731
+                       and "rollout_data_dir" not in x]
+    assert strip(runs["stock"]) == strip(runs["zorro"]) == strip(runs["zorro_prefix"])

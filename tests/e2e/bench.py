@@ -2,9 +2,9 @@
 rollouts, phase by phase (run by scripts/bench_e2e.sh; the GPU sibling is scripts/gpu_e2e.sh --bench).
 
 Runs (each a subprocess of the real entry point, V1 trainer, one training worker, FSDP1 = verl's default strategy,
-bf16 compute with fp32 master weights, reference model + KL loss, entropy, dynamic batch size, 2 mini-batches per
-step, on the benchmark assets of tests/e2e/assets.py: one ~320-token shared system instruction + a question per
-prompt, ``rollout.n`` = 8, responses up to 64 tokens):
+bf16 compute with fp32 master weights, reference model + KL loss, dynamic batch size, 2 mini-batches per step, on the
+benchmark assets of tests/e2e/assets.py: 16 prompts per step, each one ~320-token shared system instruction + a
+question, ``rollout.n`` = 8, responses up to 64 tokens; :data:`CPU`, or :func:`gpu_setup` with ``--gpu``):
 
 * ``stock``        — ``zorro.enable=false`` (verl's own engine); records every response vLLM returns;
 * ``zorro``        — the preset (``sharing: prompt``), replaying the stock run's responses;
@@ -65,7 +65,7 @@ QWEN3 = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
 }
-CPU = Setup("cpu", prompts=8, mini=4, system_tokens=BENCH_SYSTEM_TOKENS, response=64, max_tokens=8192,
+CPU = Setup("cpu", prompts=16, mini=8, system_tokens=BENCH_SYSTEM_TOKENS, response=64, max_tokens=8192,
             dims=BENCH_MODEL, attn="cpu_varlen")
 
 
@@ -95,7 +95,11 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
                  "actor_rollout_ref.rollout.max_model_len": max_prompt + setup.response,
                  "actor_rollout_ref.rollout.max_num_batched_tokens": setup.max_tokens,
                  "actor_rollout_ref.rollout.max_num_seqs": setup.prompts * N, "trainer.use_v1": True,
-                 "+actor_rollout_ref.model.override_config.attn_implementation": setup.attn}.items():
+                 "+actor_rollout_ref.model.override_config.attn_implementation": setup.attn,
+                 # verl's defaults where the e2e tests need other values (their rollout-vs-actor checks, an entropy
+                 # term): no rollout log-probs, no entropy bonus
+                 "actor_rollout_ref.rollout.calculate_log_probs": False,
+                 "actor_rollout_ref.actor.entropy_coeff": 0.0}.items():
         set_override(o, k, v)
     if not spec["zorro"]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
