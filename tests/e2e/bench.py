@@ -93,7 +93,10 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
     for k, v in {"data.train_batch_size": setup.prompts, "data.max_prompt_length": max_prompt,
                  "data.max_response_length": setup.response, "actor_rollout_ref.actor.ppo_mini_batch_size": setup.mini,
                  "actor_rollout_ref.rollout.max_model_len": max_prompt + setup.response,
-                 "actor_rollout_ref.rollout.max_num_batched_tokens": setup.max_tokens,
+                 # every prompt's prefill in one engine step: vLLM 0.27's CPU sampler cannot rewind a seeded
+                 # request's generator when a chunked prefill discards a sampled token ("CPU Generator does not use
+                 # offset")
+                 "actor_rollout_ref.rollout.max_num_batched_tokens": setup.prompts * N * (max_prompt + setup.response),
                  "actor_rollout_ref.rollout.max_num_seqs": setup.prompts * N, "trainer.use_v1": True,
                  "+actor_rollout_ref.model.override_config.attn_implementation": setup.attn,
                  # verl's defaults where the e2e tests need other values (their rollout-vs-actor checks, an entropy
