@@ -157,7 +157,7 @@ def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
             f"{setup.prompts} prompts x n={N} per step, prompts {min(assets['prompt_lengths'])}-"
             f"{max(assets['prompt_lengths'])} tokens (one shared system instruction + a question), responses <= "
             f"{setup.response} tokens, {setup.prompts // setup.mini} mini-batches per step, dynamic batch size "
-            f"{setup.max_tokens} tokens per micro-batch, reference model + KL loss, entropy; model Qwen3 "
+            f"{setup.max_tokens} tokens per micro-batch, reference model + KL loss; model Qwen3 "
             f"{d['num_hidden_layers']} layers x hidden {d['hidden_size']} ({d['num_attention_heads']} heads x "
             f"{d['head_dim']}, {d['num_key_value_heads']} KV heads), vocab 512; {where}; {warmup} warm-up + "
             f"{steps} measured steps")
