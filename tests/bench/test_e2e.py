@@ -287,3 +287,30 @@ def test_bench_overrides(tmp_path, gpu):
     strip = lambda o: [x for x in o if "zorro" not in x and "experiment_name" not in x and "local_dir" not in x  # noqa: E731
                        and "rollout_data_dir" not in x]
     assert strip(runs["stock"]) == strip(runs["zorro"]) == strip(runs["zorro_prefix"])
+
+
+def test_after_import_runs_every_hook(tmp_path, monkeypatch):
+    """tests/support/verl_cpu_e2e.py's post-import hooks: several patches of one module all run, in registration
+    order, once each, right after its first import (and at once when it is already imported)."""
+    import sys
+
+    from tests.support import verl_cpu_e2e as e
+
+    (tmp_path / "zorro_hooked_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls = []
+    a = lambda m: calls.append(("a", m.X))  # noqa: E731
+    b = lambda m: calls.append(("b", m.X))  # noqa: E731
+    try:
+        e._after_import("zorro_hooked_mod", a)
+        e._after_import("zorro_hooked_mod", b)
+        e._after_import("zorro_hooked_mod", a)
+        assert calls == []
+        import zorro_hooked_mod  # noqa: F401
+
+        assert calls == [("a", 1), ("b", 1)]
+        e._after_import("zorro_hooked_mod", b)
+        assert calls == [("a", 1), ("b", 1), ("b", 1)]
+    finally:
+        sys.modules.pop("zorro_hooked_mod", None)
+        sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "name", None) != "zorro_hooked_mod"]

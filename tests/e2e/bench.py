@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.e2e.assets import BENCH_MODEL, BENCH_SYSTEM_TOKENS, build_bench_assets
-from tests.e2e.runner import REPO_ROOT, base_overrides, micro_batch_overrides, run_main_ppo, set_override
+from tests.e2e.runner import (
+    REPO_ROOT,
+    base_overrides,
+    fallback_metrics,
+    micro_batch_overrides,
+    run_main_ppo,
+    set_override,
+)
 
 N = 8  # rollout.n
 RUNS = {
@@ -111,10 +118,6 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
     return o
 
 
-def _zorro_settings(name: str) -> dict:
-    return {"sharing": RUNS[name]["sharing"], "min_shared_len": 64}
-
-
 def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: int,
             targets: dict) -> tuple[dict, list[str]]:
     """Phase tables of every zorro run against ``stock`` (``{run: rows}``) and the missed targets."""
@@ -129,23 +132,13 @@ def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: in
     for name, r in results.items():
         if name == "stock":
             continue
-        zs = _zorro_settings(name)
-        ideals = e2e.phase_ideals(cfg, steps, sharing=zs["sharing"], mini_batch=setup.mini,
-                                  min_shared_len=zs["min_shared_len"])
+        # the runs use the preset's min_shared_len, phase_ideals' default
+        ideals = e2e.phase_ideals(cfg, steps, sharing=RUNS[name]["sharing"], mini_batch=setup.mini)
         rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets)
         tables[name] = rows
         missed += [f"{name}: {m}" for m in e2e.check_targets(
             rows, stock.role_peak_gb.get("train worker"), r.role_peak_gb.get("train worker"))]
     return tables, missed
-
-
-def gpu_env() -> dict:
-    """Environment of a GPU run: offline, the rollout record/replay and seeds (no CPU platform, no stand-ins)."""
-    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-            "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
-            "VERL_USE_EXTERNAL_MODULES": "tests.support.verl_gpu_bench_plugin",
-            "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
@@ -176,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", choices=sorted(QWEN3), default=None,
                     help="run on one CUDA GPU with this model's dimensions (scripts/gpu_e2e.sh --bench)")
     a = ap.parse_args(argv)
+    from tests.e2e.gpu_pair import gpu_env
     from tests.support.verl_cpu_e2e import (
         POLL_INTERVAL_ENV,
         ROLLOUT_FILE_ENV,
@@ -200,7 +194,9 @@ def main(argv=None) -> int:
     rec = work / "rollouts.jsonl"
     results, failed = {}, []
     for name in names:
-        env = gpu_env() if setup.gpu else {**e2e_env(a.threads), STOCK_KERNELS_ENV: "1"}
+        # GPU: the record/replay without the CPU platform or the CPU stand-ins (flash-attn is real there)
+        env = (gpu_env("tests.support.verl_gpu_bench_plugin") if setup.gpu else
+               {**e2e_env(a.threads), STOCK_KERNELS_ENV: "1"})
         mode = RUNS[name]["rollouts"]
         if mode == "record" and rec.exists():
             rec.unlink()
@@ -223,8 +219,7 @@ def main(argv=None) -> int:
     tables, missed = analyse(results, work, assets, setup, warmup=a.warmup, targets=targets)
     for name, r in results.items():
         if name != "stock":
-            bad = [k for m in r.steps.values() for k, v in m.items()
-                   if (k.endswith("zorro/fallback_batches") or k.endswith("balance_fallbacks")) and v]
+            bad = [k for m in r.steps.values() for k, v in fallback_metrics(m).items() if v]
             if bad:
                 missed.append(f"{name}: zorro fell back to the stock path ({sorted(set(bad))})")
     where = e2e.machine(gpu=setup.gpu)

@@ -34,11 +34,13 @@ COMPARED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"
             "critic/score/mean", "critic/advantages/mean", "response_length/mean", "prompt_length/mean"]
 
 
-def gpu_env() -> dict:
+def gpu_env(plugin: str = "tests.support.verl_seeded_rollout_plugin") -> dict:
+    """Environment of a GPU ``main_ppo`` run: offline, no telemetry, this repository on the path, ``plugin`` loaded
+    at ``import verl`` in every process (default: only the per-request rollout seeds)."""
     return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
-            "VERL_USE_EXTERNAL_MODULES": "tests.support.verl_seeded_rollout_plugin",
+            "VERL_USE_EXTERNAL_MODULES": plugin,
             "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["RunResult", "STRATEGIES", "base_overrides", "set_override", "run_main_ppo", "parse_step_metrics",
-           "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role", "REPO_ROOT", "ENGINE_LINE"]
+           "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role", "fallback_metrics",
+           "REPO_ROOT", "ENGINE_LINE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank (\d+)")
@@ -199,6 +200,13 @@ def expected_dedup(metrics: dict, n: int) -> float:
     response lengths (verl's ``prompt_length/mean``, ``response_length/mean``)."""
     p, r = metrics["prompt_length/mean"], metrics["response_length/mean"]
     return (p + r) / (p / n + r)
+
+
+def fallback_metrics(metrics: dict) -> dict:
+    """The step metrics that count zorro falling back to stock: the engine's ``.../zorro/fallback_batches`` and the
+    balance hook's ``.../balance_fallbacks`` (``{key: value}``; a zorro run logs both, each 0 when nothing fell
+    back)."""
+    return {k: v for k, v in metrics.items() if k.endswith(("zorro/fallback_batches", "balance_fallbacks"))}
 
 
 def rel_diff(a: float, b: float, floor: float = 1e-6) -> float:

@@ -42,6 +42,7 @@ if not in_e2e_env():
 from tests.e2e.runner import (  # noqa: E402
     base_overrides,
     expected_dedup,
+    fallback_metrics,
     format_table,
     micro_batch_overrides,
     read_rollouts,
@@ -224,7 +225,7 @@ def test_engine_and_dedup(e2e_required, runs, name):
         m = r.steps[step]
         dedup = _dedup(m)
         assert dedup is not None, f"{name} step {step}: no actor/zorro/dedup_ratio metric"
-        fallbacks = [v for k, v in m.items() if k.endswith("zorro/fallback_batches") or k.endswith("balance_fallbacks")]
+        fallbacks = list(fallback_metrics(m).values())
         assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallbacks {fallbacks}"
         saved = [v for k, v in m.items() if k.endswith("zorro/prompt_tokens_saved")]
         if spec.get("mode") == "whole_groups" or spec["workers"] > 1:

@@ -112,10 +112,11 @@ def _patch_offload_policy() -> None:
 
 
 class _PostImportHook:
-    """Runs ``fn(module)`` right after the module ``name`` is first imported (a ``sys.meta_path`` finder)."""
+    """Runs each of ``fns`` (``fn(module)``, in order) right after the module ``name`` is first imported (a
+    ``sys.meta_path`` finder)."""
 
     def __init__(self, name: str, fn):
-        self.name, self.fn = name, fn
+        self.name, self.fns = name, [fn]
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.name:
@@ -127,24 +128,31 @@ class _PostImportHook:
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
-        loader, fn = spec.loader, self.fn
+        loader, fns = spec.loader, self.fns
         orig_exec = loader.exec_module
 
         def exec_module(module):
             orig_exec(module)
-            fn(module)
+            for fn in fns:
+                fn(module)
 
         loader.exec_module = exec_module
         return spec
 
 
 def _after_import(name: str, fn) -> None:
+    """``fn(module)`` now if ``name`` is imported, else right after its import (after the hooks registered before;
+    the same ``fn`` once)."""
     import sys
 
     if name in sys.modules:
         fn(sys.modules[name])
-    elif not any(isinstance(f, _PostImportHook) and f.name == name for f in sys.meta_path):
+        return
+    hook = next((f for f in sys.meta_path if isinstance(f, _PostImportHook) and f.name == name), None)
+    if hook is None:
         sys.meta_path.insert(0, _PostImportHook(name, fn))
+    elif fn not in hook.fns:
+        hook.fns.append(fn)
 
 
 def _patch_weight_receiver(module) -> None:
@@ -346,28 +354,32 @@ STOCK_KERNELS_ENV = "ZORRO_E2E_STOCK_KERNELS"
 POLL_INTERVAL_ENV = "ZORRO_E2E_POLL_INTERVAL"
 
 
+def _patch_replay_poll(module) -> None:
+    """With :data:`POLL_INTERVAL_ENV` set, the V1 replay buffer polls for finished rollouts that often."""
+    poll = os.environ.get(POLL_INTERVAL_ENV)
+    base = getattr(module, "ReplayBuffer", None)
+    if not poll or base is None or getattr(base.__init__, "_zorro_e2e", False):
+        return
+    orig_init = base.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self.poll_interval = float(poll)
+
+    __init__._zorro_e2e = True
+    base.__init__ = __init__
+
+
 def _patch_replay_order(module) -> None:
-    """With :data:`POLL_INTERVAL_ENV` set, the replay buffer polls that often. The V1 replay buffer hands out a
-    step's samples in the order their rollouts finished (asynchronous agent loops, timing-dependent); verl's
-    balancing then cuts mini-batches from that order, so two runs on the same rollouts would put different rows in
-    an optimizer step. Sort each sampled batch by ``(uid, session, index)``
+    """The V1 replay buffer hands out a step's samples in the order their rollouts finished (asynchronous agent
+    loops, timing-dependent); verl's balancing then cuts mini-batches from that order, so two runs on the same
+    rollouts would put different rows in an optimizer step. Sort each sampled batch by ``(uid, session, index)``
     (the key ``{uid}_{session}_{index}``; uids are sequential, :func:`_patch_uids`): dataset order."""
 
     def order_key(key: str):
         uid, session, index = str(key).rsplit("_", 2)
         return uid, int(session), int(index)
 
-    poll = os.environ.get(POLL_INTERVAL_ENV)
-    base = getattr(module, "ReplayBuffer", None)
-    if poll and base is not None and not getattr(base.__init__, "_zorro_e2e", False):
-        orig_init = base.__init__
-
-        def __init__(self, *args, **kwargs):
-            orig_init(self, *args, **kwargs)
-            self.poll_interval = float(poll)
-
-        __init__._zorro_e2e = True
-        base.__init__ = __init__
     for cls in (getattr(module, "ReplayBuffer", None), getattr(module, "ReplayBufferAsync", None)):
         if cls is None or getattr(cls.sample, "_zorro_e2e", False) or "sample" not in vars(cls):
             continue
@@ -385,10 +397,12 @@ def _patch_replay_order(module) -> None:
 
 def install_ordered_batches() -> None:
     """Deterministic samples and batch order: sequential uids (both trainers), each V1 sampled batch sorted by key,
-    and each request seeded (and recorded or replayed) by its sample's uid, session and turn."""
+    and each request seeded (and recorded or replayed) by its sample's uid, session and turn; the replay buffer's
+    poll interval from :data:`POLL_INTERVAL_ENV` when set."""
     _after_import("verl.trainer.ppo.v1.trainer_base", _patch_uids)
     _after_import("verl.trainer.ppo.ray_trainer", _patch_uids)
     _after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_order)
+    _after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_poll)
     _after_import("verl.experimental.agent_loop.agent_loop", _patch_agent_loop)
     _after_import("verl.workers.rollout.llm_server", _patch_llm_client)
 

@@ -27,13 +27,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from zorro_verl.bench.flops import (
-    flop_model,
-    linear_attention_flops_per_token,
-    linear_flops_per_token,
-    mlp_flops_per_token,
-    tree_flop_model,
-)
+from zorro_verl.bench.flops import flop_model, layer_costs, tree_flop_model
+from zorro_verl.bench.report import cpu_model
+from zorro_verl.packing import DEFAULT_MIN_SHARED_LEN
 
 __all__ = ["PHASES", "ACTOR_PHASES", "TARGETS", "QUICK_TARGETS", "StepRows", "read_recording", "stock_flops",
            "zorro_flops", "phase_ideals", "phase_table", "amdahl_speedup", "check_targets", "format_markdown",
@@ -104,56 +100,34 @@ def read_recording(path, prompts_per_step: int) -> list[StepRows]:
     return steps
 
 
-def _layer_costs(cfg) -> tuple[int, int, int]:
-    """``(full-attention layers, per-token FLOPs of all layers, attention FLOPs per (query, key) pair per layer)``."""
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-    L, L_lin = types.count("full_attention"), types.count("linear_attention")
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = L * linear_flops_per_token(cfg)
-    if L_lin:
-        per_token += L_lin * (linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg))
-    return L, per_token, 4 * cfg.num_attention_heads * D
-
-
 def stock_flops(cfg, p_len: torch.Tensor, r_len: torch.Tensor) -> int:
     """Forward FLOPs of verl's remove-padding forward of these rows (``[B] int64`` lengths): ``P + R`` tokens per row
     through every layer, causal attention within the row, logits on every token."""
-    L, per_token, per_pair = _layer_costs(cfg)
+    L, per_token, per_pair = layer_costs(cfg)
     t = p_len + r_len
     tokens, pairs = int(t.sum()), int((t * (t + 1) // 2).sum())
     return per_token * tokens + L * per_pair * pairs + 2 * cfg.hidden_size * cfg.vocab_size * tokens
 
 
-def zorro_flops(cfg, groups: Sequence, sharing: str = "prompt", min_shared_len: int = 64) -> int:
+def zorro_flops(cfg, groups: Sequence, sharing: str = "prompt", min_shared_len: int = DEFAULT_MIN_SHARED_LEN) -> int:
     """Forward FLOPs of zorro's deduplicated forward of ``groups`` (``(prompt_ids, [response_ids...])``) computed as
     one unit: each prompt once (``sharing="prompt"``), or the prefix tree of all rows (``"prefix"``)."""
-    p, r, g = StepRows(0, list(groups)).lengths()
     if sharing == "prompt":
+        p, r, g = StepRows(0, list(groups)).lengths()
         S = int((p + r).max())
         return flop_model(cfg, p, r, g, S)["zorro"]
     if sharing != "prefix":
         raise ValueError(f"sharing: expected 'prompt' or 'prefix', got {sharing!r}.")
     from zorro_verl.packing.plan import build_tree_plan
+    from zorro_verl.testing import batch_from_rows
 
-    Pw = int(p.max())
-    Rw = max(1, int(r.max()))
-    B = p.numel()
-    ids = torch.zeros(B, Pw + Rw, dtype=torch.long)
-    am = torch.zeros(B, Pw + Rw, dtype=torch.long)
-    row = 0
-    for prompt, responses in groups:
-        for resp in responses:
-            ids[row, Pw - len(prompt):Pw] = torch.tensor(prompt)  # left-padded prompt, right-padded response
-            am[row, Pw - len(prompt):Pw] = 1
-            if resp:
-                ids[row, Pw:Pw + len(resp)] = torch.tensor(resp)
-                am[row, Pw:Pw + len(resp)] = 1
-            row += 1
-    plan = build_tree_plan(ids, am, Rw, min_shared_len=min_shared_len)
+    b = batch_from_rows([(prompt, resp) for prompt, responses in groups for resp in responses])
+    plan = build_tree_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1], min_shared_len=min_shared_len)
     return tree_flop_model(cfg, plan)["zorro"]
 
 
-def phase_ideals(cfg, steps: Sequence[StepRows], *, sharing: str, mini_batch: int, min_shared_len: int = 64) -> dict:
+def phase_ideals(cfg, steps: Sequence[StepRows], *, sharing: str, mini_batch: int,
+                 min_shared_len: int = DEFAULT_MIN_SHARED_LEN) -> dict:
     """``{phase: ideal speedup}`` for ``old_log_prob``, ``ref`` (the step's batch as one unit) and ``update_actor``
     (units of ``mini_batch`` groups), summed over ``steps``."""
     s_tot = z_fwd = z_upd = 0
@@ -310,17 +284,10 @@ def machine(gpu: bool = False) -> str:
     """The CPU model and core count of this host (the e2e runs' processes share its cores); with ``gpu``, the first
     CUDA device's name first."""
     import os
-    import platform
 
     if gpu and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (host: {machine()})"
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 #: docs/BENCHMARKS.md's e2e section lies between these two lines (rewritten by ``--docs``).

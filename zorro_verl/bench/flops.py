@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flop_model", "tree_flop_model", "attention_pairs", "linear_flops_per_token", "mlp_flops_per_token",
-           "linear_attention_flops_per_token"]
+__all__ = ["flop_model", "tree_flop_model", "layer_costs", "attention_pairs", "linear_flops_per_token",
+           "mlp_flops_per_token", "linear_attention_flops_per_token"]
 
 #: Model types whose full-attention q_proj also produces a per-head output gate (twice the query width).
 _GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -48,6 +48,19 @@ def linear_flops_per_token(cfg) -> int:
     return 2 * (H * q_out + 2 * H * Hkv * D + Hq * D * H) + mlp_flops_per_token(cfg)
 
 
+def layer_costs(cfg) -> tuple[int, int, int]:
+    """``(L, per_token, per_pair)``: the number of full-attention layers, the forward FLOPs per token of all decoder
+    layers (each full-attention layer's projections and MLP, each gated delta-net layer's mixer and MLP) and the
+    attention FLOPs per causal (query, key) pair of one full-attention layer (``4 Hq D``: QK^T and PV)."""
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    L, L_lin = types.count("full_attention"), types.count("linear_attention")
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = L * linear_flops_per_token(cfg)
+    if L_lin:
+        per_token += L_lin * (linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg))
+    return L, per_token, 4 * cfg.num_attention_heads * D
+
+
 def attention_pairs(p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int) -> tuple[int, int]:
     """Causal (query, key) pairs per head and layer: ``(ordinary, zorro)``.
 
@@ -77,13 +90,8 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
         ratios hold for ``fwd`` and ``fwd_bwd`` alike. Also ``baseline_tokens``, ``zorro_tokens`` and ``N``
         (valid response tokens).
     """
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-    L = types.count("full_attention")  # layers with quadratic attention
-    L_lin = types.count("linear_attention")  # gated delta-net layers: per-token cost only
+    L, per_token, per_pair = layer_costs(cfg)  # gated delta-net layers cost per token only
     H, V = cfg.hidden_size, cfg.vocab_size
-    D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-    per_pair = 4 * cfg.num_attention_heads * D  # QK^T and PV
-    lin = linear_flops_per_token(cfg)
     B = p_len.numel()
     N = int(r_len.sum())
     G = int(row_group.max()) + 1
@@ -92,12 +100,8 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
     z_tokens = int(p_group.sum()) + N
     base_pairs, z_pairs = attention_pairs(p_len, r_len, row_group, S)
     head = 2 * H * V * N
-    base = L * (lin * base_tokens + per_pair * base_pairs)
-    zorro = L * (lin * z_tokens + per_pair * z_pairs)
-    if L_lin:
-        lin_layer = linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg)
-        base += L_lin * lin_layer * base_tokens
-        zorro += L_lin * lin_layer * z_tokens
+    base = per_token * base_tokens + L * per_pair * base_pairs
+    zorro = per_token * z_tokens + L * per_pair * z_pairs
     return {"baseline": base + head, "baseline_full": base + 2 * H * V * base_tokens, "zorro": zorro + head,
             "baseline_tokens": base_tokens, "zorro_tokens": z_tokens, "N": N}
 
@@ -108,15 +112,10 @@ def tree_flop_model(cfg, plan) -> dict:
     its own (``len * pos0 + len (len + 1) / 2`` pairs); the LM head on the distinct predicting rows (``Nh``);
     gated delta-net layers per token.
     Returns ``zorro``, ``zorro_tokens``, ``pairs`` and ``head_rows`` (ints)."""
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-    L, L_lin = types.count("full_attention"), types.count("linear_attention")
-    H, V = cfg.hidden_size, cfg.vocab_size
-    D = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    L, per_token, per_pair = layer_costs(cfg)  # gated delta-net layers: per token (each node once)
     t = plan.tree
     ln, pos0 = t.node_len.cpu(), t.node_pos0.cpu()
     pairs = int((ln * pos0 + ln * (ln + 1) // 2).sum())
     head_rows = int(plan.head_index.numel())
-    z = L * (linear_flops_per_token(cfg) * plan.T + 4 * cfg.num_attention_heads * D * pairs) + 2 * H * V * head_rows
-    if L_lin:  # gated delta-net layers: per token (each node once)
-        z += L_lin * (linear_attention_flops_per_token(cfg) + mlp_flops_per_token(cfg)) * plan.T
+    z = per_token * plan.T + L * per_pair * pairs + 2 * cfg.hidden_size * cfg.vocab_size * head_rows
     return {"zorro": z, "zorro_tokens": plan.T, "pairs": pairs, "head_rows": head_rows}

@@ -16,7 +16,7 @@ import torch
 
 from zorro_verl.bench.presets import Targets
 
-__all__ = ["format_table", "plot", "check_targets", "versions", "git_sha", "device_name"]
+__all__ = ["format_table", "plot", "check_targets", "versions", "git_sha", "device_name", "cpu_model"]
 
 
 def versions() -> dict:
@@ -59,16 +59,20 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU model with its core and torch thread counts."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    return f"cpu: {cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"cpu: {name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return name
 
 
 def check_targets(rows: list[dict], targets: Optional[Targets]) -> list[str]:
