@@ -146,6 +146,8 @@ def _timings(**phases):
 def test_amdahl_by_hand():
     assert e2e.amdahl_speedup({"step": 10, "a": 4, "b": 2}, {"a": 2, "b": 4}) == pytest.approx(10 / 6.5)
     assert e2e.amdahl_speedup({"step": 10, "a": 4}, {"a": 1}) == 1.0
+    # a phase taken as measured in the other run: 10 - 4 - 3 + 4/2 + 5 = 10
+    assert e2e.amdahl_speedup({"step": 10, "a": 4, "g": 3}, {"a": 2}, measured={"g": 5}) == pytest.approx(1.0)
 
 
 def test_phase_table_and_targets():
@@ -172,6 +174,14 @@ def test_phase_table_and_targets():
     assert all(r["target"] is None for r in low if r["phase"] != "step")
     assert e2e.phase_table(stock, zorro, ideals, warmup=1, targets=e2e.QUICK_TARGETS)[1]["target"] == \
         pytest.approx(2.4)
+    # gen (vLLM, the same requests in both runs) enters the step's ideal and target with the zorro run's median:
+    # 3 s more there lowers both by exactly that much time, so that the noise of gen cannot fail the step
+    slow_gen = _timings(gen=[9, 5, 5, 5], old_log_prob=[9, 0.5, 0.6, 0.4], ref=[9, 1.5, 1.5, 1.5],
+                        update_actor=[30, 3, 3.5, 2.5], step=[60, 11, 11, 11])
+    step = {r["phase"]: r for r in e2e.phase_table(stock, slow_gen, ideals, warmup=1)}["step"]
+    assert step["ideal"] == pytest.approx(17 / (17 - 14 - 2 + 5 + 14 / 4))
+    assert step["target"] == pytest.approx(17 / (1 + 5 + 14 / 3.2))
+    assert step["speedup"] == pytest.approx(17 / 11)
 
 
 def test_report_markdown_svg_and_docs(tmp_path):
@@ -281,6 +291,7 @@ def test_bench_overrides(tmp_path, gpu):
         assert kv["actor_rollout_ref.model.override_config.attn_implementation"] == setup.attn
         assert kv["data.max_prompt_length"] == str(361 + 64)
         assert kv["actor_rollout_ref.actor.strategy"] == "fsdp"  # verl's default, FSDP1
+        assert kv["actor_rollout_ref.model.enable_gradient_checkpointing"].lower() == "true"  # verl's default
         assert ("trainer.device" in kv) is (not gpu)
     assert "actor_rollout_ref.actor.fsdp_config.zorro.enable=false" in runs["stock"]
     assert "actor_rollout_ref.actor.fsdp_config.zorro.sharing=prefix" in runs["zorro_prefix"]
