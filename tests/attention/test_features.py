@@ -87,6 +87,18 @@ def test_over_random_structures(batch, window, sinks, softcap):
         _check(plan, backend, feat)
 
 
+def test_window_key_buffer_longer_than_the_row():
+    """The window call's key buffer (``K = Bnz * min(Pmax, W - 1) + N`` entries, the unused rest filled) can be longer
+    than the packed row: a 6-token prompt with a 0- and a 2-token response, three 1-token prompts with 1-token
+    responses, window 7 -> K = 29 > T = 12 (found by the random-structure test: the filler read past the row)."""
+    ids = torch.zeros(5, 8, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8] + [[0, 0, 0, 0, 0, 1, 1, 0]] * 3)
+    plan = build_plan(ids, mask, 2)
+    assert plan.T == 12 and plan.num_nonempty_responses * 6 + plan.N > plan.T
+    for backend in BACKENDS:
+        _check(plan, backend, dict(window=7))
+
+
 def test_flex_forward_with_features():
     """FlexAttention (CPU: forward only): window in the block mask, soft-cap as score_mod, sinks via its lse."""
     plan = build_plan(IDS, MASK, 3)

@@ -124,10 +124,13 @@ def window_index(plan: ZorroPlan, window: int) -> dict:
         starts = torch.stack([plan.prompt_start[plan.row_group[rows]] + p - tail, plan.response_start[rows]], 1)
         lens = torch.stack([tail, r], 1).flatten()
         used = lens.sum()
-        # one trailing filler segment (token 0) makes the expansion exactly K long without reading `used` on host
+        # one trailing filler segment makes the expansion exactly K long without reading `used` on host; it would
+        # count 0, 1, 2, ... past the packed row's end when K - used > T, so its entries are set to token 0
         kv_tok = segments_to_tokens(torch.cat([starts.flatten(), starts.new_zeros(1)]),
                                     torch.cat([lens, (K - used)[None]]), K)
-        return {"resp_kv_index": kv_tok, "resp_kv_valid": torch.arange(K, device=plan.device) < used,
+        valid = torch.arange(K, device=plan.device) < used
+        kv_tok = kv_tok.masked_fill(~valid, 0)
+        return {"resp_kv_index": kv_tok, "resp_kv_valid": valid,
                 "cu_seqlens_k": cu_seqlens(tail + r), "max_seqlen_k": lk + plan.max_response_len,
                 "cu_seqlens_q": v["cu_seqlens_q"], "max_seqlen_q": v["max_seqlen_q"]}
 
