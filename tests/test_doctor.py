@@ -54,12 +54,12 @@ def test_config_checks_in_process():
     assert status(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"], "zorro (actor)")[0] == "note"
     # the 0.9 engine runs zorro under Ulysses sequence parallelism
     assert status(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "zorro (actor)")[0] == "ok"
-    s, detail = status(["actor_rollout_ref.model.lora_rank=8"], "zorro (actor)")
-    assert s == "FAIL" and "LoRA" in detail
-    s, detail = status(["actor_rollout_ref.model.lora_rank=8",
-                        "actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=warn"], "zorro (ref)")
-    assert s == "note" and "zorro/fallback_batches" in detail
+    s, detail = status(["actor_rollout_ref.model.lora_rank=8"], "zorro (actor)")  # LoRA runs deduplicated
+    assert s == "ok" and "LoRA rank 8 supported" in detail
+    assert "adapter disabled" in status(["actor_rollout_ref.model.lora_rank=8"], "zorro (ref)")[1]
     norm = ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]
+    s, detail = status(norm + ["actor_rollout_ref.actor.fsdp_config.zorro.on_unsupported=warn"], "zorro (actor)")
+    assert s == "note" and "zorro/fallback_batches" in detail
     s, detail = status(norm, "zorro (actor)")  # the V1 trainer's nested response mask: refused, the fix named
     assert s == "FAIL" and "loss_scale_factor" in detail
     assert status(norm + ["actor_rollout_ref.actor.loss_scale_factor=64"], "zorro (actor)")[0] == "ok"

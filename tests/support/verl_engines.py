@@ -20,9 +20,10 @@ STRATEGIES = ("fsdp2", "fsdp")
 #: engines); later steps would then compare that noise, not the engines.
 STEPS_OPTIM = {"optimizer": "SGD", "lr": 0.5}
 
-__all__ = ["STRATEGIES", "STEPS_OPTIM", "build_engine", "head_unit_policy", "make_engine_batch", "ppo_loss_fn", "infer",
-           "output_values", "response_values", "engine_grads", "run_steps", "step_errors", "assert_steps_match",
-           "rank_batches", "ray_engine_worker_class", "padded_stock_vs_zorro", "assert_matches_stock"]
+__all__ = ["STRATEGIES", "STEPS_OPTIM", "lora_adapter", "lora_model", "build_engine", "head_unit_policy",
+           "make_engine_batch", "ppo_loss_fn", "infer", "output_values", "response_values", "engine_grads",
+           "run_steps", "step_errors", "assert_steps_match", "rank_batches", "ray_engine_worker_class",
+           "padded_stock_vs_zorro", "assert_matches_stock"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
@@ -69,6 +70,29 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                  checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine
+
+
+def lora_adapter(ckpt: str, out, target_modules="all-linear", *, rank: int = 8, alpha: int = 16,
+                 dropout: float = 0.0, seed: int = 0) -> str:
+    """A LoRA adapter of the checkpoint ``ckpt`` (:func:`tests.support.lora.wrap_lora`: ``lora_B`` drawn at
+    random) saved under ``out``, as verl's ``model.lora_adapter_path`` loads it. Returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.lora import wrap_lora
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    wrap_lora(model, target_modules, rank=rank, alpha=alpha, dropout=dropout, seed=seed).save_pretrained(str(out))
+    return str(out)
+
+
+def lora_model(adapter: Optional[str] = None, target_modules="all-linear", *, rank: int = 8,
+               alpha: int = 16) -> dict:
+    """``model_overrides`` of a LoRA run (verl's ``HFModelConfig`` keys): a fresh adapter of ``rank`` / ``alpha`` on
+    ``target_modules``, or the saved ``adapter`` (:func:`lora_adapter`) when given."""
+    out = {"lora_rank": rank, "lora_alpha": alpha, "target_modules": target_modules}
+    if adapter is not None:
+        out["lora_adapter_path"] = adapter
+    return out
 
 
 def head_unit_policy(ckpt: str) -> dict:

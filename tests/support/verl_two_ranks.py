@@ -12,7 +12,8 @@ the root unit, sharded with it). A batch unsupported on rank 0 only must make *b
 (``on_unsupported = warn``). Last (verl patches the model class's forward for the whole process), verl's fused kernels:
 the zorro fused engine against the stock engine's steps, and under FSDP1 also against verl's own fused engine (under
 FSDP2 that one fails on the untied head, see test_fused.py) and with the head as its own FSDP1 unit. Results go to
-``OUT_JSON``.
+``OUT_JSON``. Before them, under each strategy, LoRA (a saved adapter both engines load): zorro vs stock over the same
+two steps.
 Under FSDP2 (first strategy) the memory-mode engine also checks that a batch only one rank cannot run (position ids
 off verl's layout, a token budget a row does not fit, more micro-batches than the other rank has rows) makes both
 ranks raise, or both run stock (:func:`_one_rank_cannot_run`).
@@ -106,6 +107,8 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
         STRATEGIES,
         build_engine,
         head_unit_policy,
+        lora_adapter,
+        lora_model,
         response_values,
         run_steps,
         step_errors,
@@ -146,6 +149,13 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
                      max_rows_per_micro_batch=max(int(last[mb].sum()) for mb in eng.zorro_last_micro_batches.batches),
                      steps=step_errors(stock_runs[strategy], runs, batches))
             res[strategy][mode] = r
+        # LoRA: both engines load the same saved adapter (lora_B random, so lora_A has gradients), default logits
+        lora = {**common, "model_overrides": lora_model(lora_adapter(
+            ckpt, os.path.join(os.path.dirname(init_file), f"lora_{strategy}_{rank}"), seed=3))}
+        stock_lora = run_steps(build_engine(ckpt, zorro=False, strategy=strategy, **lora), batches)
+        zorro_lora = run_steps(build_engine(ckpt, zorro=True, strategy=strategy, **lora), batches)
+        res[strategy]["lora"] = {"steps": step_errors(stock_lora, zorro_lora, batches),
+                                 "grad_names": sorted(zorro_lora[0]["grads"])}
     # verl's fused kernels: it patches the model class's forward when it builds such an engine, for the process
     fused_batches = _rank_batches(rank, fused=True)
     fused = dict(model_overrides=FUSED_MODEL, engine_overrides={"use_fused_kernels": True}, **common)

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the full-logits baseline in chunks of this many rows (memory); default: all rows "
                         "on CPU, what fits ~24 GiB on CUDA")
     p.add_argument("--no-full", action="store_true", help="skip the full-logits baseline")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="LoRA training: a PEFT adapter of this rank on every linear layer but the head, base "
+                        "weights frozen (both sides); 0: full fine-tuning (preset: 0)")
     p.add_argument("--plan-check", action="store_true",
                    help=f"also measure plan building (preset's, else B={QUICK_PLAN_SCENARIO.B}, "
                         f"G={QUICK_PLAN_SCENARIO.G})")
@@ -98,6 +101,10 @@ def resolve(args: argparse.Namespace) -> Preset:
         over["threads"] = args.threads
     if args.grad_ckpt is not None:
         over["grad_ckpt"] = args.grad_ckpt
+    if args.lora is not None:
+        if args.lora < 0:
+            raise ValueError(f"--lora: expected a LoRA rank >= 1, or 0 for full fine-tuning, got {args.lora}.")
+        over["lora_rank"] = args.lora
     if args.backends:
         over["backends"] = tuple(b.strip() for b in args.backends.split(","))
     if args.plan_check:
@@ -162,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = run_bench(s.scenarios, modes=modes, backends=s.backends, model_shape=s.model, dtype=DTYPES[s.dtype],
                          device=s.device, warmup=args.warmup, reps=args.reps, clock=s.clock, grad_ckpt=s.grad_ckpt,
                          baseline_rows=args.baseline_rows, full_logits=not args.no_full,
-                         plan_scenario=s.plan_scenario)
+                         plan_scenario=s.plan_scenario, lora_rank=s.lora_rank)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -76,19 +76,24 @@ def attention_pairs(p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
     return base_pairs, z_pairs
 
 
-def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int) -> dict:
+def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int,
+               adapter_per_token: int = 0) -> dict:
     """Forward FLOPs of the ordinary padded forward and of zorro's deduplicated forward.
 
     Args:
         cfg: the model config (real dimensions).
         p_len: ``[B] int64`` valid prompt length per row; r_len: ``[B] int64`` valid response length per row.
         row_group: ``[B] int64`` group id per row. S: padded row width of the baseline batch.
+        adapter_per_token: LoRA adapters' forward FLOPs per token (all layers;
+            :func:`~zorro_verl.integrations.transformers.lora.lora_flops_per_token`), 0 for full fine-tuning.
 
     Returns:
         dict of ints: ``baseline`` (padded rows, response-only head), ``baseline_full`` (padded rows, logits
-        everywhere), ``zorro``; each is linear + attention (+ head). Backward is taken as 2x forward, so the
-        ratios hold for ``fwd`` and ``fwd_bwd`` alike. Also ``baseline_tokens``, ``zorro_tokens`` and ``N``
-        (valid response tokens).
+        everywhere), ``zorro``; each is linear + attention (+ head) (+ adapters), forward only. The ``*_fwd_bwd``
+        keys add the backward: 2x forward for everything that trains (full fine-tuning: the ratios equal the
+        forward's), and with LoRA (``adapter_per_token > 0``: the base weights and the head frozen) 1x forward for
+        the base linear layers and the head (input gradients only), 2x for the adapters and attention. Also
+        ``baseline_tokens``, ``zorro_tokens`` and ``N`` (valid response tokens).
     """
     L, per_token, per_pair = layer_costs(cfg)  # gated delta-net layers cost per token only
     H, V = cfg.hidden_size, cfg.vocab_size
@@ -99,10 +104,18 @@ def flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.T
     base_tokens = B * S
     z_tokens = int(p_group.sum()) + N
     base_pairs, z_pairs = attention_pairs(p_len, r_len, row_group, S)
-    head = 2 * H * V * N
-    base = per_token * base_tokens + L * per_pair * base_pairs
-    zorro = per_token * z_tokens + L * per_pair * z_pairs
-    return {"baseline": base + head, "baseline_full": base + 2 * H * V * base_tokens, "zorro": zorro + head,
+    frozen = 2 if adapter_per_token else 3  # forward + backward multiple of the base linears and the head
+
+    def cost(tokens: int, pairs: int, head_rows: int) -> tuple[int, int]:
+        lin, attn, ad = per_token * tokens, L * per_pair * pairs, adapter_per_token * tokens
+        head = 2 * H * V * head_rows
+        return lin + attn + head + ad, frozen * (lin + head) + 3 * (attn + ad)
+
+    base, base_fb = cost(base_tokens, base_pairs, N)
+    full, full_fb = cost(base_tokens, base_pairs, base_tokens)
+    zorro, zorro_fb = cost(z_tokens, z_pairs, N)
+    return {"baseline": base, "baseline_full": full, "zorro": zorro, "baseline_fwd_bwd": base_fb,
+            "baseline_full_fwd_bwd": full_fb, "zorro_fwd_bwd": zorro_fb,
             "baseline_tokens": base_tokens, "zorro_tokens": z_tokens, "N": N}
 
 

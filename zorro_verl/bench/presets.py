@@ -63,7 +63,8 @@ class Preset:
     :data:`zorro_verl.bench.models.MODEL_SHAPES` / ``HYBRID_SHAPES``; ``clock``: ``cpu`` (process CPU time) or
     ``wall``; ``threads``: torch intra-op threads on CPU; ``backends``: zorro backends of the model-level bench
     (``None``: every backend available on the device); ``plan_scenario``: the plan-building check (``None``: off);
-    ``targets``: the thresholds its rows are judged against on ``device`` (``None``: no checks).
+    ``targets``: the thresholds its rows are judged against on ``device`` (``None``: no checks); ``lora_rank``: 0
+    (full fine-tuning) or the rank of a LoRA adapter on every linear layer but the head (LoRA training).
     """
 
     name: str
@@ -77,6 +78,7 @@ class Preset:
     backends: Optional[tuple[str, ...]] = None
     plan_scenario: Optional[Scenario] = None
     targets: Optional[Targets] = None
+    lora_rank: int = 0
 
 
 #: The CPU targets: the deduplicated step reaches >= 85% of the FLOP model's ideal where the prompt dominates

@@ -119,16 +119,16 @@ def check_targets(rows: list[dict], targets: Optional[Targets]) -> list[str]:
 
 
 def _format_model_rows(rows: list[dict]) -> list[str]:
-    lines = [f"{'scenario':>9} {'B':>3} {'G':>3} {'P':>5} {'R':>5} {'mode':>7} {'backend':>14} {'base':>4} "
+    lines = [f"{'scenario':>13} {'B':>3} {'G':>3} {'P':>5} {'R':>5} {'mode':>7} {'backend':>14} {'base':>4} "
              f"{'base ms':>9} {'zorro ms':>9} {'speedup':>7} {'ideal':>6} {'eff':>5} {'eff_p':>5} {'base MB':>8} "
              f"{'zorro MB':>8}"]
     for r in rows:
         if r["mode"] == "plan":
-            lines.append(f"{r['scenario']:>9} {r['B']:>3} {r['G']:>3} {r['P']:>5} {r['R']:>5} {'plan':>7} "
+            lines.append(f"{r['scenario']:>13} {r['B']:>3} {r['G']:>3} {r['P']:>5} {r['R']:>5} {'plan':>7} "
                          f"{r['backend']:>14} {'':>4} {r['plan_ms']:9.2f} {r['zorro_ms']:9.1f} "
                          f"plan = {100 * r['plan_fraction']:.2f}% of the fwd_bwd step")
             continue
-        lines.append(f"{r['scenario']:>9} {r['B']:>3} {r['G']:>3} {r['P']:>5} {r['R']:>5} {r['mode']:>7} "
+        lines.append(f"{r['scenario']:>13} {r['B']:>3} {r['G']:>3} {r['P']:>5} {r['R']:>5} {r['mode']:>7} "
                      f"{r['backend']:>14} {r['baseline']:>4} {r['baseline_ms']:9.1f} {r['zorro_ms']:9.1f} "
                      f"{r['speedup']:7.2f} {r['ideal_speedup']:6.2f} {r['efficiency']:5.2f} "
                      f"{r['efficiency_paired']:5.2f} {r['baseline_peak_mb']:8.0f} {r['zorro_peak_mb']:8.0f}")

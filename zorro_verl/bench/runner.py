@@ -158,10 +158,16 @@ def common_fields(dev: torch.device, dtype: torch.dtype, model_shape: str, clock
 
 def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape="quick", dtype=torch.float32,
               device="cpu", warmup=1, reps=5, clock="cpu", grad_ckpt=False, baseline_rows=None,
-              full_logits=True, plan_scenario: Optional[Scenario] = None, log=print) -> list[dict]:
+              full_logits=True, plan_scenario: Optional[Scenario] = None, lora_rank: int = 0,
+              log=print) -> list[dict]:
     """Run the grid; returns one row per (scenario, mode, backend, baseline), then the plan-check row.
 
-    Row keys: the scenario (``scenario, B, G, P, R, n, ragged``), ``mode, backend, baseline`` (``a2a`` / ``full``),
+    ``lora_rank > 0``: LoRA training instead of full fine-tuning — a PEFT adapter of that rank on every linear layer
+    but the head (``all-linear``), the base weights frozen; the ideal adds the adapters' matmuls and counts the
+    frozen weights' backward as input gradients only (:func:`~zorro_verl.bench.flops.flop_model`).
+
+    Row keys: the scenario (``scenario, B, G, P, R, n, ragged``; ``scenario`` ends in ``+lora<r>`` and
+    ``lora_rank`` is set with LoRA), ``mode, backend, baseline`` (``a2a`` / ``full``),
     medians ``baseline_ms, zorro_ms`` and every run (``*_runs_ms``), ``speedup`` (ratio of medians),
     ``speedup_paired`` (median of the per-run ratios), ``ideal_speedup`` (FLOP model), ``efficiency(_paired)``,
     peak memory ``*_peak_mb`` (``mem_method``), throughputs ``*_tok_per_s``, ``logprob_sum_rel_diff`` (zorro vs
@@ -171,12 +177,18 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
 
     dev, backends = setup_run(reps, device, backends)
     model = build_model(model_shape, dtype, device)
+    adapter_flops = 0
+    if lora_rank:
+        from zorro_verl.integrations.transformers.lora import apply_lora, lora_flops_per_token
+
+        apply_lora(model, lora_rank)  # in place: `model` runs with the adapter, its base weights frozen
+        adapter_flops = lora_flops_per_token(model)
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # no dropout in Qwen3; train mode as in update_policy
     ck = Clock(clock, dev.type == "cuda")
     runner = Runner(model, grad_ckpt, baseline_rows)
-    common = common_fields(dev, dtype, model_shape, clock, reps, warmup, grad_ckpt)
+    common = {**common_fields(dev, dtype, model_shape, clock, reps, warmup, grad_ckpt), "lora_rank": lora_rank}
     if baseline_rows is not None:
         common["baseline_rows"] = baseline_rows
     rows = []
@@ -192,7 +204,7 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
         for bt in batches:
             pl = build_plan(bt["input_ids"], bt["attention_mask"], sc.R)
             per_batch.append(flop_model(model.config, pl.row_prompt_lens.cpu(), pl.response_lens.cpu(),
-                                        pl.row_group.cpu(), bt["input_ids"].shape[1]))
+                                        pl.row_group.cpu(), bt["input_ids"].shape[1], adapter_flops))
         used = [per_batch[i % len(batches)] for i in range(warmup, warmup + reps)]
         fl = {k: sum(f[k] for f in used) / reps for k in used[0]}  # mean per timed run
         # Sanity: zorro's log-probs equal the baseline's on this batch (recorded, not asserted: dtype-dependent).
@@ -213,12 +225,14 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
             for be in backends:
                 z = "zorro:" + be
                 for base in [k for k in ("a2a", "full") if k in variants]:
-                    ideal = fl["baseline" if base == "a2a" else "baseline_full"] / fl["zorro"]
+                    fb = "_fwd_bwd" if mode == "fwd_bwd" else ""
+                    ideal = fl[("baseline" if base == "a2a" else "baseline_full") + fb] / fl["zorro" + fb]
                     speed = med[base] / med[z]
                     # median of the per-run ratios of interleaved neighbours (robust to slow load drifts)
                     paired = statistics.median(b / z for b, z in zip(times[base], times[z]))
                     rows.append({
-                        "scenario": sc.name, "B": sc.B, "G": sc.G, "P": sc.P, "R": sc.R, "n": sc.n,
+                        "scenario": sc.name + (f"+lora{lora_rank}" if lora_rank else ""),
+                        "B": sc.B, "G": sc.G, "P": sc.P, "R": sc.R, "n": sc.n,
                         "ragged": sc.ragged, "mode": mode, "backend": be, "baseline": base,
                         "baseline_ms": med[base], "zorro_ms": med[z], "speedup": speed, "ideal_speedup": ideal,
                         "efficiency": speed / ideal, "speedup_paired": paired, "efficiency_paired": paired / ideal,
@@ -230,7 +244,7 @@ def run_bench(scenarios, *, modes=("fwd", "fwd_bwd"), backends=None, model_shape
                         "logprob_sum_rel_diff": rel_diff, "full_logits_rows_per_chunk": runner.baseline_rows,
                         **common,
                     })
-                    log(f"{sc.name:>9} {mode:>7} {be:>14} vs {base:>4}: base {med[base]:9.1f} ms  zorro "
+                    log(f"{rows[-1]['scenario']:>9} {mode:>7} {be:>14} vs {base:>4}: base {med[base]:9.1f} ms  zorro "
                         f"{med[z]:9.1f} ms  speedup {speed:5.2f}  ideal {ideal:5.2f}  eff {speed / ideal:5.2f}")
     if plan_scenario is not None:
         rows.append(plan_check(plan_scenario, runner, backends[0], ck, warmup, reps, device, common, log))

@@ -233,3 +233,64 @@ def test_output_has_no_logits_and_refuses_moe_aux_loss():
     with pytest.raises(AttributeError, match="no logits"):
         _ = out.logits
     assert not hasattr(zactor.ZorroActorOutput(entropy=None, moe=False), "aux_loss")  # dense models: as stock
+
+
+def make_lora_actor(checkpoint, packing: bool, targets="all-linear", dropout: float = 0.0, **settings) -> Actor:
+    """A real LoRA ``Actor`` (``--ds.lora.rank 8``: OpenRLHF wraps its model with PEFT), fp32, the checkpoint's base
+    weights restored, and the adapter drawn from a fixed seed (OpenRLHF's own init leaves ``lora_B = 0``)."""
+    path, state = checkpoint
+    actor = Actor(path, attn_implementation="sdpa", param_dtype="bf16", packing_samples=packing, temperature=0.8,
+                  lora_rank=8, lora_alpha=16, target_modules=targets, lora_dropout=dropout)
+    actor.model.float()
+    base = actor.model.get_base_model()
+    missing, unexpected = base.load_state_dict(
+        {k: state[k.replace(".base_layer", "")] for k in base.state_dict() if "lora_" not in k}, strict=False)
+    assert not unexpected and all("lora_" in k for k in missing)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in actor.model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "lora_A" in name else 0.05))
+    actor.train()
+    zactor.actor_state(actor, ZorroSettings(enable=True, attention_backend="sdpa", **settings))
+    return actor
+
+
+@pytest.mark.parametrize("packing,logits,targets", [(False, "none", "all-linear"), (True, "memory", "all-linear"),
+                                                    (True, "compute", ["q_proj", "v_proj", "down_proj"])],
+                         ids=["padded", "packed-memory", "packed-compute-subset"])
+def test_lora_actor_matches_openrlhf(checkpoint, zorro_class, packing, logits, targets):
+    """LoRA: log-probs, entropy, the PPO loss and the gradient of every LoRA parameter (the base weights get none)
+    as OpenRLHF's own forward of the same PEFT model."""
+    seq, am, act = pad_batch(make_samples(vocab=VOCAB, seed=7))
+    g = torch.Generator().manual_seed(1)
+    B, A = act.shape
+    adv = (torch.rand(B, 1, generator=g) + 0.5).expand(B, A) * act
+    zactor.uninstall(Actor)
+    stock = make_lora_actor(checkpoint, packing, targets)
+    with torch.no_grad():
+        base_lp = stock(seq, act, attention_mask=am)
+    old = (base_lp + 0.05 * torch.randn(B, A, generator=g)) * act
+    base = (base_lp + 0.05 * torch.randn(B, A, generator=g)) * act
+    lp0, ent0, loss0 = ppo_loss(stock, seq, am, act, old, base, adv)
+    g0 = grads_of(stock.model)
+    zactor.install(Actor)
+    zorro = make_lora_actor(checkpoint, packing, targets, logits_optimization=logits)
+    zactor.actor_state(zorro).logits_chunk_size = 7
+    lp1, ent1, loss1 = ppo_loss(zorro, seq, am, act, old, base, adv)
+    g1 = grads_of(zorro.model)
+    assert is_installed(zorro.model)
+    assert g0 and all("lora_" in k for k in g0) and len([k for k in g0 if "lora_A" in k]) >= 2
+    pos = predicting_positions(am, act)
+    lp_err, ent_err = (lp1 - lp0).abs().max().item(), (ent1 - ent0)[pos].abs().max().item()
+    loss_err = abs(loss1.item() - loss0.item()) / abs(loss0.item())
+    grad_err, name = max_rel_grad_error(g0, g1)
+    assert lp_err <= TOL and ent_err <= TOL and loss_err <= TOL and grad_err <= TOL, (lp_err, ent_err, loss_err,
+                                                                                     grad_err, name)
+    assert zactor.pop_metrics(zorro)["zorro/fallback_batches"] == 0.0
+
+
+def test_lora_dropout_refused(checkpoint, zorro_class):
+    """``--ds.lora.dropout 0.1``: refused when the actor's zorro state is made (its static check)."""
+    with pytest.raises(ValueError, match=r"LoRA dropout > 0 .*p=0.1.*set lora_dropout=0"):
+        make_lora_actor(checkpoint, True, dropout=0.1)

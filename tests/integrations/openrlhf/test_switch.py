@@ -85,8 +85,10 @@ def test_start_up_argument_check(caplog):
         with pytest.raises(ValueError, match=match):
             check_args(openrlhf_args(**{key: value}), ZorroSettings(enable=True))
     lora = openrlhf_args()
-    lora.ds.lora.rank = 8
-    assert "LoRA" in args_unsupported(lora)
+    lora.ds.lora.rank, lora.ds.lora.dropout = 8, 0.0
+    assert args_unsupported(lora) is None  # LoRA runs deduplicated
+    lora.ds.lora.dropout = 0.05  # ... except with dropout: one mask per sample in the ordinary forward
+    assert "--ds.lora.dropout 0.05" in args_unsupported(lora)
     check_args(openrlhf_args(ds__ring_attn_size=2), ZorroSettings(enable=False))  # switch off: no check
     with caplog.at_level(logging.WARNING):
         check_args(openrlhf_args(ds__ring_attn_size=2), ZorroSettings(enable=True, on_unsupported="warn"))

@@ -10,10 +10,11 @@ checks still hold) with :func:`zorro_forward`, which keeps ``Actor.forward``'s s
   reads it only under ``action_mask``). The output holds no logits (zorro computes the head at response-predicting
   rows only); ``output.aux_loss`` (MoE load-balancing) raises, since its ordinary value counts each prompt n times.
 
-Calls zorro cannot run exactly (ring attention, multimodal inputs / VLMs, LoRA, DeepSpeed tensor parallelism, calls
-without ``action_mask`` that want full logits or per-token log-probs) raise, or with ``on_unsupported=warn`` run the
-stock forward, warn once per reason and count the call in ``zorro/fallback_batches``. Packed (``packing_samples``)
-and padded actors run the same deduplicated step: the plan is the packing.
+LoRA actors (``--ds.lora.rank``: ``Actor.model`` is a ``PeftModel``) run the same forward (docs/DESIGN.md §4, "LoRA
+(PEFT) models"). Calls zorro cannot run exactly (ring attention, multimodal inputs / VLMs, LoRA dropout > 0, DeepSpeed
+tensor parallelism, calls without ``action_mask`` that want full logits or per-token log-probs) raise, or with
+``on_unsupported=warn`` run the stock forward, warn once per reason and count the call in ``zorro/fallback_batches``.
+Packed (``packing_samples``) and padded actors run the same deduplicated step: the plan is the packing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from zorro_verl.integrations.openrlhf.layout import plan_from_openrlhf, scatter_actions, scatter_entropy
 from zorro_verl.integrations.openrlhf.settings import FIX_HINT, settings_from_env
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
+from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import ZorroSettings
 
@@ -86,7 +88,7 @@ class ZorroActorState(ZorroActorMixin):
 
     def _zorro_static_unsupported(self) -> Optional[str]:
         model = hf_model(self._actor_model)
-        reason = setup_unsupported(lora_rank=1 if hasattr(model, "peft_config") else 0, hf_config=model.config)
+        reason = setup_unsupported(hf_config=model.config) or lora_unsupported(model)
         if reason is not None:
             return reason
         if self._is_vlm:
@@ -241,9 +243,11 @@ def args_unsupported(args) -> Optional[str]:
         return "ring attention (--ds.ring_attn_size > 1): sequences are sliced across ranks"
     if (get("ds", "tensor_parallel_size", 1) or 1) > 1:
         return "DeepSpeed tensor parallelism (--ds.tensor_parallel_size > 1): heads and vocabulary are sharded"
-    lora = getattr(get("ds", "lora"), "rank", 0) or 0
-    if lora > 0:
-        return "LoRA (--ds.lora.rank > 0) is not verified with zorro"
+    lora = get("ds", "lora")
+    if (getattr(lora, "rank", 0) or 0) > 0 and (getattr(lora, "dropout", 0) or 0) > 0:
+        return (f"LoRA dropout > 0 (--ds.lora.dropout {lora.dropout}): the ordinary forward draws one dropout mask "
+                "per sample, zorro computes each shared prompt once, so the two would train different functions; "
+                "set --ds.lora.dropout 0")
     if (get("actor", "aux_loss_coef", 0) or 0) > 0:
         return ("the MoE load-balancing loss (--actor.aux_loss_coef > 0): the ordinary one counts every prompt once "
                 "per sample")

@@ -18,6 +18,7 @@ import torch
 from zorro_verl.integrations.transformers import hybrid
 from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
+from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.packing import build_plan
 
 __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_calls", "check_layer_calls",
@@ -67,6 +68,9 @@ def _check_layer_types(model) -> None:
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError("model: config.use_bidirectional_attention = True; split attention is causal only. Use the "
                          "causal model.")
+    reason = lora_unsupported(model)
+    if reason is not None:
+        raise ValueError(f"model: {reason} before install_zorro.")
 
 
 def expected_windows(model) -> dict:

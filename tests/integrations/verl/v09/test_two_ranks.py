@@ -1,8 +1,8 @@
 """Two DP ranks (two processes, gloo), under FSDP2 and FSDP1: the zorro engine with 4-row logits chunks in modes memory
-and compute, and with verl's fused kernels, equals the stock engine on each rank over two optimizer steps; a batch
-that only one rank cannot run makes both ranks run the stock forward, and a batch that only one rank cannot read or
-split makes both ranks raise. Both strategies run in the same two processes (tests/support/verl_two_ranks.py), once
-per module. A hang fails the tests (timeout) instead of blocking the suite.
+and compute, with a LoRA adapter, and with verl's fused kernels, equals the stock engine on each rank over two
+optimizer steps; a batch that only one rank cannot run makes both ranks run the stock forward, and a batch that only
+one rank cannot read or split makes both ranks raise. Both strategies run in the same two processes
+(tests/support/verl_two_ranks.py), once per module. A hang fails the tests (timeout) instead of blocking the suite.
 
 Under FSDP1 the fused step failed here before its forward was set inside the FSDP1 wrapper (the wrapper's own
 forward, which unshards the root unit's sharded parameters, was skipped).
@@ -49,6 +49,17 @@ def test_two_ranks_memory_and_compute_match_stock(results, strategy):
     for r in results:  # the unsupported batch of rank 0 sent both ranks down the stock path, with stock results
         assert r[strategy]["memory"]["consensus_fallback"] == [1.0]
         assert r[strategy]["memory"]["consensus_log_probs_max_abs"] <= ATOL
+
+
+def test_two_ranks_lora_matches_stock(results, strategy):
+    """LoRA (all-linear, rank 8) on two ranks over two SGD steps: the stock engine's log-probs, losses, grad norms
+    and every gradient (the LoRA parameters')."""
+    from tests.support.verl_engines import assert_steps_match
+
+    for r in results:
+        lora = r[strategy]["lora"]
+        assert_steps_match(lora["steps"], ATOL, RTOL)
+        assert any("lora_A" in n for n in lora["grad_names"]) and any("lora_B" in n for n in lora["grad_names"])
 
 
 def test_a_batch_one_rank_cannot_run_stops_every_rank(results):

@@ -38,13 +38,16 @@ are the same, with clusters for groups.
 With zorro disabled the class *is* the parent (every method delegates). A batch without shared prompts keeps the
 parent's micro-batching; only its forward is zorro's (bit-for-bit the same math up to float reassociation).
 
+LoRA (verl wraps the actor in a ``PeftModel``; the reference is the actor under ``disable_adapter()``) runs through
+the same forward (docs/DESIGN.md §4, "LoRA (PEFT) models").
+
 Unsupported settings (Ulysses > 1, fused kernels, prefix grouper, ``calculate_sum_pi_squared``,
-``logits_optimization=memory``, vision-language models or multimodal / 3-D position inputs) raise ``ValueError``
-with ``on_unsupported=raise``; with ``warn`` they warn once and run the stock forward, counted in
+``logits_optimization=memory``, LoRA dropout > 0, vision-language models or multimodal / 3-D position inputs) raise
+``ValueError`` with ``on_unsupported=raise``; with ``warn`` they warn once and run the stock forward, counted in
 ``zorro/fallback_batches``. ``update_policy`` adds ``zorro/dedup_ratio`` (ordinary / deduplicated tokens of its
-forwards), ``zorro/fallback_batches``, ``zorro/split_groups`` (and ``zorro/tree_depth`` with ``sharing=prefix``) to
-the actor metrics; they cover every forward of the actor since the previous ``update_policy`` (so the step's
-old-log-prob pass is included; verl 0.7's worker reports no metrics from ``compute_log_prob``).
+forwards), ``zorro/fallback_batches``, ``zorro/split_groups`` (and ``zorro/tree_depth`` with ``sharing=prefix``) to the
+actor metrics; they cover every forward of the actor since the previous ``update_policy`` (so the step's old-log-prob
+pass is included; verl 0.7's worker reports no metrics from ``compute_log_prob``).
 
 Installation: :func:`install` (called by importing :mod:`zorro_verl.integrations.verl.v07.plugin`, e.g. through
 ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``) makes ``DataParallelPPOActor(config,
@@ -64,6 +67,7 @@ from verl.utils.device import get_device_id
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
+from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.v07.config import legacy_settings_of
 from zorro_verl.packing import build_plan, group_ids
@@ -162,8 +166,9 @@ class ZoRRoDataParallelPPOActor(ZorroActorMixin, DataParallelPPOActor):
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self) -> Optional[str]:
-        reason = setup_unsupported(self.ulysses_sequence_parallel_size,
-                                   hf_config=getattr(self.actor_module, "config", None))
+        reason = (setup_unsupported(self.ulysses_sequence_parallel_size,
+                                    hf_config=getattr(self.actor_module, "config", None))
+                  or lora_unsupported(self.actor_module))
         if reason is not None:
             return reason
         if self.use_fused_kernels:

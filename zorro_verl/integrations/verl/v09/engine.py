@@ -37,6 +37,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 from zorro_verl.attention.ulysses import check_ulysses_heads
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.hybrid import linear_attention_modules, text_config
+from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
@@ -144,8 +145,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         if self.zorro.sharing == "prefix" and sp > 1:
             return ("sharing=prefix with Ulysses sequence parallel > 1 (the prefix tree is not sharded over SP "
                     "ranks: use sharing=prompt, or ulysses_sequence_parallel_size=1)")
-        return setup_unsupported(sp, getattr(mc, "lora_rank", 0), getattr(mc, "hf_config", None),
-                                 ulysses_supported=True)
+        return setup_unsupported(sp, getattr(mc, "hf_config", None), ulysses_supported=True)
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
@@ -191,9 +191,12 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             self._install()
 
     def _zorro_model_unsupported(self):
-        """Static refusals that need the built model: hybrid linear-attention layers or unshardable head counts under
-        Ulysses; the ``memory`` logits mode computes the head as ``F.linear(hidden, weight, bias)`` and needs the
-        head's output returned unchanged as the logits."""
+        """Static refusals that need the built model: LoRA adapters with dropout, hybrid linear-attention layers or
+        unshardable head counts under Ulysses; the ``memory`` logits mode computes the head as ``F.linear(hidden,
+        weight, bias)`` and needs the head's output returned unchanged as the logits."""
+        reason = lora_unsupported(self.module)
+        if reason is not None:
+            return reason
         sp = self.ulysses_sequence_parallel_size
         if sp > 1:
             if linear_attention_modules(self.module):
