@@ -149,13 +149,19 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
                      max_rows_per_micro_batch=max(int(last[mb].sum()) for mb in eng.zorro_last_micro_batches.batches),
                      steps=step_errors(stock_runs[strategy], runs, batches))
             res[strategy][mode] = r
-        # LoRA: both engines load the same saved adapter (lora_B random, so lora_A has gradients), default logits
+        # LoRA: both engines load the same saved adapter (lora_B random, so lora_A has gradients), logits modes none
+        # and memory (the head in the root unit under FSDP1: verl's LoRA wrap policy takes no size-based policy)
         lora = {**common, "model_overrides": lora_model(lora_adapter(
             ckpt, os.path.join(os.path.dirname(init_file), f"lora_{strategy}_{rank}"), seed=3))}
         stock_lora = run_steps(build_engine(ckpt, zorro=False, strategy=strategy, **lora), batches)
-        zorro_lora = run_steps(build_engine(ckpt, zorro=True, strategy=strategy, **lora), batches)
-        res[strategy]["lora"] = {"steps": step_errors(stock_lora, zorro_lora, batches),
-                                 "grad_names": sorted(zorro_lora[0]["grads"])}
+        res[strategy]["lora"] = {}
+        for mode in ("none", "memory"):
+            eng = build_engine(ckpt, zorro=True, strategy=strategy, zorro_settings={"logits_optimization": mode},
+                               **lora)
+            eng.logits_chunk_size = 4
+            zorro_lora = run_steps(eng, batches)
+            res[strategy]["lora"][mode] = {"steps": step_errors(stock_lora, zorro_lora, batches),
+                                           "grad_names": sorted(zorro_lora[0]["grads"])}
     # verl's fused kernels: it patches the model class's forward when it builds such an engine, for the process
     fused_batches = _rank_batches(rank, fused=True)
     fused = dict(model_overrides=FUSED_MODEL, engine_overrides={"use_fused_kernels": True}, **common)

@@ -51,13 +51,14 @@ def test_two_ranks_memory_and_compute_match_stock(results, strategy):
         assert r[strategy]["memory"]["consensus_log_probs_max_abs"] <= ATOL
 
 
-def test_two_ranks_lora_matches_stock(results, strategy):
-    """LoRA (all-linear, rank 8) on two ranks over two SGD steps: the stock engine's log-probs, losses, grad norms
-    and every gradient (the LoRA parameters')."""
+@pytest.mark.parametrize("mode", ["none", "memory"])
+def test_two_ranks_lora_matches_stock(results, strategy, mode):
+    """LoRA (all-linear, rank 8) on two ranks over two SGD steps, logits modes none and memory: the stock engine's
+    log-probs, losses, grad norms and every gradient (the LoRA parameters')."""
     from tests.support.verl_engines import assert_steps_match
 
     for r in results:
-        lora = r[strategy]["lora"]
+        lora = r[strategy]["lora"][mode]
         assert_steps_match(lora["steps"], ATOL, RTOL)
         assert any("lora_A" in n for n in lora["grad_names"]) and any("lora_B" in n for n in lora["grad_names"])
 
