@@ -89,18 +89,19 @@ def predicting_positions(am, act):
     return pos
 
 
-@pytest.mark.parametrize("packing,logits,ckpt", [(False, "none", False), (True, "none", False),
-                                                 (True, "memory", True), (False, "compute", True)],
-                         ids=["padded", "packed", "packed-memory-checkpointing", "padded-compute-checkpointing"])
-def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing, logits, ckpt):
-    seq, am, act = pad_batch(make_samples(vocab=VOCAB))
+def compare_training_step(make, seq, am, act, logits: str, ckpt: bool = False) -> dict:
+    """OpenRLHF's own forward + PPO loss + backward on ``make()`` (zorro uninstalled) against zorro's on
+    ``make(logits_optimization=logits)`` (7-row logits chunks; ``ckpt``: OpenRLHF's gradient checkpointing
+    on the zorro actor), same old / reference log-probs and advantages. Returns both actors, their outputs and the
+    errors: ``lp_err`` / ``ent_err`` (max abs; entropy at the response-predicting positions), ``loss_err``
+    (relative), ``grad_err`` and ``name`` (the worst per-tensor relative gradient error and its parameter)."""
     g = torch.Generator().manual_seed(1)
     B, A = act.shape
     # positive advantages: with zero-mean ones the loss cancels to ~1e-2 of its terms and a relative error of it
     # measures the cancellation, not the forward (the gradients' errors are per tensor either way)
     adv = (torch.rand(B, 1, generator=g) + 0.5).expand(B, A) * act
     zactor.uninstall(Actor)
-    stock = make_actor(checkpoint, packing)
+    stock = make()
     with torch.no_grad():
         base_lp = stock(seq, act, attention_mask=am)
     old = (base_lp + 0.05 * torch.randn(B, A, generator=g)) * act
@@ -108,26 +109,41 @@ def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing, logits
     lp0, ent0, loss0 = ppo_loss(stock, seq, am, act, old, base, adv)
     g0 = grads_of(stock.model)
     zactor.install(Actor)
-    zorro = make_actor(checkpoint, packing, logits_optimization=logits)
+    zorro = make(logits_optimization=logits)
     zactor.actor_state(zorro).logits_chunk_size = 7  # several chunks in the compute / memory modes
     if ckpt:  # OpenRLHF's --actor.gradient_checkpointing_enable (the zorro kwarg survives the recompute)
         zorro.gradient_checkpointing_enable()
     lp1, ent1, loss1 = ppo_loss(zorro, seq, am, act, old, base, adv)
     g1 = grads_of(zorro.model)
+    pos = predicting_positions(am, act)
+    grad_err, name = max_rel_grad_error(g0, g1)
+    return dict(stock=stock, zorro=zorro, lp=(lp0, lp1), ent=(ent0, ent1), pos=pos, g0=g0,
+                lp_err=(lp1 - lp0).abs().max().item(), ent_err=(ent1 - ent0)[pos].abs().max().item(),
+                loss_err=abs(loss1.item() - loss0.item()) / abs(loss0.item()), grad_err=grad_err, name=name)
 
+
+def assert_within_tol(r: dict) -> None:
+    errs = {k: r[k] for k in ("lp_err", "ent_err", "loss_err", "grad_err")}
+    assert all(v <= TOL for v in errs.values()), (errs, r["name"])
+
+
+@pytest.mark.parametrize("packing,logits,ckpt", [(False, "none", False), (True, "none", False),
+                                                 (True, "memory", True), (False, "compute", True)],
+                         ids=["padded", "packed", "packed-memory-checkpointing", "padded-compute-checkpointing"])
+def test_zorro_forward_matches_openrlhf(checkpoint, zorro_class, packing, logits, ckpt):
+    seq, am, act = pad_batch(make_samples(vocab=VOCAB))
+    r = compare_training_step(lambda **kw: make_actor(checkpoint, packing, **kw), seq, am, act, logits, ckpt)
+    stock, zorro = r["stock"], r["zorro"]
+    (lp0, lp1), (ent0, ent1) = r["lp"], r["ent"]
+    B, A = act.shape
     assert is_installed(zorro.model) and not is_installed(stock.model)
     assert lp1.shape == lp0.shape == (B, A) and lp1.dtype == lp0.dtype == torch.float32
     assert ent1.shape == ent0.shape == (B, seq.shape[1] - 1)
-    lp_err = (lp1 - lp0).abs().max().item()
-    pos = predicting_positions(am, act)
-    ent_err = (ent1 - ent0)[pos].abs().max().item()
-    assert (ent1[~pos] == 0).all()  # positions zorro does not compute (OpenRLHF reads entropy under action_mask)
-    loss_err = abs(loss1.item() - loss0.item()) / abs(loss0.item())
-    grad_err, name = max_rel_grad_error(g0, g1)
-    print(f"\n[openrlhf {'packed' if packing else 'padded'} logits={logits} ckpt={ckpt}] logp max abs {lp_err:.2e}, "
-          f"entropy max abs {ent_err:.2e}, loss rel {loss_err:.2e}, grad rel max {grad_err:.2e} ({name})")
-    assert lp_err <= TOL and ent_err <= TOL and loss_err <= TOL and grad_err <= TOL, (lp_err, ent_err, loss_err,
-                                                                                     grad_err, name)
+    assert (ent1[~r["pos"]] == 0).all()  # positions zorro does not compute (OpenRLHF reads entropy under action_mask)
+    print(f"\n[openrlhf {'packed' if packing else 'padded'} logits={logits} ckpt={ckpt}] logp max abs "
+          f"{r['lp_err']:.2e}, entropy max abs {r['ent_err']:.2e}, loss rel {r['loss_err']:.2e}, grad rel max "
+          f"{r['grad_err']:.2e} ({r['name']})")
+    assert_within_tol(r)
     m = zactor.pop_metrics(zorro)
     assert m["zorro/dedup_ratio"] > 1.0 and m["zorro/fallback_batches"] == 0.0
     assert m["zorro/prompt_tokens_saved"] > 0
@@ -263,31 +279,12 @@ def test_lora_actor_matches_openrlhf(checkpoint, zorro_class, packing, logits, t
     """LoRA: log-probs, entropy, the PPO loss and the gradient of every LoRA parameter (the base weights get none)
     as OpenRLHF's own forward of the same PEFT model."""
     seq, am, act = pad_batch(make_samples(vocab=VOCAB, seed=7))
-    g = torch.Generator().manual_seed(1)
-    B, A = act.shape
-    adv = (torch.rand(B, 1, generator=g) + 0.5).expand(B, A) * act
-    zactor.uninstall(Actor)
-    stock = make_lora_actor(checkpoint, packing, targets)
-    with torch.no_grad():
-        base_lp = stock(seq, act, attention_mask=am)
-    old = (base_lp + 0.05 * torch.randn(B, A, generator=g)) * act
-    base = (base_lp + 0.05 * torch.randn(B, A, generator=g)) * act
-    lp0, ent0, loss0 = ppo_loss(stock, seq, am, act, old, base, adv)
-    g0 = grads_of(stock.model)
-    zactor.install(Actor)
-    zorro = make_lora_actor(checkpoint, packing, targets, logits_optimization=logits)
-    zactor.actor_state(zorro).logits_chunk_size = 7
-    lp1, ent1, loss1 = ppo_loss(zorro, seq, am, act, old, base, adv)
-    g1 = grads_of(zorro.model)
-    assert is_installed(zorro.model)
+    r = compare_training_step(lambda **kw: make_lora_actor(checkpoint, packing, targets, **kw), seq, am, act, logits)
+    g0 = r["g0"]
+    assert is_installed(r["zorro"].model)
     assert g0 and all("lora_" in k for k in g0) and len([k for k in g0 if "lora_A" in k]) >= 2
-    pos = predicting_positions(am, act)
-    lp_err, ent_err = (lp1 - lp0).abs().max().item(), (ent1 - ent0)[pos].abs().max().item()
-    loss_err = abs(loss1.item() - loss0.item()) / abs(loss0.item())
-    grad_err, name = max_rel_grad_error(g0, g1)
-    assert lp_err <= TOL and ent_err <= TOL and loss_err <= TOL and grad_err <= TOL, (lp_err, ent_err, loss_err,
-                                                                                     grad_err, name)
-    assert zactor.pop_metrics(zorro)["zorro/fallback_batches"] == 0.0
+    assert_within_tol(r)
+    assert zactor.pop_metrics(r["zorro"])["zorro/fallback_batches"] == 0.0
 
 
 def test_lora_dropout_refused(checkpoint, zorro_class):
