@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["lora_layers", "lora_unsupported", "is_lora_model", "apply_lora", "lora_flops_per_token"]
+__all__ = ["lora_layers", "lora_unsupported", "apply_lora", "lora_flops_per_token"]
 
 
 def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -30,11 +30,6 @@ def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in model.named_modules()
             if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
             and isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict)]
-
-
-def is_lora_model(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (possibly FSDP-wrapped) holds PEFT LoRA layers."""
-    return bool(lora_layers(model))
 
 
 def lora_unsupported(model: torch.nn.Module) -> Optional[str]:
