@@ -140,7 +140,8 @@ def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: in
             continue
         # the runs use the preset's min_shared_len, phase_ideals' default
         ideals = e2e.phase_ideals(cfg, steps, sharing=RUNS[name]["sharing"], mini_batch=setup.mini)
-        rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets)
+        rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets,
+                               unchecked=targets.get("unchecked", {}).get(RUNS[name]["sharing"], ()))
         tables[name] = rows
         missed += [f"{name}: {m}" for m in e2e.check_targets(
             rows, stock.role_peak_gb.get("train worker"), r.role_peak_gb.get("train worker"))]
@@ -242,7 +243,9 @@ def main(argv=None) -> int:
                                           "bench_e2e.sh" + (" --quick" if a.quick else "")),
             "machine": where, "git sha": git_sha(), "settings": describe(setup, assets, steps, a.warmup),
             "targets": (f"actor phases with ideal >= {targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
-                        "step: >= Amdahl's law with those phase floors; training worker peak RSS: zorro <= stock")}
+                        "step: >= Amdahl's law with those phase floors; training worker peak RSS: zorro <= stock"
+                        + "".join(f"; sharing={k}: {', '.join(v)} reported, not checked (a known gap, "
+                                  "docs/BENCHMARKS.md)" for k, v in targets.get("unchecked", {}).items()))}
     roles = {n: r.role_peak_gb for n, r in results.items()}
     md = e2e.format_markdown(tables, roles, meta)
     (work / "report.md").write_text(md)
