@@ -2,14 +2,14 @@
 
 PEFT initialises ``lora_B`` to 0, which makes a fresh adapter the identity and ``lora_A``'s first gradient 0: a
 comparison from a fresh adapter would leave half the LoRA math unexercised, so :func:`wrap_lora` draws ``lora_B``
-at random (seeded) unless asked for PEFT's own initialisation.
+at random (seeded).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["LORA_TARGETS", "wrap_lora", "lora_grads"]
+__all__ = ["LORA_TARGETS", "wrap_lora"]
 
 #: The LoRA target sets the tests run: PEFT's ``all-linear`` (every linear layer but the LM head) and a subset of
 #: attention and MLP projections.
@@ -17,11 +17,10 @@ LORA_TARGETS = {"all-linear": "all-linear", "subset": ["q_proj", "v_proj", "down
 
 
 def wrap_lora(model, target_modules="all-linear", *, rank: int = 8, alpha: int = 16, dropout: float = 0.0,
-              seed: int = 0, random_b: bool = True):
+              seed: int = 0):
     """``model`` (a ``*ForCausalLM``, modified in place) as a ``PeftModel`` with one LoRA adapter (``default``) of
     ``rank`` / ``alpha`` / ``dropout`` on ``target_modules``, drawn from ``seed``: ``lora_A`` ~ N(0, 1/in),
-    ``lora_B`` ~ N(0, 0.05^2) when ``random_b`` (else PEFT's 0). The base weights are frozen, the adapter's
-    trainable."""
+    ``lora_B`` ~ N(0, 0.05^2). The base weights are frozen, the adapter's trainable."""
     from peft import LoraConfig, get_peft_model
 
     peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules,
@@ -32,20 +31,7 @@ def wrap_lora(model, target_modules="all-linear", *, rank: int = 8, alpha: int =
         for name, p in peft.named_parameters():
             if "lora_A" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) / p.shape[1] ** 0.5)
-            elif "lora_B" in name and random_b:
+            elif "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.05)
     return peft
 
-
-def lora_grads(model) -> dict:
-    """``{name: grad}`` of the LoRA parameters of ``model`` (cloned; plain or FSDP2 ``DTensor`` gradients made
-    full); raises if a frozen base parameter holds a gradient."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if "lora_" not in name:
-            raise AssertionError(f"{name}: a base weight of a LoRA model got a gradient")
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
