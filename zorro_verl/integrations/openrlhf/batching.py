@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Optional
 
 import torch
 
@@ -37,10 +38,11 @@ from zorro_verl.integrations.openrlhf.layout import verl_layout
 from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import balance_groups_across_ranks, dynamic_microbatches, split_to_count
 
-__all__ = ["MODES", "sample_groups", "pack_in_order", "regroup_micro_batches", "grouped_grad_accum",
-           "install_training_batches", "dynamic_partitions", "install_replay_buffer", "regroup_dynamic_batch",
-           "split_rollout_samples", "stock_rank_order", "balance_experiences", "make_balance_experiences",
-           "warn_micro_batch_sizes", "pop_split_counts", "GroupBatches"]
+__all__ = ["MODES", "sample_groups", "pack_in_order", "group_microbatches", "regroup_micro_batches",
+           "grouped_grad_accum", "install_training_batches", "dynamic_partitions", "install_replay_buffer",
+           "regroup_dynamic_batch", "split_rollout_samples", "stock_rank_order", "balance_experiences",
+           "balance_whole_groups", "make_balance_experiences", "warn_micro_batch_sizes", "pop_split_counts",
+           "GroupBatches"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,29 @@ def pack_in_order(row_group, prompt_lens, response_lens, sizes) -> GroupBatches:
             bins[k].extend(piece)
             loads[k] += p[piece[0]] + sum(r[b] for b in piece)
     return GroupBatches([sorted(rows) for rows in bins], split)
+
+
+def group_microbatches(row_group, prompt_lens, response_lens, micro_batch_size: int,
+                       generator: Optional[torch.Generator] = None) -> GroupBatches:
+    """``B // micro_batch_size`` micro-batches of exactly ``micro_batch_size`` rows (the stock ``drop_last`` count),
+    groups together where sizes allow (:func:`pack_in_order`). Groups are visited in a random order drawn from
+    ``generator``, or (None) in order of first appearance, which draws nothing; the ``B % micro_batch_size`` rows
+    left over are the last ones of that order."""
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size: expected a positive int, got {micro_batch_size!r}.")
+    g = list(row_group)
+    count = len(g) // micro_batch_size
+    if count == 0:
+        return GroupBatches([], 0)
+    first: dict[int, int] = {}
+    for gid in g:
+        first.setdefault(gid, len(first))
+    rank = (torch.randperm(len(first), generator=generator).tolist() if generator is not None
+            else list(range(len(first))))
+    order = sorted(range(len(g)), key=lambda b: (rank[first[g[b]]], b))[: count * micro_batch_size]
+    gb = pack_in_order([g[b] for b in order], [prompt_lens[b] for b in order], [response_lens[b] for b in order],
+                       [micro_batch_size] * count)
+    return GroupBatches([sorted(order[i] for i in rows) for rows in gb.batches], gb.split_groups)
 
 
 # ---------------------------------------------------------------------------------------------- training steps
@@ -312,7 +337,7 @@ def install_replay_buffer(cls) -> None:
 
 # ---------------------------------------------------------------------------------------------- experience maker
 def _rollout_n(args) -> int:
-    return int(getattr(args.rollout, "n_samples_per_prompt", 1) or 1)
+    return int(getattr(getattr(args, "rollout", None), "n_samples_per_prompt", 1) or 1)
 
 
 def _dp_size(args, role: str = "actor") -> int:
@@ -328,11 +353,11 @@ def warn_micro_batch_sizes(args) -> list:
     ``--train.micro_batch_size``) that is not a multiple of ``--rollout.n_samples_per_prompt``: such micro-batches
     cut prompt groups (OpenRLHF's default of 1 deduplicates nothing). Returns the flags warned about."""
     n = _rollout_n(args)
-    if n <= 1 or getattr(args.train, "dynamic_batch_enable", False):
+    if n <= 1 or getattr(getattr(args, "train", None), "dynamic_batch_enable", False):
         return []
     out = []
     for flag, group in (("--rollout.micro_batch_size", "rollout"), ("--train.micro_batch_size", "train")):
-        size = getattr(getattr(args, group), "micro_batch_size", None)
+        size = getattr(getattr(args, group, None), "micro_batch_size", None)
         if size is None or size % n == 0:
             continue
         out.append(flag)
