@@ -310,3 +310,18 @@ def test_dp_balancing_keeps_stock_optimizer_steps(gpus, critic_gpus):
     assert group_pieces(z_items) <= group_pieces(s_items)
     if not critic_gpus:
         assert group_pieces(z_items) < group_pieces(s_items)
+
+
+@pytest.mark.parametrize("count,dp", [(7, 2), (10, 3), (13, 4), (16, 4)])
+def test_stock_rank_order_is_openrlhfs(count, dp):
+    """zorro's replica of OpenRLHF's interleaving (ties in length keep their order) against the real function, with
+    batch sizes that do not divide by the DP size."""
+    from openrlhf.trainer.ppo_utils.experience import balance_experiences as stock_balance
+
+    samples = rollout_samples(1, prompts=count, seed=count)  # lengths 4..15 with many ties
+    args = maker(dynamic=True, n=1, gpus=dp).args
+    exps = [Experience.concat_experiences(samples[i: i + 3], 0) for i in range(0, count, 3)]
+    stock = [item_keys(e) for e in stock_balance(exps, args)]
+    keys = [k for e in exps for k in item_keys(e)]
+    ranks = batching.stock_rank_order([float(s.total_length) for s in samples], dp)
+    assert [[keys[i] for i in rows] for rows in ranks] == stock
