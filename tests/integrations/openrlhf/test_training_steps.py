@@ -335,6 +335,62 @@ def test_training_run_matches_stock(zorro_batching, checkpoint, monkeypatch):
     assert moved > 1e-3  # the steps did move the weights
 
 
+@pytest.fixture
+def gloo_one_rank():
+    """OpenRLHF's setup_dynamic_batch all-reduces over the DP group: a one-rank gloo world."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def train_dynamic(checkpoint, monkeypatch, samples, n, epochs, max_tokens):
+    """``ppo_train`` with ``--train.dynamic_batch_enable`` on a real Actor: DeepSpeed's gas is 1 there and OpenRLHF
+    steps on each window's last partition."""
+    path, state = checkpoint
+    actor = Actor(path, attn_implementation="sdpa", param_dtype="bf16", temperature=0.9)
+    actor.model.float()
+    actor.model.load_state_dict(state)
+    zactor.actor_state(actor, ZorroSettings(enable=True, attention_backend="sdpa"))
+    args = trainer_args(n, 1, epochs)
+    args.train.dynamic_batch_enable, args.train.batch_size, args.train.max_tokens_per_gpu = True, 8, max_tokens
+    args.rollout.batch_size = len(samples) // n
+    strategy = OneRankStrategy(args, 1)
+    strategy.ds_device_mesh = {"dp": SimpleNamespace(get_group=lambda: None)}
+    optim = torch.optim.SGD(actor.model.parameters(), lr=0.5)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    buffer = rb_module.NaiveReplayBuffer(1, 0, True, False, True)
+    for i in range(0, len(samples), 2 * n):
+        buffer.append(Experience.concat_experiences(samples[i: i + 2 * n], 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    make_trainer(args, strategy, buffer, actor, optim).ppo_train(0.01)
+    return strategy.step_grads, {k: v.detach().clone() for k, v in actor.model.named_parameters()}, buffer
+
+
+def test_dynamic_training_run_matches_stock(zorro_batching, checkpoint, gloo_one_rank, monkeypatch):
+    """Dynamic batching: OpenRLHF's own loop with its length-balanced partitions against zorro's per-step partitions
+    on deduplicated tokens (the actor's buffer) and zorro's forward: every step's gradients and the final weights
+    agree to 1e-5 (relative, fp32), with fewer, larger partitions."""
+    n = 4
+    samples = rollout(n, prompts=6, seed=9)
+    zactor.uninstall(Actor)
+    s_grads, s_weights, s_buf = train_dynamic(checkpoint, monkeypatch, samples, n, 2, max_tokens=40)
+    zorro_batching("keep_minibatches")
+    zactor.install(Actor)
+    try:
+        z_grads, z_weights, z_buf = train_dynamic(checkpoint, monkeypatch, samples, n, 2, max_tokens=40)
+    finally:
+        zactor.uninstall(Actor)
+    assert len(s_grads) == len(z_grads) == 6  # 3 steps per epoch
+    assert len(z_buf.dynamic_indices) < len(s_buf.dynamic_indices)
+    errs = [max_rel_grad_error(a, b) for a, b in zip(s_grads, z_grads)]
+    assert max(e for e, _ in errs) <= TOL, errs
+    w_err, name = max_rel_grad_error(s_weights, z_weights)
+    assert w_err <= TOL, (w_err, name)
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 class Counted:
     """An object carrying zorro's per-Actor counters (what ``zorro_forward`` fills)."""
