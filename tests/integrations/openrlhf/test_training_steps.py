@@ -471,6 +471,9 @@ def test_trainer_metrics_include_reference_and_experience_maker(monkeypatch):
         assert status["zorro/ref_prompt_tokens_saved"] == 120.0
         status, _ = t.train_step([], 8)  # counters were reset
         assert status["zorro/ref_prompt_tokens_saved"] == 0.0 and status["zorro/experience_split_groups"] == 0.0
+        del launcher.BaseModelActor.zorro_counts  # a reference worker that did not load zorro: loud
+        with pytest.raises(RuntimeError, match="did not run zorro's OpenRLHF loader"):
+            t.train_step([], 9)
     finally:
         if not had and "zorro_counts" in launcher.BaseModelActor.__dict__:
             del launcher.BaseModelActor.zorro_counts

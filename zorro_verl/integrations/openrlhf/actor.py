@@ -325,9 +325,15 @@ def group_counts(group) -> dict:
     """The counters of every Ray actor of an OpenRLHF ``RayActorGroup`` (e.g. the reference model's), summed."""
     import ray
 
-    refs = group.async_run_method("execute_batch", "zorro_counts", {"probe": [None]}, 0, 1)
+    try:
+        results = ray.get(group.async_run_method("execute_batch", "zorro_counts", {"probe": [None]}, 0, 1))
+    except AttributeError as e:  # Ray's task error derives from the worker's exception class
+        raise RuntimeError("zorro: a Ray actor of the reference model has no zorro_counts: its process did not run "
+                           "zorro's OpenRLHF loader, so it runs OpenRLHF's stock forward. Pass ZORRO_OPENRLHF=1 to "
+                           "the job's runtime env and install the loader (zorro-verl openrlhf install) in the "
+                           "workers' environment.") from e
     total = dict.fromkeys(COUNT_KEYS, 0)
-    for result in ray.get(refs):
+    for result in results:
         for k in COUNT_KEYS:
             total[k] += result[0][k]
     return total
