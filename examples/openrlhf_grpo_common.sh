@@ -30,7 +30,9 @@ if [ "$ZORRO_OPENRLHF" = 1 ]; then
   zorro-verl openrlhf status  # fails (exit 1) if the loader is not installed in this environment
 fi
 
-# Micro-batch sizes are multiples of n: fixed micro-batches then hold whole groups (zorro warns and counts otherwise).
+# Micro-batch sizes are multiples of n: experience-making micro-batches then hold whole groups (zorro warns and counts
+# otherwise). Training keeps OpenRLHF's optimizer steps (4 per rollout here) and groups samples only inside each step;
+# add group_balance_mode=whole_groups to the options to pack whole groups instead (other samples then share a step).
 ray job submit --address="$RAY_ADDRESS" \
   --runtime-env-json="{\"env_vars\": {\"ZORRO_OPENRLHF\": \"$ZORRO_OPENRLHF\", \"ZORRO_OPENRLHF_OPTIONS\": \"$OPTIONS\"}}" \
   -- python3 -m openrlhf.cli.train_ppo_ray \

@@ -1,9 +1,10 @@
-"""Group-aware batching on OpenRLHF's real replay buffer, Experience collation and experience-maker inputs.
+"""Group-aware batching on OpenRLHF's real replay buffer, Experience collation, experience-maker inputs and DP
+balancing (dynamic batching). The training steps through ``ActorPPOTrainer.ppo_train`` are in
+``test_training_steps.py``.
 
-The buffer is OpenRLHF's ``NaiveReplayBuffer`` with zorro's methods installed, fed ``Experience`` batches as the
-experience maker produces them and read through the same ``DataLoader`` call as ``ActorPPOTrainer.ppo_train``
-(``batch_size=buffer.sample_batch_size, shuffle=True, drop_last=True, collate_fn=buffer.collate_fn``).
-The buffer's constructor asks ``torch.cuda.current_device()`` for its target device; on CPU the tests answer 0.
+The buffer is OpenRLHF's ``NaiveReplayBuffer`` (zorro's ``setup_dynamic_batch`` installed where said), fed
+``Experience`` batches as the experience maker produces them. Its constructor asks ``torch.cuda.current_device()``
+for its target device; on CPU the tests answer 0.
 """
 
 import logging
@@ -58,6 +59,7 @@ def zorro_buffer(monkeypatch):
     cls = rb_module.NaiveReplayBuffer
     saved = {k: cls.__dict__[k] for k in ("__init__", "append", "clear", "__len__", "__getitem__", "collate_fn",
                                           "setup_dynamic_batch")}
+    assert not getattr(cls, "_zorro_installed", False)
     STOCK_METHODS.update(saved)
     batching.install_replay_buffer(cls)
     try:
@@ -65,68 +67,13 @@ def zorro_buffer(monkeypatch):
     finally:
         for k, v in saved.items():
             setattr(cls, k, v)
-        del cls._zorro_installed
+        cls._zorro_installed = False
 
 
 def fill(buffer, samples, per_experience: int):
     """As the experience maker hands micro-batches to the buffer (``Experience.concat_experiences`` of samples)."""
     for i in range(0, len(samples), per_experience):
         buffer.append(Experience.concat_experiences(samples[i: i + per_experience], 0))
-
-
-@pytest.mark.parametrize("n,micro", [(4, 8), (2, 4), (4, 4), (3, 4), (8, 4)])
-def test_training_micro_batches_keep_groups_whole(zorro_buffer, n, micro):
-    samples = rollout_samples(n, prompts=6)
-    buffer = zorro_buffer(micro, 0, True, False, False)
-    fill(buffer, samples, per_experience=n * 2)
-    loader = DataLoader(buffer, batch_size=buffer.sample_batch_size, shuffle=True, drop_last=True,
-                        collate_fn=buffer.collate_fn)
-    B = len(samples)
-    assert len(loader) == B // micro  # the stock count: gradient-accumulation windows unchanged
-    seen = []
-    for exp in loader:
-        assert isinstance(exp, Experience) and exp.sequences.shape[0] == micro  # exactly micro rows, as stock
-        keys = [prompt_of(s[m.bool()], a) for s, m, a in zip(exp.sequences, exp.attention_mask, exp.action_mask)]
-        seen.append(keys)
-    sizes = {}
-    for keys in seen:
-        for k in set(keys):
-            sizes.setdefault(k, []).append(keys.count(k))
-    split = sum(1 for v in sizes.values() if len(v) > 1)
-    if micro % n == 0:
-        assert split == 0, sizes  # whole groups
-    else:  # sizes that do not tile: counted, and as few cuts as the sizes allow
-        assert split == buffer.zorro_split_groups > 0
-        if n > micro:  # every group in the fewest micro-batches it can occupy
-            assert all(len(v) == -(-n // micro) for v in sizes.values()), sizes
-        else:  # each micro-batch holds at least one whole group
-            assert sum(len(v) == 1 for v in sizes.values()) >= len(seen), sizes
-    assert sum(len(k) for k in seen) == (B // micro) * micro
-
-
-def test_stock_buffer_mixes_groups(monkeypatch):
-    """The reason for the above: OpenRLHF's own buffer + DataLoader shuffles single samples."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    torch.manual_seed(0)
-    samples = rollout_samples(4, prompts=6)
-    buffer = rb_module.NaiveReplayBuffer(8, 0, True, False, False)
-    fill(buffer, samples, per_experience=8)
-    loader = DataLoader(buffer, batch_size=buffer.sample_batch_size, shuffle=True, drop_last=True,
-                        collate_fn=buffer.collate_fn)
-    groups_per_mb = [len({prompt_of(s[m.bool()], a) for s, m, a in
-                          zip(e.sequences, e.attention_mask, e.action_mask)}) for e in loader]
-    assert max(groups_per_mb) > 2  # 8 rows of n = 4 would be 2 groups when kept whole
-
-
-def test_group_order_is_random_per_buffer(zorro_buffer):
-    samples = rollout_samples(2, prompts=6)
-    comps = set()
-    for seed in range(4):
-        torch.manual_seed(seed)
-        buffer = zorro_buffer(4, 0, True, False, False)
-        fill(buffer, samples, per_experience=4)
-        comps.add(tuple(tuple(b) for b in sorted(batching._buffer_batches(buffer).batches)))
-    assert len(comps) > 1  # which groups share a micro-batch is drawn, not fixed
 
 
 def maker(dynamic: bool, n: int, micro: int = 8, max_tokens: int = 40, gpus: int = 2):
@@ -157,7 +104,8 @@ def test_experience_maker_dynamic_batches_whole_groups_within_budget():
     assert self.zorro_split_groups == sum(1 for v in owners.values() if len(v) > 1) == 0
 
 
-def test_experience_maker_fixed_batches_warn_when_misaligned(caplog):
+def test_experience_maker_fixed_batches_warn_when_misaligned(caplog, monkeypatch):
+    monkeypatch.setattr(batching, "_WARNED_SIZES", set(), raising=False)
     samples = rollout_samples(3, prompts=4)
     self = maker(dynamic=False, n=3, micro=4)
     with caplog.at_level(logging.WARNING):
@@ -175,10 +123,10 @@ def test_experience_maker_fixed_batches_warn_when_misaligned(caplog):
     assert aligned.zorro_split_groups == 0
 
 
-def test_dp_balancing_keeps_groups_on_one_rank():
+def test_dp_balancing_whole_groups_mode_keeps_groups_on_one_rank():
     samples = rollout_samples(4, prompts=6, seed=4)
     experiences = [Experience.concat_experiences(samples[i: i + 8], 0) for i in range(0, len(samples), 8)]
-    ranks = batching.balance_experiences(experiences, maker(dynamic=True, n=4, gpus=2).args)
+    ranks = batching.make_balance_experiences("whole_groups")(experiences, maker(dynamic=True, n=4, gpus=2).args)
     assert [e.sequences.shape[0] for e in ranks] == [12, 12]
     owners = {}
     for k, e in enumerate(ranks):
@@ -213,6 +161,7 @@ def test_dynamic_training_batches_regrouped_with_stock_normalisers(zorro_buffer,
     strategy = dynamic_strategy(max_tokens=40, n=4, rows=len(samples))
     zorro = zorro_buffer(1, 0, True, True, True)
     stock = zorro_buffer(1, 0, True, True, True)
+    zorro.zorro_regroup = True  # the actor's buffer (install_training_batches marks it)
     fill(stock, samples, per_experience=8)
     fill(zorro, samples, per_experience=8)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF puts its counters on this device
@@ -243,7 +192,7 @@ def test_dynamic_training_batches_regrouped_with_stock_normalisers(zorro_buffer,
     for k, part in enumerate(zorro.dynamic_indices):
         for i in part:
             owners.setdefault(g[i], set()).add(k)
-    assert zorro.zorro_split_groups == sum(1 for v in owners.values() if len(v) > 1)
+    assert batching.pop_split_counts()["train"] == sum(1 for v in owners.values() if len(v) > 1)
     stock_owners = {}
     for k, part in enumerate(stock.dynamic_indices):
         for i in part:
@@ -253,29 +202,126 @@ def test_dynamic_training_batches_regrouped_with_stock_normalisers(zorro_buffer,
     assert [e.sequences.shape[0] for e in loader] == [len(part) for part in zorro.dynamic_indices]
 
 
-@pytest.mark.parametrize("gas", [1, 2, 6])
-def test_loss_normalisers_unchanged(zorro_buffer, gas):
-    """OpenRLHF's own ``iter_grad_accum_global_norm`` over the group micro-batches: the same number of optimizer
-    windows of ``gas`` micro-batches of the same size as the stock DataLoader, and over all windows the same action
-    tokens and samples (a window's normaliser is its own token-mean denominator, as in stock)."""
-    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+def test_dynamic_critic_buffer_stays_stock(zorro_buffer, gloo_world, monkeypatch):
+    """The critic's replay buffer (same class, not marked by the actor trainer) runs the stock forward: zorro must
+    not repack it by deduplicated tokens, which would exceed --train.max_tokens_per_gpu in raw tokens."""
+    samples = rollout_samples(4, prompts=6, seed=5)
+    strategy = dynamic_strategy(max_tokens=40, n=4, rows=len(samples))
+    critic = zorro_buffer(1, 0, True, True, True)
+    stock = zorro_buffer(1, 0, True, True, True)
+    fill(critic, samples, per_experience=8)
+    fill(stock, samples, per_experience=8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    STOCK_METHODS["setup_dynamic_batch"](stock, strategy)
+    critic.setup_dynamic_batch(strategy)
+    assert critic.dynamic_indices == stock.dynamic_indices
+    raw = [int(it.attention_mask.sum()) for it in critic.items]
+    assert max(sum(raw[i] for i in part) for part in critic.dynamic_indices) <= 40
 
-    samples = rollout_samples(4, prompts=6, seed=7)
-    strategy = SimpleNamespace()
-    totals = []
-    for grouped in (False, True):
-        if grouped:
-            buffer = zorro_buffer(4, 0, True, False, False)
-        else:
-            buffer = zorro_buffer.__new__(zorro_buffer)
-            STOCK_METHODS["__init__"](buffer, 4, 0, True, False, False)  # OpenRLHF's own buffer
-        fill(buffer, samples, per_experience=8)
-        loader = DataLoader(buffer, batch_size=buffer.sample_batch_size, shuffle=True, drop_last=True,
-                            collate_fn=buffer.collate_fn)
-        infos = [info for _, info in iter_grad_accum_global_norm(loader, strategy, gas, lambda e: e.action_mask)]
-        windows = infos[::gas]
-        totals.append((len(infos), len(windows), sum(float(w["batch_num_tokens"]) for w in windows) * gas,
-                       sum(float(w["global_batch_size"]) for w in windows) * gas))
-    # counts exact; token / sample sums are integers divided by gas in fp32 by OpenRLHF, then multiplied back here
-    assert totals[0][:2] == totals[1][:2] and totals[0][2:] == pytest.approx(totals[1][2:], rel=1e-6), totals
-    assert totals[1][2] == pytest.approx(sum(float(s.action_mask.sum()) for s in samples), rel=1e-6)
+
+def test_experience_maker_dynamic_budget_in_raw_tokens_with_a_critic():
+    """With a critic or a reward model reading the experience maker's micro-batches (the stock forward), the
+    budget counts raw tokens: no micro-batch over --rollout.max_tokens_per_gpu; groups still kept together."""
+    samples = rollout_samples(4, prompts=6, seed=2)
+    budget = 40
+    for role in ("critic_model_group", "reward_model_group"):
+        self = maker(dynamic=True, n=4, max_tokens=budget, gpus=2)
+        setattr(self, role, object())
+        out = batching.split_rollout_samples(self, samples)
+        assert sorted(i for e in out for i in e.index) == list(range(len(samples)))
+        raw = [int(e.attention_mask.sum()) for e in out]
+        assert max(raw) <= budget, raw
+        owners = {}
+        for k, e in enumerate(out):
+            for key in groups_of_batch(e):
+                owners.setdefault(key, set()).add(k)
+        # a group of 4 samples costs over 40 raw tokens here, so it must be cut (counted), into few pieces
+        assert self.zorro_split_groups == sum(1 for v in owners.values() if len(v) > 1)
+        assert max(len(v) for v in owners.values()) <= 3
+    # without a stock reader the same budget counts deduplicated tokens, and some micro-batch exceeds 40 raw tokens
+    alone = maker(dynamic=True, n=4, max_tokens=budget, gpus=2)
+    out = batching.split_rollout_samples(alone, samples)
+    assert max(int(e.attention_mask.sum()) for e in out) > budget
+
+
+def stock_dynamic_steps(rank_items, args, dp):
+    """Which samples each optimizer step trains on, as OpenRLHF's ``setup_dynamic_batch`` cuts every rank's buffer
+    (``local_train_batch_size = --train.batch_size // dp`` consecutive samples per step, ``min`` steps over ranks)."""
+    L = args.train.batch_size // dp
+    expected = args.rollout.batch_size * args.rollout.n_samples_per_prompt // args.train.batch_size
+    steps = min([expected] + [len(items) // L for items in rank_items])
+    return [sorted(key for items in rank_items for key in items[k * L:(k + 1) * L]) for k in range(steps)]
+
+
+def item_keys(exp):
+    """``(prompt tokens, sample tokens)`` per row."""
+    return [(prompt_of(s[m.bool()], a), tuple(s[m.bool()].tolist()))
+            for s, m, a in zip(exp.sequences, exp.attention_mask, exp.action_mask)]
+
+
+@pytest.mark.parametrize("gpus,critic_gpus", [(2, 0), (2, 1), (4, 2)])
+def test_dp_balancing_keeps_stock_optimizer_steps(gpus, critic_gpus):
+    """Dynamic batching: every optimizer step (actor's and critic's) trains on the samples of stock OpenRLHF's
+    run: stock = OpenRLHF's own split_rollout_samples + balance_experiences; zorro = its experience maker's regrouped
+    micro-batches + its balancing. Groups share a rank inside each step more often than stock."""
+    from openrlhf.trainer.ppo_utils.experience import balance_experiences as stock_balance
+
+    from tests.support.openrlhf_imports import import_ppo_actor
+
+    import_ppo_actor()  # the experience maker's module imports the Ray launcher (import-only stand-ins for vLLM)
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    n, prompts = 4, 12
+    samples = rollout_samples(n, prompts=prompts, seed=6)
+    self = maker(dynamic=True, n=n, max_tokens=40, gpus=gpus)
+    args = self.args
+    args.rollout.batch_size = prompts
+    args.train.batch_size = 16  # 48 samples: 3 optimizer steps per rollout
+    args.critic = SimpleNamespace(model_name_or_path="critic" if critic_gpus else None, num_nodes=1,
+                                  num_gpus_per_node=critic_gpus)
+    stock_exps = RemoteExperienceMaker.split_rollout_samples(self, samples)  # OpenRLHF's own, sets index
+    stock_ranks = stock_balance(stock_exps, args)
+    zorro_exps = batching.split_rollout_samples(self, samples)
+    zorro_ranks = batching.balance_experiences(zorro_exps, args)  # the default mode's
+    assert [len(e.sequences) for e in zorro_ranks] == [len(e.sequences) for e in stock_ranks]
+    s_items, z_items = [item_keys(e) for e in stock_ranks], [item_keys(e) for e in zorro_ranks]
+    assert stock_dynamic_steps(z_items, args, gpus) == stock_dynamic_steps(s_items, args, gpus)
+    assert len(stock_dynamic_steps(s_items, args, gpus)) == 3
+    if critic_gpus:  # the critic gets the actor ranks' batches in contiguous chunks over its own ranks
+        chunk = -(-gpus // critic_gpus)
+
+        def critic_ranks(items):
+            return [[k for r in range(q * chunk, min((q + 1) * chunk, gpus)) for k in items[r]]
+                    for q in range(critic_gpus)]
+
+        assert stock_dynamic_steps(critic_ranks(z_items), args, critic_gpus) == \
+            stock_dynamic_steps(critic_ranks(s_items), args, critic_gpus)
+
+    def group_pieces(items):
+        L = args.train.batch_size // gpus
+        out = 0
+        for r in range(gpus):
+            for s in range(3):
+                out += len({k[0] for k in items[r][s * L:(s + 1) * L]})
+        return out
+
+    # a critic with another DP size pins positions to its own steps too (with 2 actor ranks and 1 critic rank no
+    # position shares both steps with a position of the other rank: nothing may move)
+    assert group_pieces(z_items) <= group_pieces(s_items)
+    if not critic_gpus:
+        assert group_pieces(z_items) < group_pieces(s_items)
+
+
+@pytest.mark.parametrize("count,dp", [(7, 2), (10, 3), (13, 4), (16, 4)])
+def test_stock_rank_order_is_openrlhfs(count, dp):
+    """zorro's replica of OpenRLHF's interleaving (ties in length keep their order) against the real function, with
+    batch sizes that do not divide by the DP size."""
+    from openrlhf.trainer.ppo_utils.experience import balance_experiences as stock_balance
+
+    samples = rollout_samples(1, prompts=count, seed=count)  # lengths 4..15 with many ties
+    args = maker(dynamic=True, n=1, gpus=dp).args
+    exps = [Experience.concat_experiences(samples[i: i + 3], 0) for i in range(0, count, 3)]
+    stock = [item_keys(e) for e in stock_balance(exps, args)]
+    keys = [k for e in exps for k in item_keys(e)]
+    ranks = batching.stock_rank_order([float(s.total_length) for s in samples], dp)
+    assert [[keys[i] for i in rows] for rows in ranks] == stock

@@ -33,7 +33,8 @@ from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, 
 from zorro_verl.integrations.verl.settings import ZorroSettings
 
 __all__ = ["install", "uninstall", "zorro_forward", "ZorroActorState", "ZorroActorOutput", "actor_state",
-           "pop_metrics", "hf_model", "args_unsupported", "check_args", "with_zorro_metrics"]
+           "pop_metrics", "pop_counts", "COUNT_KEYS", "hf_model", "args_unsupported", "check_args",
+           "with_zorro_metrics", "with_trainer_metrics", "install_model_actor_counts", "group_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,21 @@ def pop_metrics(actor) -> dict:
     """The actor's ``zorro/*`` metrics since the last call (empty if zorro never ran on it)."""
     state = getattr(actor, "__dict__", {}).get("_zorro_state")
     return {} if state is None else state.metrics()
+
+
+#: The raw counters summed over ranks and models before the ``zorro/*`` ratios are formed.
+COUNT_KEYS = ("ordinary_tokens", "dedup_tokens", "fallback_batches")
+
+
+def pop_counts(actor) -> dict:
+    """The actor's raw counters (:data:`COUNT_KEYS`, ints) since the last call, then reset; zeros if zorro never
+    ran on it (or ``actor`` is None)."""
+    state = getattr(actor, "__dict__", {}).get("_zorro_state")
+    if state is None:
+        return dict.fromkeys(COUNT_KEYS, 0)
+    out = {k: state.counts[k] for k in COUNT_KEYS}
+    state.counts = dict.fromkeys(state.counts, 0)
+    return out
 
 
 class ZorroActorOutput:
@@ -259,6 +275,10 @@ def check_args(args, settings: ZorroSettings) -> None:
     (``on_unsupported=warn``; the workers then run the stock forward for the affected calls, counted)."""
     if not settings.enable:
         return
+    if settings.group_balance:
+        from zorro_verl.integrations.openrlhf.batching import warn_micro_batch_sizes
+
+        warn_micro_batch_sizes(args)
     reason = args_unsupported(args)
     if reason is not None:
         from zorro_verl.integrations.verl.common import report_unsupported
@@ -267,19 +287,82 @@ def check_args(args, settings: ZorroSettings) -> None:
 
 
 def with_zorro_metrics(ppo_train):
-    """Wrap ``ActorPPOTrainer.ppo_train``: its returned status (logged by OpenRLHF) gains the actor's ``zorro/*``
-    metrics and ``zorro/split_groups`` (groups the replay buffer's micro-batches cut) for the step."""
+    """Wrap ``ActorPPOTrainer.ppo_train`` (every policy rank runs it): its returned status (logged by OpenRLHF) gains
+    the ``zorro/*`` metrics of the policy's forward passes since the last step (old log-probs and training), summed
+    over all its ranks (``strategy.all_reduce``), and ``zorro/split_groups`` (groups its training micro-batches
+    cut, all ranks)."""
 
     def wrapped(self, *args, **kwargs):
+        from zorro_verl.integrations.openrlhf.batching import pop_split_counts
+
         status = ppo_train(self, *args, **kwargs)
-        metrics = pop_metrics(self.actor)
-        if metrics:
-            buffer = getattr(self, "replay_buffer", None)
-            metrics["zorro/split_groups"] = float(getattr(buffer, "zorro_split_groups", 0))
-            if buffer is not None and hasattr(buffer, "zorro_split_groups"):
-                buffer.zorro_split_groups = 0
-            status.update(metrics)
+        if not settings_from_env().enable:
+            return status
+        counts = pop_counts(self.actor)
+        counts["split_groups"] = pop_split_counts()["train"]
+        # a collective: every rank gets here with the same keys (the switch is the same on all of them)
+        total = self.strategy.all_reduce({k: float(v) for k, v in counts.items()}, op="sum")
+        status.update(dedup_metrics(total["ordinary_tokens"], total["dedup_tokens"], total["split_groups"],
+                                    total["fallback_batches"]))
         return status
 
     wrapped.__wrapped__ = ppo_train
+    return wrapped
+
+
+def install_model_actor_counts(base_model_actor) -> None:
+    """Give OpenRLHF's ``BaseModelActor`` (the Ray actors holding a model: reference, reward) a ``zorro_counts``
+    method, reached through its ``execute_batch(method_name, ...)``: the raw counters of its ``self.model``
+    (:func:`pop_counts`; zeros when that model is not an ``Actor`` zorro ran on)."""
+
+    def zorro_counts(self, probe=None):
+        return pop_counts(getattr(self, "model", None))
+
+    base_model_actor.zorro_counts = zorro_counts
+
+
+def group_counts(group) -> dict:
+    """The counters of every Ray actor of an OpenRLHF ``RayActorGroup`` (e.g. the reference model's), summed."""
+    import ray
+
+    try:
+        results = ray.get(group.async_run_method("execute_batch", "zorro_counts", {"probe": [None]}, 0, 1))
+    except AttributeError as e:  # Ray's task error derives from the worker's exception class
+        raise RuntimeError("zorro: a Ray actor of the reference model has no zorro_counts: its process did not run "
+                           "zorro's OpenRLHF loader, so it runs OpenRLHF's stock forward. Pass ZORRO_OPENRLHF=1 to "
+                           "the job's runtime env and install the loader (zorro-verl openrlhf install) in the "
+                           "workers' environment.") from e
+    total = dict.fromkeys(COUNT_KEYS, 0)
+    for result in results:
+        for k in COUNT_KEYS:
+            total[k] += result[0][k]
+    return total
+
+
+def with_trainer_metrics(train_step):
+    """Wrap ``BasePPOTrainer.train_step`` (the trainer actor, where experiences are made and balanced): its status
+    gains ``zorro/experience_split_groups`` (groups cut by the experience maker's micro-batches and, with dynamic
+    batching, by the DP balancing) and the reference model's ``zorro/ref_dedup_ratio``,
+    ``zorro/ref_prompt_tokens_saved`` and ``zorro/ref_fallback_batches`` (all its ranks)."""
+
+    def wrapped(self, *args, **kwargs):
+        from zorro_verl.integrations.openrlhf.batching import pop_split_counts
+
+        status, global_step = train_step(self, *args, **kwargs)
+        if not settings_from_env().enable:
+            return status, global_step
+        maker = self.experience_maker
+        split = getattr(maker, "zorro_split_groups", 0) + pop_split_counts()["balance"]
+        maker.zorro_split_groups = 0
+        status["zorro/experience_split_groups"] = float(split)
+        ref = getattr(self, "reference_model_group", None)
+        if ref is not None:
+            c = group_counts(ref)
+            m = dedup_metrics(c["ordinary_tokens"], c["dedup_tokens"], 0, c["fallback_batches"])
+            status["zorro/ref_dedup_ratio"] = m["zorro/dedup_ratio"]
+            status["zorro/ref_prompt_tokens_saved"] = m["zorro/prompt_tokens_saved"]
+            status["zorro/ref_fallback_batches"] = m["zorro/fallback_batches"]
+        return status, global_step
+
+    wrapped.__wrapped__ = train_step
     return wrapped

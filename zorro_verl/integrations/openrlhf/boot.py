@@ -15,12 +15,16 @@ imported:
 
 * ``openrlhf.models.actor`` — ``Actor.forward`` -> :func:`~.actor.zorro_forward` (actor training, old log-probs,
   reference, EMA);
-* ``openrlhf.trainer.ppo_utils.replay_buffer`` — group micro-batches (:func:`~.batching.install_replay_buffer`);
+* ``openrlhf.trainer.ppo_utils.replay_buffer`` — dynamic batching's per-step partitions regrouped on the actor's
+  buffer (:func:`~.batching.install_replay_buffer`);
 * ``openrlhf.trainer.ppo_utils.experience_maker`` — ``RemoteExperienceMaker``: the start-up checks (OpenRLHF's
   arguments; that the job's Ray workers got the switch too, :func:`check_workers`) and
   :func:`~.batching.split_rollout_samples`;
-* ``openrlhf.trainer.ppo_trainer`` — :func:`~.batching.balance_experiences` (dynamic batching's DP balancing);
-* ``openrlhf.trainer.ray.ppo_actor`` — ``zorro/*`` metrics in the status OpenRLHF logs after each training step.
+* ``openrlhf.trainer.ppo_trainer`` — :func:`~.batching.balance_experiences` (dynamic batching's DP balancing) and
+  the trainer's metrics (:func:`~.actor.with_trainer_metrics`);
+* ``openrlhf.trainer.ray.ppo_actor`` — training micro-batches regrouped inside each optimizer step
+  (:func:`~.batching.install_training_batches`); ``zorro/*`` metrics in the status OpenRLHF logs after each step;
+* ``openrlhf.trainer.ray.launcher`` — ``BaseModelActor.zorro_counts`` (the reference model's counters).
 
 ``group_balance=false`` in ``ZORRO_OPENRLHF_OPTIONS`` leaves OpenRLHF's batching alone (only the forward changes).
 """
@@ -36,7 +40,8 @@ from zorro_verl.integrations.openrlhf.settings import ENV_SWITCH, settings_from_
 
 __all__ = ["install", "PTH_NAME", "PTH_LINE", "install_pth", "uninstall_pth", "pth_path", "main", "check_workers",
            "workers_have_switch", "on_actor_module",
-           "on_replay_buffer_module", "on_experience_maker_module", "on_ppo_trainer_module", "on_ppo_actor_module"]
+           "on_replay_buffer_module", "on_model_actors_module", "on_experience_maker_module", "on_ppo_trainer_module",
+           "on_ppo_actor_module"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,10 @@ def install() -> None:
     wrapt.register_post_import_hook(on_actor_module, "openrlhf.models.actor")
     wrapt.register_post_import_hook(on_experience_maker_module, "openrlhf.trainer.ppo_utils.experience_maker")
     wrapt.register_post_import_hook(on_ppo_actor_module, "openrlhf.trainer.ray.ppo_actor")
+    wrapt.register_post_import_hook(on_ppo_trainer_module, "openrlhf.trainer.ppo_trainer")
+    wrapt.register_post_import_hook(on_model_actors_module, "openrlhf.trainer.ray.launcher")
     if settings.group_balance:
         wrapt.register_post_import_hook(on_replay_buffer_module, "openrlhf.trainer.ppo_utils.replay_buffer")
-        wrapt.register_post_import_hook(on_ppo_trainer_module, "openrlhf.trainer.ppo_trainer")
     _installed = True
 
 
@@ -100,18 +106,33 @@ def on_experience_maker_module(module) -> None:
 
 
 def on_ppo_trainer_module(module) -> None:
-    from zorro_verl.integrations.openrlhf.batching import balance_experiences
+    from zorro_verl.integrations.openrlhf.actor import with_trainer_metrics
+    from zorro_verl.integrations.openrlhf.batching import make_balance_experiences
 
-    module.balance_experiences = balance_experiences
+    settings = settings_from_env()
+    if settings.group_balance:
+        module.balance_experiences = make_balance_experiences(settings.group_balance_mode)
+    cls = module.BasePPOTrainer
+    if not getattr(cls, "_zorro_installed", False):
+        cls.train_step = with_trainer_metrics(cls.train_step)
+        cls._zorro_installed = True
 
 
 def on_ppo_actor_module(module) -> None:
     from zorro_verl.integrations.openrlhf.actor import with_zorro_metrics
+    from zorro_verl.integrations.openrlhf.batching import install_training_batches
 
     cls = module.ActorPPOTrainer
     if not getattr(cls, "_zorro_installed", False):
         cls.ppo_train = with_zorro_metrics(cls.ppo_train)
+        install_training_batches(module, settings_from_env())
         cls._zorro_installed = True
+
+
+def on_model_actors_module(module) -> None:
+    from zorro_verl.integrations.openrlhf.actor import install_model_actor_counts
+
+    install_model_actor_counts(module.BaseModelActor)
 
 
 def _probe_worker():
