@@ -29,6 +29,15 @@ swapped for the call, runs inside DeepSpeed's pre-forward hook, which gathers th
 runs after DeepSpeed's pre-backward hook gathers it again, and the weight's gradient goes into DeepSpeed's
 reduce-scatter through the parameter's own accumulation) — the cases ``zero3-*-memory`` fail without the
 step's ``_handed_through`` (the head's output comes back through DeepSpeed's identity hooks, not as itself).
+
+What DeepSpeed's CPU accelerator does not run here: its C++ ops. ``FusedAdam`` (what OpenRLHF's ``AdamW`` config
+selects without offload) and the shared-memory comm op its torch backend loads at start are JIT-compiled with g++
+on first use (``DS_BUILD_OPS=0``; measured ~10 min and ~2 min on this 2-core host while busy), so the worker swaps
+in torch's AdamW through DeepSpeed's own ``torch_adam`` switch and skips the shm op (AutoTP inference only).
+oneCCL is absent, so the accelerator picks gloo itself. Everything else ran as on GPU: ZeRO-2 and ZeRO-3
+partitioning, its parameter hooks, reduce-scatter, bf16 (with fp32 master weights), gradient clipping, HF gradient
+checkpointing under ZeRO-3. fp16 (loss scaling) is not covered: OpenRLHF's default and the examples use bf16.
+Time: ~65-100 s for both process groups on 2 cores (3 processes, one thread each).
 """
 
 import json
