@@ -2,9 +2,9 @@
 scripts/test.sh): its pins (transformers 5.15) conflict with verl's. Anywhere else those modules skip at collection
 (``require_openrlhf_env``); the tests of the OpenRLHF-free parts (settings, loader line, grouping) run everywhere.
 
-In that environment flash_attn and deepspeed are absent; tests/support/openrlhf_stubs (see its README) stands in for
-the pure-torch helpers OpenRLHF imports from them at module import time. It goes on ``sys.path`` only where the real
-packages are missing."""
+In that environment flash_attn is absent; tests/support/openrlhf_stubs (see its README) stands in for the pure-torch
+helpers OpenRLHF imports from it at module import time. It goes on ``sys.path`` only where the real package is
+missing. DeepSpeed 0.19.6 is real there, on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here unless set)."""
 
 import importlib.util
 import os
@@ -26,5 +26,6 @@ def require_openrlhf_env() -> None:
     """Skip the calling test module outside .venv-openrlhf; inside it, make OpenRLHF importable (or fail)."""
     if not in_openrlhf_env():
         pytest.skip(f"needs OpenRLHF: runs in {OPENRLHF_VENV} (scripts/setup_openrlhf_env.sh)", allow_module_level=True)
-    if all(importlib.util.find_spec(m) is None for m in ("flash_attn", "deepspeed")) and str(STUBS) not in sys.path:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probing when OpenRLHF imports deepspeed
+    if importlib.util.find_spec("flash_attn") is None and str(STUBS) not in sys.path:
         sys.path.insert(0, str(STUBS))

@@ -246,6 +246,35 @@ def test_head_fn_runs_as_the_head_forward_and_refuses_post_processed_logits():
         zorro_step(model, plan, logits_optimization="memory")
 
 
+@pytest.mark.parametrize("hook,accepted", [("clone", False), ("detach", False), ("view_as", True)])
+def test_memory_mode_checks_what_the_head_output_became(hook, accepted):
+    """The memory mode reads the root's ``logits`` as the head function's results, so it accepts only the head's
+    output itself or an alias with the same storage whose gradient reaches it (DeepSpeed ZeRO-3 hands every module's
+    output through such an identity; tested on the real engine in tests/integrations/openrlhf/test_deepspeed.py):
+    a copy (any arithmetic makes new storage) or a tensor cut from the graph is refused."""
+    batch = batch_of(seed=5)
+    R = batch["responses"].shape[1]
+    model = tiny_model("qwen3")
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+    ref_lp, _ = zorro_step(model, plan, logits_optimization="memory", chunk_size=7)
+    ref_lp.sum().backward()
+    ref_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    change = {"clone": torch.Tensor.clone, "detach": torch.Tensor.detach, "view_as": lambda t: t.view_as(t)}[hook]
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: change(out))
+    try:
+        if not accepted:
+            with pytest.raises(ValueError, match="transformed its head's output"):
+                zorro_step(model, plan, logits_optimization="memory", chunk_size=7)
+            return
+        lp, _ = zorro_step(model, plan, logits_optimization="memory", chunk_size=7)
+        lp.sum().backward()
+    finally:
+        handle.remove()
+    assert torch.equal(lp, ref_lp) and torch.equal(model.lm_head.weight.grad, ref_grad)
+
+
 def test_bf16_temperature_tensor_divides_as_verl_in_every_mode():
     """bf16 model, the temperature as verl 0.9's engine hands it over (a per-row tensor, here all 0.7): every mode
     divides the bf16 logits by the bf16 temperature before the softmax (verl's ``logits / T.to(logits.dtype)``; the

@@ -178,7 +178,8 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, tar
     head's forward is swapped, for this call only, for one that returns ``head_fn``'s results stacked ``[1, 2, N]``.
     So FSDP gathers the head's parameters once around the whole head computation (whatever it chunks), and its
     backward hooks fire on the returned tensor before the gradient reaches ``head_fn``'s graph. The root must hand
-    the head's output through unchanged as ``logits`` (checked): models that post-process logits are refused.
+    the head's output through unchanged as ``logits`` (checked, :func:`_handed_through`: the tensor or an identity
+    alias of it, as DeepSpeed ZeRO-3's module hooks return): models that post-process logits are refused.
     """
     # FSDP1 may wrap the head as its own unit (a size-based wrap policy): the wrapper's forward gathers the head's
     # parameters and calls the inner module, whose forward is the one swapped (and whose parameters head_fn reads)
@@ -205,9 +206,35 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, tar
             head.forward = saved
         else:
             del head.forward
-    if out is not returned.get("out"):
+    if not _handed_through(out, returned.get("out")):
         raise ValueError("logits_optimization: the model transformed its head's output before returning it as logits "
                          "(e.g. a cast or soft-capping), so the chunked / fused head paths cannot be used with it. Use "
                          "logits_optimization='none' or 'compute'.")
     return out[0, 0], (out[0, 1] if calculate_entropy else None)
+
+
+def _handed_through(out, ours: Optional[torch.Tensor]) -> bool:
+    """Whether the root returned the head's output ``ours`` unchanged as ``out``: the tensor itself, or an alias of
+    it. DeepSpeed ZeRO-3 hands every module's output (the head's, then the root's) through an identity autograd
+    Function (``outputs.detach()`` forward, gradients passed on unchanged) whose backward fetches the module's
+    partitioned parameters first; such an alias shares ``ours``' storage, shape, strides and dtype (so its values
+    are ours) and, with autograd, its graph reaches ``ours`` through single-input nodes (so its gradient is). A cast,
+    soft-capping or any other arithmetic makes new storage and is rejected."""
+    if out is ours:
+        return True
+    if not isinstance(out, torch.Tensor) or ours is None:
+        return False
+    if (out.data_ptr(), out.shape, out.stride(), out.dtype) != (ours.data_ptr(), ours.shape, ours.stride(), ours.dtype):
+        return False
+    if ours.grad_fn is None:
+        return out.grad_fn is None
+    node = out.grad_fn
+    for _ in range(16):  # a few identity wrappers per module between the head and the root
+        if node is ours.grad_fn:
+            return True
+        inputs = [] if node is None else [f for f, _ in node.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
 
