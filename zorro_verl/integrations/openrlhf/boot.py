@@ -45,8 +45,8 @@ from zorro_verl.integrations.openrlhf import loader as _loader
 from zorro_verl.integrations.openrlhf.settings import ENV_OPTIONS, ENV_SWITCH, loader_options, settings_from_env
 
 __all__ = ["start", "install", "PTH_NAME", "PTH_LINE", "LOADER_NAME", "LOADER_MODULE", "LOADER_VERSION",
-           "TESTED_OPENRLHF", "check_openrlhf_version", "install_pth", "uninstall_pth", "pth_path", "loader_path",
-           "loader_source", "local_status", "worker_status", "confirm_actors", "cluster_status", "main",
+           "TESTED_OPENRLHF", "check_openrlhf_version", "announce", "install_pth", "uninstall_pth", "pth_path",
+           "loader_path", "loader_source", "local_status", "worker_status", "confirm_actors", "cluster_status", "main",
            "on_actor_module", "on_replay_buffer_module", "on_experience_maker_module", "on_ppo_trainer_module",
            "on_trainer_check_module", "on_launcher_module", "on_ppo_actor_module"]
 
@@ -77,8 +77,8 @@ def start(loader_version: int) -> None:
     :func:`install`. Raises with the reason and the fix; the ``import`` statement re-raises it."""
     if loader_version != LOADER_VERSION:
         raise _loader.ZorroLoaderError(
-            f"{ENV_SWITCH}: the OpenRLHF loader in this environment (version {loader_version}) was written by an "
-            f"older zorro-verl than the installed one (loader version {LOADER_VERSION}); run `zorro-verl openrlhf "
+            f"{ENV_SWITCH}: the OpenRLHF loader in this environment (version {loader_version}) was written by "
+            f"another zorro-verl than the installed one (loader version {LOADER_VERSION}); run `zorro-verl openrlhf "
             f"install` again.")
     install()
 
@@ -105,7 +105,15 @@ def install() -> None:
         wrapt.register_post_import_hook(on_ppo_trainer_module, "openrlhf.trainer.ppo_trainer")
     _settings = settings
     _installed = True
-    logger.info("zorro: OpenRLHF loader on in pid %d (%r)", os.getpid(), settings)
+    announce(f"zorro is on for OpenRLHF {_openrlhf_version()} in pid {os.getpid()}: {settings!r}")
+
+
+def announce(msg: str) -> None:
+    """One line on stderr (and the log): the proof a user looks for that zorro is on. Printed, not only logged:
+    OpenRLHF's processes configure logging after they import it, and Ray forwards its workers' stderr to the
+    driver's terminal, prefixed with the actor's name and pid."""
+    logger.info(msg)
+    print(f"[zorro] {msg}", file=sys.stderr, flush=True)
 
 
 def _openrlhf_version() -> Optional[str]:
@@ -288,7 +296,9 @@ def confirm_actors(handles, role: str, caller: str = "zorro") -> None:
     for rank, ref in enumerate(refs):
         try:
             status = ray.get(ref)
-        except Exception as e:  # e.g. zorro_verl not importable there, or the actor died in __init__
+        except ray.exceptions.RayActorError:
+            raise  # the actor died (e.g. in its __init__): OpenRLHF's own error, not zorro's
+        except Exception as e:  # e.g. zorro_verl not importable there
             bad.append(f"{role} rank {rank}: the check could not run there ({type(e).__name__}: "
                        f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''})")
             continue
@@ -299,7 +309,7 @@ def confirm_actors(handles, role: str, caller: str = "zorro") -> None:
         raise RuntimeError(f"zorro is on in this process (pid {os.getpid()}, {caller}) but not in every OpenRLHF "
                            f"actor of the job, which would train the stock way:\n  " + "\n  ".join(bad) +
                            f"\n{FIX_SWITCH}")
-    logger.info("zorro: %d %s actor(s) run zorro (checked by %s)", len(handles), role, caller)
+    announce(f"{len(handles)} {role} actor(s) run zorro with this process's settings (checked by {caller})")
 
 
 # ---------------------------------------------------------------------------------------------- the .pth file

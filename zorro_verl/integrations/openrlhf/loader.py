@@ -17,7 +17,8 @@ succeeds every later import of ``openrlhf`` raises it again, so no process runs 
 import os
 import sys
 
-#: Raised with :data:`boot.LOADER_VERSION`'s counterpart: a loader copied by an older ``install`` is refused.
+#: Passed to ``boot.start``, which refuses a loader copied by another zorro-verl (bumped when this file changes
+#: in a way the boot code depends on).
 LOADER_VERSION = 1
 ENV_SWITCH = "ZORRO_OPENRLHF"
 OFF_VALUES = ("", "0", "false", "no", "off")
