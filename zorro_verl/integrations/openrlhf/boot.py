@@ -23,7 +23,7 @@ Each hook patches one OpenRLHF module when, and where, it is imported:
   :func:`~.batching.split_rollout_samples`;
 * ``openrlhf.trainer.ppo_trainer`` — :func:`~.batching.balance_experiences` (dynamic batching's DP balancing) and
   the check of the ``PPOTrainer`` actor at its creation; ``openrlhf.trainer.ppo_trainer_async`` likewise for
-  ``PPOTrainerAsync`` and ``TrainingActor``;
+  ``PPOTrainerAsync``;
 * ``openrlhf.trainer.ray.launcher`` — ``RayActorGroup`` checks the actors it creates;
 * ``openrlhf.trainer.ray.ppo_actor`` — ``zorro/*`` metrics in the status OpenRLHF logs after each training step.
 
@@ -216,13 +216,15 @@ def _actor_name(actor_class) -> str:
     return getattr(cls, "__name__", None) or str(actor_class)
 
 
-#: The Ray actor classes that run OpenRLHF's trainer (the experience maker lives in them): checked at creation.
+#: The trainer actors the driver creates: checked at creation. (The async trainer's ``TrainingActor``, which makes
+#: the experiences, is created inside ``PPOTrainerAsync`` from a pickled module global, which an override would
+#: travel with; its experience maker checks the model actors.)
 TRAINER_ACTORS = {"openrlhf.trainer.ppo_trainer": ("PPOTrainer",),
-                  "openrlhf.trainer.ppo_trainer_async": ("PPOTrainerAsync", "TrainingActor")}
+                  "openrlhf.trainer.ppo_trainer_async": ("PPOTrainerAsync",)}
 
 
 def on_trainer_check_module(module) -> None:
-    """``PPOTrainer.remote(...)`` (and the async trainer's actors) confirm the actor they create. The override sits
+    """``PPOTrainer.remote(...)`` (``PPOTrainerAsync.remote``) confirms the actor it creates. The override sits
     on the ``ActorClass`` object the module holds, so OpenRLHF's ``PPOTrainer.remote(...)`` call runs it."""
     for name in TRAINER_ACTORS.get(module.__name__, ()):
         actor_class = getattr(module, name, None)
