@@ -92,8 +92,11 @@ if scenario == "trainer_only":
     ray.get(trainer.__ray_ready__.remote())
     raise SystemExit("unreachable: the trainer's experience maker must refuse")
 ref = RayActorGroup(1, 1, ReferenceModelActor, num_gpus_per_actor=0.25)
+from zorro_verl.integrations.openrlhf.boot import on_trainer_check_module, worker_status
+
+# the hook that checks OpenRLHF's PPOTrainer at its creation, applied to this trainer actor class
+on_trainer_check_module(SimpleNamespace(__name__="openrlhf.trainer.ppo_trainer", PPOTrainer=Trainer))
 trainer = Trainer.remote(policy, ref)
-from zorro_verl.integrations.openrlhf.boot import worker_status
 
 out = {"driver": worker_status(), "trainer": ray.get(trainer.status.remote()),
        "actors": ray.get([h.__ray_call__.remote(worker_status) for h in policy._actor_handlers + ref._actor_handlers]),
@@ -162,6 +165,10 @@ def test_switch_through_the_runtime_env_runs(cluster):
         assert status["forward"] == boot.ZORRO_FORWARD, status
     assert len(res["actors"]) == 2
     assert res["light"] == [[], True]  # the switch set, OpenRLHF never imported: only the standard-library loader
+    for checked in ("1 PolicyModelActor actor(s) run zorro with this process's settings (checked by RayActorGroup)",
+                    "1 ReferenceModelActor actor(s) run zorro with this process's settings (checked by RayActorGroup)",
+                    "1 PPOTrainer actor(s) run zorro with this process's settings (checked by PPOTrainer.remote)"):
+        assert f"[zorro] {checked}" in out.stderr, out.stderr[-3000:]
 
 
 def test_trainer_refuses_model_actors_without_zorro(cluster):

@@ -50,7 +50,7 @@ class OpenRLHFFinder:
         self._busy = True
         try:
             _boot()
-        except BaseException as e:
+        except Exception as e:
             self.error = e
             raise
         finally:
