@@ -134,3 +134,24 @@ def test_openrlhf_version_check(caplog):
     with caplog.at_level(logging.WARNING):
         check_openrlhf_version("warn", "0.12.0")
     assert any("openrlhf 0.12.0" in r.getMessage() for r in caplog.records)
+
+
+def test_what_the_actor_check_refuses(monkeypatch):
+    """`confirm_actors`' verdict on an actor's `worker_status` (the Ray paths: test_ray_loader.py)."""
+    here = ZorroSettings(enable=True)
+    monkeypatch.setattr(boot, "_settings", here)
+    ok = {"installed": True, "settings": repr(here), "forward": boot.ZORRO_FORWARD, "switch": "1", "options": None,
+          "loader": {"booted": True, "error": None}}
+    assert boot._problem(ok) is None
+    assert boot._problem(dict(ok, forward=None)) is None  # OpenRLHF's Actor not imported there (yet)
+    cases = [
+        (dict(ok, installed=False, settings=None, switch=None, loader=None),
+         "zorro is not loaded there (ZORRO_OPENRLHF=None; the .pth loader did not run)"),
+        (dict(ok, installed=False, settings=None, loader={"booted": False, "error": "ValueError('bad')"}),
+         "its loader failed: ValueError('bad')"),
+        (dict(ok, settings=repr(ZorroSettings(enable=True, group_balance=False)), options="group_balance=false"),
+         "its settings differ"),
+        (dict(ok, forward="openrlhf.models.actor.forward"), "its Actor.forward is openrlhf.models.actor.forward"),
+    ]
+    for status, why in cases:
+        assert boot._problem(status).startswith(why), boot._problem(status)
