@@ -117,7 +117,7 @@ def cluster(tmp_path_factory):
     os.environ["PYTHONPATH"] = path
     assert os.environ.get("ZORRO_OPENRLHF") in (None, "", "0")
     try:
-        info = ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+        info = ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH")
