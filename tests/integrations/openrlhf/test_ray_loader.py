@@ -30,7 +30,7 @@ from tests.integrations.openrlhf.conftest import REPO_ROOT, STUBS, require_openr
 require_openrlhf_env()
 # openrlhf.trainer.ray imports these at module import time (vLLM is stood in for, see the module docstring)
 _MISSING = []
-for _dist in ("deepspeed", "torchdata", "aiohttp"):
+for _dist in ("deepspeed", "torchdata", "aiohttp", "pillow"):
     try:
         md.version(_dist)
     except md.PackageNotFoundError:
