@@ -247,10 +247,13 @@ def worker_status(actor=None) -> dict:
     JSON-able: ``pid``, ``node``, ``python``, ``switch``/``options`` (the raw variables), ``loader`` (the .pth's
     finder armed, booted, its error), ``installed``/``settings`` (:func:`install` ran, with what), ``forward``
     (``Actor.forward``'s module.name when ``openrlhf.models.actor`` is imported here), ``zorro`` (version)."""
+    import importlib.metadata as md
     import socket
 
-    import zorro_verl
-
+    try:
+        zorro = md.version("zorro-verl")
+    except md.PackageNotFoundError:  # a source checkout on the path
+        zorro = None
     finder = None
     mod = sys.modules.get(LOADER_MODULE)
     if mod is not None:
@@ -265,7 +268,7 @@ def worker_status(actor=None) -> dict:
             "loader": None if finder is None else {"booted": finder.booted,
                                                     "error": None if finder.error is None else repr(finder.error)},
             "installed": _installed, "settings": repr(_settings) if _installed else None,
-            "forward": forward, "zorro": zorro_verl.__version__}
+            "forward": forward, "zorro": zorro}
 
 
 ZORRO_FORWARD = "zorro_verl.integrations.openrlhf.actor.zorro_forward"

@@ -60,6 +60,7 @@ class OpenRLHFFinder:
 
 
 def _boot() -> None:
+    import importlib
     import importlib.util
 
     value = os.environ.get(ENV_SWITCH, "")
@@ -73,9 +74,8 @@ def _boot() -> None:
             f"is not installed for {sys.executable}: its loader ({os.path.join(here, 'zorro_verl_openrlhf.pth')} and "
             f"{os.path.abspath(__file__)}) was left behind. Install zorro-verl into this environment, or unset "
             f"{ENV_SWITCH} to train stock, or delete those two files.")
-    from zorro_verl.integrations.openrlhf import boot
-
-    boot.start(LOADER_VERSION)
+    # by name: this code runs as the site-packages copy, outside the package it enters here
+    importlib.import_module("zorro_verl.integrations.openrlhf.boot").start(LOADER_VERSION)
 
 
 def finder():
