@@ -8,8 +8,8 @@
 # Needs: GPU node(s) with a Ray cluster (`ray start --head --num-gpus 8`; `ray start --address=...` on the others),
 # and on every node, in the same environment: openrlhf==0.11.2 with vLLM, zorro-verl[openrlhf,flash], and the
 # loader installed once per environment (`zorro-verl openrlhf install`: a .pth file that runs at interpreter start
-# and imports zorro only when ZORRO_OPENRLHF is on). A reward function file (REWARD_FN, OpenRLHF's --reward.remote_url
-# accepts a .py path) and a prompt dataset with a label column.
+# and, when ZORRO_OPENRLHF is on, loads zorro at the process's first OpenRLHF import). A reward function file
+# (REWARD_FN, OpenRLHF's --reward.remote_url accepts a .py path) and a prompt dataset with a label column.
 #
 # Usage: ZORRO_OPENRLHF=1 bash examples/openrlhf_grpo_common.sh [extra OpenRLHF args...]   (called by the wrappers)
 set -euo pipefail
@@ -26,15 +26,17 @@ RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 # cannot run exactly (ring attention, tensor parallelism, VLM, LoRA, MoE aux loss) instead of training another way.
 OPTIONS="${ZORRO_OPENRLHF_OPTIONS:-attention_backend=auto,on_unsupported=raise,rollout_n=$N}"
 
+RUNTIME_ENV="{\"env_vars\": {\"ZORRO_OPENRLHF\": \"$ZORRO_OPENRLHF\", \"ZORRO_OPENRLHF_OPTIONS\": \"$OPTIONS\"}}"
 if [ "$ZORRO_OPENRLHF" = 1 ]; then
-  zorro-verl openrlhf status  # fails (exit 1) if the loader is not installed in this environment
+  # the loader here, and what a worker of this job loads on every node of the cluster (exit 1 if zorro is not on)
+  zorro-verl openrlhf status --address auto --runtime-env-json "$RUNTIME_ENV"
 fi
 
 # Micro-batch sizes are multiples of n: experience-making micro-batches then hold whole groups (zorro warns and counts
 # otherwise). Training keeps OpenRLHF's optimizer steps (4 per rollout here) and groups samples only inside each step;
 # add group_balance_mode=whole_groups to the options to pack whole groups instead (other samples then share a step).
 ray job submit --address="$RAY_ADDRESS" \
-  --runtime-env-json="{\"env_vars\": {\"ZORRO_OPENRLHF\": \"$ZORRO_OPENRLHF\", \"ZORRO_OPENRLHF_OPTIONS\": \"$OPTIONS\"}}" \
+  --runtime-env-json="$RUNTIME_ENV" \
   -- python3 -m openrlhf.cli.train_ppo_ray \
   --ref.num_nodes 1 --ref.num_gpus_per_node "$NGPUS" \
   --actor.num_nodes 1 --actor.num_gpus_per_node "$NGPUS" \

@@ -5,7 +5,8 @@
 #   torch 2.13.0 (CPU) first (scripts/new_torch_venv.sh: hard-linked from .venv when it holds the same build)
 #   -> openrlhf 0.11.2 without its dependencies
 #   -> what the actor / replay-buffer path imports: transformers 5.15.0, peft, einops, numpy, sympy, pylatexenc
-#   -> wrapt (zorro's post-import hooks), ray 2.55.0 (the loader test runs real Ray workers), pytest
+#   -> wrapt (zorro's post-import hooks), ray 2.55.0 (the loader test runs real Ray workers), pytest, aiohttp and
+#      pillow (openrlhf.trainer.ray imports them)
 #   -> deepspeed 0.19.6 (OpenRLHF's pin; its Python only, DS_BUILD_OPS=0: no C++ op is compiled, the tests run
 #      the engine on its CPU accelerator without any, see tests/support/openrlhf_deepspeed.py) and what OpenRLHF's
 #      DeepspeedStrategy imports (torchdata, accelerate)
@@ -22,7 +23,8 @@ OPENRLHF="openrlhf==0.11.2"
 TRANSFORMERS="transformers==5.15.0"
 RAY="ray==2.55.0"  # OpenRLHF's pin; the loader test starts real Ray workers
 DEEPSPEED="deepspeed==0.19.6"  # OpenRLHF's pin; the engine tests run it on its CPU accelerator (gloo)
-DEPS=("$TRANSFORMERS" "peft" "einops" "numpy" "sympy" "pylatexenc" "packaging" "wrapt" "$RAY" "pytest" "hypothesis")
+DEPS=("$TRANSFORMERS" "peft" "einops" "numpy" "sympy" "pylatexenc" "packaging" "wrapt" "$RAY" "pytest" "hypothesis"
+      "aiohttp" "pillow")  # the last two: openrlhf.trainer.ray imports them (the Ray loader test)
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -7,5 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_openrlhf_env.sh
 VENV="${VENV_OPENRLHF:-.venv-openrlhf}"
+# the loader's files in site-packages are copies of this checkout's code (the env is reused across changes to it)
+"$VENV/bin/python" -m zorro_verl.cli openrlhf install >/dev/null
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$VENV/bin/python" -m pytest tests/integrations/openrlhf -q -s -p no:cacheprovider "$@"

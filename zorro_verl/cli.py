@@ -1,5 +1,6 @@
 """The ``zorro-verl`` command: ``demo`` (the main job), ``bench`` (the benchmark harness), ``doctor`` (checks the
-setup of a zorro-enabled verl run) and ``openrlhf`` (installs the OpenRLHF loader)."""
+setup of a zorro-enabled verl run) and ``openrlhf`` (installs, removes and checks the OpenRLHF loader: ``zorro-verl
+openrlhf {install,uninstall,status [--address ADDR]}``)."""
 
 from __future__ import annotations
 

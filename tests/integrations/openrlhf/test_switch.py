@@ -1,10 +1,7 @@
-"""The OpenRLHF switch, its options, the loader's .pth line, the start-up argument check and the exact-size group
-micro-batches: the parts that need no OpenRLHF (they run in the main suite too)."""
+"""The OpenRLHF switch, its options, the start-up argument check and the exact-size group micro-batches: the parts
+that need no OpenRLHF (they run in the main suite too). The loader at interpreter start-up: test_loader_startup.py."""
 
 import logging
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zorro_verl.integrations.openrlhf import boot
 from zorro_verl.integrations.openrlhf.actor import args_unsupported, check_args
 from zorro_verl.integrations.openrlhf.batching import group_microbatches
 from zorro_verl.integrations.openrlhf.layout import plan_from_openrlhf
-from zorro_verl.integrations.openrlhf.settings import settings_from_env, switch_on
+from zorro_verl.integrations.openrlhf.settings import loader_options, settings_from_env, switch_on
 from zorro_verl.integrations.verl.settings import ZorroSettings
 
 
@@ -34,37 +30,16 @@ def test_options_parse_and_validate():
     assert s == ZorroSettings(enable=True, attention_backend="sdpa", on_unsupported="warn",
                               logits_optimization="compute", rollout_n=8, group_balance=False)
     assert settings_from_env({}) == ZorroSettings(enable=False)
+    # the loader's own key: not one of verl's, parsed beside them
+    env = {"ZORRO_OPENRLHF": "1", "ZORRO_OPENRLHF_OPTIONS": "version_check=warn,group_balance=false"}
+    assert loader_options(env) == {"version_check": "warn"}
+    assert settings_from_env(env) == ZorroSettings(enable=True, group_balance=False)
+    assert loader_options({}) == {"version_check": "raise"}
     for bad, match in [("attention_backend=fast", "attention_backend"), ("colour=red", "unknown key"),
                        ("rollout_n=eight", "rollout_n"), ("enable=true", "set by ZORRO_OPENRLHF"),
-                       ("sdpa", "key=value")]:
+                       ("sdpa", "key=value"), ("version_check=maybe", "version_check")]:
         with pytest.raises(ValueError, match=match):
             settings_from_env({"ZORRO_OPENRLHF": "1", "ZORRO_OPENRLHF_OPTIONS": bad})
-
-
-def _run_pth_line(env_value):
-    """Execute the .pth line the way ``site`` does (``exec`` of an ``import`` line) in a fresh interpreter."""
-    code = (f"exec({boot.PTH_LINE!r})\n"
-            "import sys; print('zorro_verl.integrations.openrlhf.boot' in sys.modules, 'torch' in sys.modules)")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    env.pop("ZORRO_OPENRLHF", None)
-    if env_value is not None:
-        env["ZORRO_OPENRLHF"] = env_value
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.split()
-
-
-def test_pth_line_imports_nothing_without_the_switch():
-    assert _run_pth_line(None) == ["False", "False"]
-    assert _run_pth_line("0") == ["False", "False"]
-    assert _run_pth_line("1") == ["True", "True"]
-
-
-def test_pth_install_uninstall(tmp_path):
-    path = boot.install_pth(str(tmp_path))
-    assert path.name == boot.PTH_NAME and path.read_text() == boot.PTH_LINE
-    assert boot.uninstall_pth(str(tmp_path)) == path and not path.exists()
-    assert boot.uninstall_pth(str(tmp_path)) is None
 
 
 def openrlhf_args(**over):

@@ -271,7 +271,7 @@ def args_unsupported(args) -> Optional[str]:
 
 
 def check_args(args, settings: ZorroSettings) -> None:
-    """The start-up check (the driver, when OpenRLHF builds its experience maker): raise, or warn once
+    """The start-up check (the trainer actor, when OpenRLHF builds its experience maker): raise, or warn once
     (``on_unsupported=warn``; the workers then run the stock forward for the affected calls, counted)."""
     if not settings.enable:
         return
