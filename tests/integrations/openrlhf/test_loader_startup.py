@@ -84,6 +84,19 @@ def test_bad_switch_or_options_stop_the_openrlhf_import(tmp_path, switch, option
     assert "Error processing line" not in out.stderr  # nothing raised at start-up, where site would swallow it
 
 
+def test_missing_dependency_stops_the_openrlhf_import(tmp_path):
+    """A dependency of the hooks missing (``wrapt``, the ``openrlhf`` extra; made unimportable the way Python
+    itself supports, ``sys.modules[name] = None``): the process's ``import openrlhf`` raises it, again at the second
+    import, instead of the process training stock."""
+    code = "import sys\nsys.modules['wrapt'] = None  # import wrapt now raises ModuleNotFoundError\n" + IMPORT_TWICE
+    out = start(tmp_path, code, switch="1")
+    assert out.returncode == 1
+    assert out.stdout.strip() == "first: ModuleNotFoundError", out.stdout + out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError") and "wrapt" in last, out.stderr[-2000:]
+    assert "Error processing line" not in out.stderr
+
+
 def test_switch_on_boots_zorro_at_the_openrlhf_import(tmp_path):
     code = ("try:\n    import openrlhf\nexcept ModuleNotFoundError:\n    pass  # the main suite: no OpenRLHF\n"
             "from zorro_verl.integrations.openrlhf import boot\nprint(boot._installed, repr(boot._settings))")
