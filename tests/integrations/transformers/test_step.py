@@ -246,12 +246,14 @@ def test_head_fn_runs_as_the_head_forward_and_refuses_post_processed_logits():
         zorro_step(model, plan, logits_optimization="memory")
 
 
-@pytest.mark.parametrize("hook,accepted", [("clone", False), ("detach", False), ("view_as", True)])
+@pytest.mark.parametrize("hook,accepted", [("clone", False), ("detach", False), ("in_place", False),
+                                            ("view_as", True)])
 def test_memory_mode_checks_what_the_head_output_became(hook, accepted):
     """The memory mode reads the root's ``logits`` as the head function's results, so it accepts only the head's
     output itself or an alias with the same storage whose gradient reaches it (DeepSpeed ZeRO-3 hands every module's
     output through such an identity; tested on the real engine in tests/integrations/openrlhf/test_deepspeed.py):
-    a copy (any arithmetic makes new storage) or a tensor cut from the graph is refused."""
+    a copy (any arithmetic makes new storage), the output changed in place (the same tensor object, its version
+    bumped) or a tensor cut from the graph is refused."""
     batch = batch_of(seed=5)
     R = batch["responses"].shape[1]
     model = tiny_model("qwen3")
@@ -261,7 +263,8 @@ def test_memory_mode_checks_what_the_head_output_became(hook, accepted):
     ref_lp.sum().backward()
     ref_grad = model.lm_head.weight.grad.clone()
     model.zero_grad()
-    change = {"clone": torch.Tensor.clone, "detach": torch.Tensor.detach, "view_as": lambda t: t.view_as(t)}[hook]
+    change = {"clone": torch.Tensor.clone, "detach": torch.Tensor.detach, "view_as": lambda t: t.view_as(t),
+              "in_place": lambda t: t.mul_(2.0)}[hook]
     handle = model.lm_head.register_forward_hook(lambda module, args, out: change(out))
     try:
         if not accepted:

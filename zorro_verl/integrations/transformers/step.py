@@ -193,7 +193,7 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, tar
         logp, ent = head_fn(x[0], head, targets, temperature, calculate_entropy, index)
         # a fresh tensor, not a view: FSDP2 registers its pre-backward hook on the module's output
         out = torch.cat([logp[None, None], (ent if ent is not None else torch.zeros_like(logp))[None, None]], 1)
-        returned["out"] = out
+        returned["out"], returned["version"] = out, out._version
         return out
 
     had_own = "forward" in head.__dict__
@@ -206,23 +206,27 @@ def _head_step(model, ctx: StepContext, head_fn: HeadFn, keep: torch.Tensor, tar
             head.forward = saved
         else:
             del head.forward
-    if not _handed_through(out, returned.get("out")):
+    if not _handed_through(out, returned.get("out"), returned.get("version")):
         raise ValueError("logits_optimization: the model transformed its head's output before returning it as logits "
                          "(e.g. a cast or soft-capping), so the chunked / fused head paths cannot be used with it. Use "
                          "logits_optimization='none' or 'compute'.")
     return out[0, 0], (out[0, 1] if calculate_entropy else None)
 
 
-def _handed_through(out, ours: Optional[torch.Tensor]) -> bool:
+def _handed_through(out, ours: Optional[torch.Tensor], version: Optional[int]) -> bool:
     """Whether the root returned the head's output ``ours`` unchanged as ``out``: the tensor itself, or an alias of
     it. DeepSpeed ZeRO-3 hands every module's output (the head's, then the root's) through an identity autograd
     Function (``outputs.detach()`` forward, gradients passed on unchanged) whose backward fetches the module's
     partitioned parameters first; such an alias shares ``ours``' storage, shape, strides and dtype (so its values
     are ours) and, with autograd, its graph reaches ``ours`` through single-input nodes (so its gradient is). A cast,
-    soft-capping or any other arithmetic makes new storage and is rejected."""
+    soft-capping or any other arithmetic makes new storage and is rejected; done in place (on ``ours`` or an alias,
+    which share its version counter) it changes ``ours._version`` from ``version``, recorded when it was made, and is
+    rejected too."""
+    if ours is None or ours._version != version:
+        return False
     if out is ours:
         return True
-    if not isinstance(out, torch.Tensor) or ours is None:
+    if not isinstance(out, torch.Tensor):
         return False
     if (out.data_ptr(), out.shape, out.stride(), out.dtype) != (ours.data_ptr(), ours.shape, ours.stride(), ours.dtype):
         return False
