@@ -26,6 +26,11 @@ def pytest_terminal_summary(terminalreporter):
     for kind, vals in (getattr(fam, "WORST", None) or {}).items():
         worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
         terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind}), worst: {worst}")
+    vis = sys.modules.get("tests.integrations.transformers.test_vision")
+    for (kind, sharing), vals in (getattr(vis, "WORST", None) or {}).items():
+        worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
+        terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind} with images, sharing={sharing}), worst: "
+                                    f"{worst}")
     mod = sys.modules.get("tests.integrations.verl.v09.test_ulysses")
     for case, line in (getattr(mod, "SUMMARY", None) or {}).items():
         for what, text in line.items():

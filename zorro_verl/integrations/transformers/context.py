@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from zorro_verl.attention import get_backend
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
 __all__ = ["LayerCalls", "StepContext", "require_context"]
@@ -42,28 +43,43 @@ class LayerCalls:
 
 class StepContext:
     """``plan`` (:class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a registered attention backend name),
-    ``calls`` (:class:`LayerCalls`) of one deduplicated model call, and ``shard``
+    ``calls`` (:class:`LayerCalls`) of one deduplicated model call, ``shard``
     (:class:`~zorro_verl.packing.ulysses.UlyssesShard`) when the call runs one slice of the row under Ulysses
-    sequence parallelism (None otherwise)."""
+    sequence parallelism (None otherwise), and ``media`` (:class:`~zorro_verl.packing.multimodal.PackedMedia`:
+    the packed row's images / videos and 3-D positions) for a vision-language model's multimodal batch."""
 
-    __slots__ = ("plan", "backend", "calls", "shard")
+    __slots__ = ("plan", "backend", "calls", "shard", "media")
 
     def __init__(self, plan: ZorroPlan, backend: str = "sdpa", calls: LayerCalls | None = None,
-                 shard: UlyssesShard | None = None):
+                 shard: UlyssesShard | None = None, media: PackedMedia | None = None):
         if not isinstance(plan, ZorroPlan):
             raise TypeError(f"plan: expected a ZorroPlan (zorro_verl.packing.build_plan), got {type(plan).__name__}.")
         if shard is not None and not isinstance(shard, UlyssesShard):
             raise TypeError(f"shard: expected an UlyssesShard (zorro_verl.packing.ulysses.ulysses_shard) or None, got "
                             f"{type(shard).__name__}.")
+        if media is not None and not isinstance(media, PackedMedia):
+            raise TypeError(f"media: expected a PackedMedia (zorro_verl.packing.multimodal.build_media_plan) or None, "
+                            f"got {type(media).__name__}.")
+        if media is not None and shard is not None:
+            raise ValueError("media: multimodal batches under Ulysses sequence parallelism are not supported by zorro; "
+                             "use ulysses_sequence_parallel_size = 1 for vision-language models.")
         get_backend(backend)  # ValueError naming the registered backends
         self.plan, self.backend, self.calls = plan, backend, calls if calls is not None else LayerCalls()
-        self.shard = shard
+        self.shard, self.media = shard, media
 
     def model_inputs(self) -> tuple:
         """``(input_ids [1, L], position_ids [1, L])`` the model runs on: the packed row (``L = T``), or this rank's
-        slice of it under sequence parallelism."""
+        slice of it under sequence parallelism; with ``media``, ``position_ids`` is its ``[3, 1, T]`` 3-D
+        positions."""
         src = self.plan if self.shard is None else self.shard
+        if self.media is not None:
+            return src.input_ids[None], self.media.position_ids
         return src.input_ids[None], src.position_ids[None]
+
+    def media_inputs(self) -> dict:
+        """The model call's multimodal keyword arguments (``pixel_values``, ``image_grid_thw``, ...; empty without
+        media)."""
+        return {} if self.media is None else self.media.model_kwargs()
 
 
 def require_context(ctx, who: str) -> StepContext:

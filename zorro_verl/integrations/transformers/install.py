@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from zorro_verl.integrations.transformers import hybrid
+from zorro_verl.integrations.transformers import hybrid, vision
 from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
@@ -157,8 +157,11 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
                          "or DeduplicatedActor.patch() first.")
     ctx.calls.reset()
     input_ids, position_ids = ctx.model_inputs()
+    if ctx.media is not None and not vision.is_multimodal(model):
+        raise ValueError("media: this model has no vision tower (config.vision_config); multimodal inputs need a "
+                         "vision-language model.")
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx, use_cache=False,
-                **model_kwargs)
+                **ctx.media_inputs(), **model_kwargs)
     check_layer_calls(model, ctx.calls)
     return out
 
@@ -178,7 +181,9 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
         hybrid.wrap_linear_attention(model)  # idempotent
         return getattr(model, "zorro_features", None)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation(ZORRO_ATTN_NAME)
+    model._zorro_previous_sub_attn = vision.sub_attention(model)
+    # a vision-language model: its language model runs zorro, its vision tower keeps its own attention
+    model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
     try:
         hybrid.wrap_linear_attention(model)
         report = _probe(model) if probe else None
@@ -194,7 +199,9 @@ def uninstall_zorro(model) -> None:
     :func:`install_zorro`."""
     hybrid.unwrap_linear_attention(model)
     if is_installed(model):
-        model.set_attn_implementation(getattr(model, "_zorro_previous_attn", None) or "sdpa")
+        previous = getattr(model, "_zorro_previous_attn", None) or "sdpa"
+        subs = getattr(model, "_zorro_previous_sub_attn", None) or {}
+        model.set_attn_implementation({"": previous, **subs} if subs else previous)
 
 
 def _probe(model) -> None:

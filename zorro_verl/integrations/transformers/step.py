@@ -23,6 +23,7 @@ from zorro_verl.logprob import (
     logits_logprobs,
 )
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
 __all__ = ["zorro_step", "HeadFn", "head_fn_unsupported", "forward_owner"]
@@ -57,7 +58,8 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
                calls: Optional[LayerCalls] = None,
                head_fn: Optional[HeadFn] = None,
                shard: Optional[UlyssesShard] = None,
-               temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               temperature_op: str = "upcast",
+               media: Optional[PackedMedia] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Deduplicated forward of ``plan``: log-probs (and entropy) of every valid response token, original row order.
 
     Args:
@@ -88,13 +90,16 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             ``logits`` (divide in the logits' dtype, verl 0.7's ``logits.div_(temperature)``) or ``logits_rounded``
             (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`); a tensor ``temperature`` always runs ``logits_rounded``.
             Ignored by a ``head_fn`` (verl's fused kernel applies its own float temperature).
+        media: a vision-language model's multimodal batch: the packed row's images / videos and 3-D positions
+            (:func:`~zorro_verl.packing.multimodal.build_media_plan`, which also built ``plan``); the model encodes
+            each unique prompt's media once inside its own forward.
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` — fp32 (fp64 for fp64 models); ``plan.to_padded`` gives ``[B, R]``.
     """
     mode = check_logits_optimization(logits_optimization)
     op = check_temperature_op(temperature_op)
-    ctx = StepContext(plan, backend, calls, shard)
+    ctx = StepContext(plan, backend, calls, shard, media)
     divisors = None
     if isinstance(temperature, torch.Tensor):
         temperature, divisors = _per_row_temperature(temperature, plan, memory=mode == "memory" or head_fn is not None)

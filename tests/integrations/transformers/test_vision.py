@@ -1,0 +1,246 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5 multimodal): zorro's deduplicated step vs
+the ordinary per-row forward, fp64, tiny configs (vision depth 2, 4-token images), random images.
+
+The batch holds GRPO groups whose rows are interleaved: two prompts with the same text and *different images of the
+same size* (identical placeholder tokens: the grouping trap), a text-only prompt, a prompt with two images (one of
+them shared with another prompt), responses of 0-4 tokens. Oracle: each row alone through the model's own forward
+(its pixels, its 3-D positions from the model's ``get_rope_index``, sdpa attention, the vision tower per row).
+
+Tolerances (fp64): log-probs within ``1e-12`` absolute (measured ~1e-15); gradients of every parameter, the vision
+tower's included, ``max|Δ|/max|ref| <= 1e-10`` per tensor (measured <= ~1e-13; the delta rule of Qwen3.5's linear
+layers sums decay terms with cancellation: see test_hybrid.py, which bounds those two parameters by the oracle's
+own chunking error — here the same bound, measured below it).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from zorro_verl.integrations.transformers import install_zorro, zorro_step
+from zorro_verl.integrations.transformers.vision import media_tokens, rope_positions
+from zorro_verl.packing import build_plan
+from zorro_verl.packing.multimodal import batch_media, build_media_plan, keyed_id, pack_media
+from zorro_verl.testing import grads_of, max_rel_grad_error
+from zorro_verl.testing.vlm import (
+    IMAGE,
+    MERGE,
+    PATCH_DIM,
+    V_END,
+    V_START,
+    VIDEO,
+    VLM_KINDS,
+    VlmRow,
+    image,
+    ordinary_vlm_logprobs,
+    prompt_with_media,
+    tiny_vlm_model,
+    vlm_batch,
+)
+
+LP_ABS_TOL = 1e-12
+GRAD_REL_TOL = 1e-10
+WORST: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rows(seed: int = 0, reps: int = 3) -> list:
+    a, b, c = image(1), image(2), image(3, 2, 3)
+    prompts = [prompt_with_media([[1, 2], a, [3, 4]]),  # A
+               prompt_with_media([[1, 2], b, [3, 4]]),  # B: same text, a different image of the same size
+               prompt_with_media([[5, 6, 7]]),  # C: no image
+               prompt_with_media([[1], a, [8], c, [9]])]  # D: two images, one of them A's
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(reps):  # siblings interleaved: A B C D A B C D ...
+        for p, media in prompts:
+            n = int(torch.randint(0, 5, (1,), generator=g))
+            rows.append(VlmRow(p, torch.randint(10, 100, (n,), generator=g).tolist(), media))
+    rows[2].response = []  # an empty response
+    rows[-3].response = [42]  # a 1-token response
+    return rows
+
+
+def _weights(rows, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(r.response), generator=g, dtype=torch.float64) for r in rows]
+
+
+def _plan(model, rows, sharing):
+    batch = vlm_batch(rows)
+    pos = rope_positions(model, batch["input_ids"], batch["attention_mask"], batch["media"])
+    kw = {"min_shared_len": 1} if sharing == "prefix" else {}
+    return build_media_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1],
+                            batch["media"], media_tokens(model), pos, sharing=sharing, **kw)
+
+
+def _ordinary(model, rows, weights):
+    model.zero_grad(set_to_none=True)
+    ref = ordinary_vlm_logprobs(model, rows)
+    sum((lp * w).sum() for lp, w in zip(ref, weights)).backward()
+    return [x.detach() for x in ref], grads_of(model)
+
+
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+@pytest.mark.parametrize("kind", VLM_KINDS)
+def test_matches_ordinary_forward(kind, sharing):
+    rows = _rows()
+    weights = _weights(rows)
+    ref_model = tiny_vlm_model(kind)
+    ref, ref_grads = _ordinary(ref_model, rows, weights)
+    model = copy.deepcopy(ref_model)
+    install_zorro(model)
+    encoded = []
+    model.model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: encoded.append(int(kwargs.get("grid_thw", args[-1]).shape[0])), with_kwargs=True)
+    plan, media = _plan(model, rows, sharing)
+    model.zero_grad(set_to_none=True)
+    lp, _ = zorro_step(model, plan, media=media)
+    got = plan.to_padded(lp)
+    lp_err = max((got[b, :len(r.response)] - ref[b]).abs().max().item() for b, r in enumerate(rows) if r.response)
+    assert lp_err <= LP_ABS_TOL, f"{kind} {sharing}: log-probs {lp_err:.2e}"
+    w = torch.zeros(plan.B, plan.R, dtype=torch.float64).index_put_((plan.out_row, plan.out_col), torch.cat(weights))
+    (lp * plan.from_padded(w)).sum().backward()
+    g_err, name = max_rel_grad_error(ref_grads, grads_of(model))
+    assert g_err <= GRAD_REL_TOL, f"{kind} {sharing}: gradient of {name} {g_err:.2e}"
+    assert any(n.startswith("model.visual") for n in ref_grads)  # the vision tower is trained and compared
+    # the vision tower ran once, on the unique prompts' images: A's, B's, and D's two (A and D differ in text before
+    # the image, so even the prefix tree cannot share it); the ordinary batch encodes 3 x 4 = 12
+    assert encoded == [4] and media.items == 4 and media.row_items == 12
+    WORST[(kind, sharing)] = {"log-probs": lp_err, "gradients": g_err}
+
+
+def test_grouping_trap_same_size_different_images():
+    """Rows A and B have identical tokens (same text, same-size images) but different pixels: token grouping alone
+    would share them; the keyed ids keep them apart, and equal pixels in distinct tensors still share."""
+    model = tiny_vlm_model("qwen2_5_vl")
+    rows = _rows()
+    batch = vlm_batch(rows)
+    R = batch["responses"].shape[1]
+    tokens_only = build_plan(batch["input_ids"], batch["attention_mask"], R)
+    assert tokens_only.G == 3  # A and B merged: what zorro must not do
+    plan, _ = _plan(model, rows, "prompt")
+    assert plan.G == 4
+    assert plan.row_group[0] != plan.row_group[1] and plan.row_group[0] == plan.row_group[4]
+    # equal content in separate tensors (another copy of image a) shares; keys are content, not identity
+    a2 = (image(1)[0].clone(), image(1)[1].clone())
+    p, m = prompt_with_media([[1, 2], a2, [3, 4]])
+    rows2 = rows[:4] + [VlmRow(p, [11, 12], m)]
+    plan2, media2 = _plan(model, rows2, "prompt")
+    assert plan2.G == 4 and plan2.row_group[4] == plan2.row_group[0] and media2.items == 4
+    bm = batch_media(batch["input_ids"], batch["attention_mask"], R, batch["media"], media_tokens(model))
+    keys = {it.key for row in bm.items for it in row}
+    assert len(keys) == 3 and all(keyed_id(k) >= 2 ** 62 for k in keys)
+
+
+def test_frozen_vision_tower_gets_no_gradient():
+    rows = _rows(reps=2)
+    weights = _weights(rows)
+    ref_model = tiny_vlm_model("qwen2_5_vl")
+    ref_model.model.visual.requires_grad_(False)
+    ref, ref_grads = _ordinary(ref_model, rows, weights)
+    model = copy.deepcopy(ref_model)
+    install_zorro(model)
+    plan, media = _plan(model, rows, "prompt")
+    lp, _ = zorro_step(model, plan, media=media)
+    w = torch.zeros(plan.B, plan.R, dtype=torch.float64).index_put_((plan.out_row, plan.out_col), torch.cat(weights))
+    (lp * plan.from_padded(w)).sum().backward()
+    got = grads_of(model)
+    assert not any(n.startswith("model.visual") for n in got)
+    assert max_rel_grad_error(ref_grads, got)[0] <= GRAD_REL_TOL
+
+
+def test_video_and_multi_image_rows():
+    """Qwen2.5-VL with a video (2 temporal patches) and an image in one prompt, siblings interleaved."""
+    model = tiny_vlm_model("qwen2_5_vl", seed=3)
+    g = torch.Generator().manual_seed(5)
+    vgrid = torch.tensor([[2, 2 * MERGE, 2 * MERGE]])
+    video = torch.randn(int(vgrid.prod()), PATCH_DIM, generator=g, dtype=torch.float64)
+    img, igrid = image(7)
+    toks = [1, V_START] + [VIDEO] * (int(vgrid.prod()) // MERGE ** 2) + [V_END, 2, V_START] + \
+        [IMAGE] * (int(igrid.prod()) // MERGE ** 2) + [V_END, 3]
+    media = {"pixel_values_videos": video, "video_grid_thw": vgrid, "pixel_values": img, "image_grid_thw": igrid,
+             "second_per_grid_ts": torch.tensor([1.0])}
+    other, om = prompt_with_media([[4, 5], image(8), [6]])
+    rows = [VlmRow(toks, [20, 21, 22], media), VlmRow(other, [30], om), VlmRow(toks, [23], media),
+            VlmRow(other, [31, 32], om)]
+    ordinary_media = [{k: v for k, v in (r.media or {}).items() if k != "second_per_grid_ts"} for r in rows]
+    ref = ordinary_vlm_logprobs(model, [VlmRow(r.prompt, r.response, m) for r, m in zip(rows, ordinary_media)])
+    install_zorro(model)
+    plan, packed = _plan(model, rows, "prompt")
+    assert packed.items == 3 and packed.inputs["video_grid_thw"].tolist() == vgrid.tolist()
+    got = plan.to_padded(zorro_step(model, plan, media=packed)[0].detach())
+    err = max((got[b, :len(r.response)] - ref[b]).abs().max().item() for b, r in enumerate(rows))
+    assert err <= LP_ABS_TOL
+
+
+def test_bad_inputs_raise_naming_the_field():
+    model = tiny_vlm_model("qwen2_5_vl")
+    tokens = media_tokens(model)
+    rows = _rows(reps=1)
+    batch = vlm_batch(rows)
+    R = batch["responses"].shape[1]
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    # placeholders without pixels
+    media = list(batch["media"])
+    media[0] = None
+    with pytest.raises(ValueError, match=r"media\[0\]: the row has 4 image placeholder tokens but no pixel_values"):
+        batch_media(ids, am, R, media, tokens)
+    # a grid that does not match the placeholders
+    media = list(batch["media"])
+    media[0] = {"pixel_values": media[0]["pixel_values"], "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    with pytest.raises(ValueError, match=r"media\[0\]: 4 image placeholder tokens and 16 patch rows"):
+        batch_media(ids, am, R, media, tokens)
+    # an input zorro does not know
+    media = list(batch["media"])
+    media[0] = {**media[0], "image_bound": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"media\[0\]: multimodal inputs \['image_bound'\] are not supported"):
+        batch_media(ids, am, R, media, tokens)
+    # positions that disagree inside a group (rows 0 and 4 share A's prompt)
+    rows = _rows(reps=2)
+    batch = vlm_batch(rows)
+    pos = rope_positions(model, batch["input_ids"], batch["attention_mask"], batch["media"])
+    pos[:, 4] += 1
+    with pytest.raises(ValueError, match="position_ids: rows that share a prompt have different 3-D positions"):
+        build_media_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1], batch["media"],
+                         tokens, pos)
+    # a plan not built from the keyed ids: A's and B's images under one prompt
+    bm = batch_media(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1], batch["media"], tokens)
+    wrong = build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1])
+    with pytest.raises(ValueError, match="position_ids|pack_media"):
+        pack_media(wrong, bm, rope_positions(model, batch["input_ids"], batch["attention_mask"], batch["media"]))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_5"])
+def test_prefix_tree_shares_an_image_in_the_system_prompt(kind):
+    """An image in a shared system prompt, then different questions (one of them with an image of its own): with
+    sharing='prefix' the system image is encoded once for every group; log-probs and gradients equal the oracle."""
+    sys_img, q_img = image(11, 2, 3), image(12)
+    questions = [[[40, 41]], [[42], q_img, [43]], [[44, 45, 46]]]
+    rows = []
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for q in questions:
+            p, m = prompt_with_media([[1, 2, 3], sys_img, [4]] + q)
+            rows.append(VlmRow(p, torch.randint(10, 100, (int(torch.randint(1, 4, (1,), generator=g)),),
+                                                generator=g).tolist(), m))
+    weights = _weights(rows)
+    ref_model = tiny_vlm_model(kind, seed=4)
+    ref, ref_grads = _ordinary(ref_model, rows, weights)
+    model = copy.deepcopy(ref_model)
+    install_zorro(model)
+    plan, media = _plan(model, rows, "prefix")
+    assert plan.G == 1 and media.items == 2 and media.row_items == 8  # the system image once, the question's once
+    lp, _ = zorro_step(model, plan, media=media)
+    got = plan.to_padded(lp.detach())
+    assert max((got[b, :len(r.response)] - ref[b]).abs().max().item() for b, r in enumerate(rows)) <= LP_ABS_TOL
+    w = torch.zeros(plan.B, plan.R, dtype=torch.float64).index_put_((plan.out_row, plan.out_col), torch.cat(weights))
+    (lp * plan.from_padded(w)).sum().backward()
+    assert max_rel_grad_error(ref_grads, grads_of(model))[0] <= GRAD_REL_TOL

@@ -1,0 +1,92 @@
+"""Vision-language models (Qwen2-VL family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5's multimodal model) under zorro
+(docs/DESIGN.md §4 "Vision-language models").
+
+The language model runs zorro's split attention on the packed row; the vision tower keeps its own attention (it
+attends within each image, bidirectionally) and runs inside the model's own forward on the packed row's media —
+each unique prompt's images once (:mod:`zorro_verl.packing.multimodal`). The model receives the packed row's 3-D
+rotary positions explicitly, so it never recomputes them from the packed row (where prompts and responses of
+different rows follow one another).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from zorro_verl.packing.multimodal import MEDIA_FIELDS, MediaTokens
+
+__all__ = ["is_multimodal", "sub_attention", "zorro_attention_request", "media_tokens", "rope_positions",
+           "token_types"]
+
+
+def _config(model):
+    return model.config
+
+
+def is_multimodal(model) -> bool:
+    """Whether ``model`` has a vision tower (``config.vision_config``)."""
+    return getattr(_config(model), "vision_config", None) is not None
+
+
+def sub_attention(model) -> dict:
+    """``{sub_config_name: attn_implementation}`` of the model's sub-configs other than the language model's
+    (e.g. ``vision_config``), which zorro leaves as they are; empty for a text-only model."""
+    cfg = _config(model)
+    out = {}
+    for key in getattr(cfg, "sub_configs", {}) or {}:
+        sub = getattr(cfg, key, None)
+        if key != "text_config" and sub is not None:
+            out[key] = getattr(sub, "_attn_implementation", None) or "sdpa"
+    return out
+
+
+def zorro_attention_request(model, name: str):
+    """The ``set_attn_implementation`` argument that switches the language model (and the root config) to
+    ``name`` and keeps every other sub-model's attention: ``name`` itself for a text-only model."""
+    subs = sub_attention(model)
+    if not subs:
+        return name
+    return {"": name, "text_config": name, **subs}
+
+
+def media_tokens(model) -> MediaTokens:
+    """The placeholder ids and patch merge of a vision-language model; ``ValueError`` for a text-only one."""
+    cfg = _config(model)
+    vcfg = getattr(cfg, "vision_config", None)
+    if vcfg is None:
+        raise ValueError(f"model: {type(model).__name__} has no vision tower (config.vision_config); multimodal "
+                         "inputs need a vision-language model.")
+    merge = getattr(vcfg, "spatial_merge_size", None)
+    if not isinstance(merge, int) or merge < 1:
+        raise ValueError(f"model: vision_config.spatial_merge_size is {merge!r}; zorro supports the Qwen2-VL family "
+                         "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), whose vision tower merges patches.")
+    return MediaTokens(getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None), merge)
+
+
+def token_types(input_ids: torch.Tensor, tokens: MediaTokens) -> torch.Tensor:
+    """``input_ids [B, S]`` -> ``mm_token_type_ids [B, S] int32``: 0 text, 1 image placeholder, 2 video
+    placeholder (what the Qwen-VL processors return and ``get_rope_index`` reads)."""
+    out = torch.zeros_like(input_ids, dtype=torch.int32)
+    for value, kind in ((1, "image"), (2, "video")):
+        tid = tokens.token_id(kind)
+        if tid is not None:
+            out = torch.where(input_ids == tid, value, out)
+    return out
+
+
+def rope_positions(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                   media: list) -> torch.Tensor:
+    """The rows' 3-D rotary positions as the model computes them for its ordinary forward: ``input_ids [B, S]``,
+    ``attention_mask [B, S]`` (or None), ``media[b]`` row ``b``'s inputs -> ``[3, B, S] int64`` (pads: whatever
+    ``get_rope_index`` leaves). Used by the standalone API and the tests; verl hands the engine its own."""
+    inner = getattr(model, "model", model)
+    tokens = media_tokens(model)
+    grids = {}
+    for kind, (_, grid_field) in MEDIA_FIELDS.items():
+        rows = [m[grid_field] for m in media if m and m.get(grid_field) is not None]
+        grids[kind] = torch.cat(rows) if rows else None
+    am = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    pos, _ = inner.get_rope_index(input_ids, token_types(input_ids, tokens), image_grid_thw=grids["image"],
+                                  video_grid_thw=grids["video"], attention_mask=am)
+    return pos.long()
