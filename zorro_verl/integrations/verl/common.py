@@ -28,16 +28,23 @@ def dedup_metrics(ordinary_tokens: int, dedup_tokens: int, split_groups: int, fa
     }
 
 
-def setup_unsupported(ulysses_sp: int = 1, hf_config=None, *, ulysses_supported: bool = False) -> Optional[str]:
+def setup_unsupported(ulysses_sp: int = 1, hf_config=None, *, ulysses_supported: bool = False,
+                      vlm_supported: bool = False) -> Optional[str]:
     """Why a run with these settings cannot use zorro's deduplicated forward (both verl generations; also read by
     ``zorro-verl doctor`` from a composed config), or None: Ulysses sequence parallelism where the actor does not
-    run it (``ulysses_supported``: the 0.9 engine does, the 0.7 legacy actor does not), vision-language models.
-    (LoRA runs; its one refusal, adapter dropout, needs the built model: ``lora_unsupported``.)"""
+    run it (``ulysses_supported``: the 0.9 engine does, the 0.7 legacy actor does not), vision-language models where
+    the actor does not run them (``vlm_supported``: the 0.9 engine, without Ulysses) (LoRA runs; its one refusal,
+    adapter dropout, needs the built model: ``lora_unsupported``.)"""
     if ulysses_sp > 1 and not ulysses_supported:
         return ("Ulysses sequence parallel > 1 in the verl 0.7 legacy actor (set ulysses_sequence_parallel_size=1, "
                 "or use verl 0.9's engine, where zorro runs under Ulysses)")
     if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
-        return "vision-language models (3-D position ids / multimodal inputs)"
+        if not vlm_supported:
+            return ("vision-language models in the verl 0.7 legacy actor (3-D position ids / multimodal inputs; "
+                    "verl 0.9's engine runs them with zorro)")
+        if ulysses_sp > 1:
+            return ("vision-language models under Ulysses sequence parallel > 1 (verl slices a VLM's sequence after "
+                    "the vision tower; zorro does not: set ulysses_sequence_parallel_size=1)")
     return None
 
 

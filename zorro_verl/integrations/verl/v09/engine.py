@@ -39,6 +39,7 @@ from zorro_verl.integrations.transformers import install_zorro, is_installed, un
 from zorro_verl.integrations.transformers.hybrid import linear_attention_modules, text_config
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
+from zorro_verl.integrations.transformers.vision import is_multimodal, media_tokens
 from zorro_verl.integrations.verl.common import ZorroActorMixin, dedup_metrics, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
@@ -47,6 +48,7 @@ from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
 from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
+from zorro_verl.packing.multimodal import batch_media, build_media_plan
 from zorro_verl.packing.tree import tree_row_costs
 from zorro_verl.packing.ulysses import ulysses_shard
 
@@ -121,6 +123,31 @@ def _to_verl_padded(nested: torch.Tensor, p: torch.Tensor, r: torch.Tensor, pw: 
     return out, row, col
 
 
+def _row_media(td) -> list:
+    """Per row of a verl batch, its multimodal inputs dict (``pixel_values``, ``image_grid_thw``, ...) or None: verl
+    stores one entry per row in ``multi_modal_inputs`` (a dict, possibly wrapped in ``NonTensorData``; empty for a
+    text row)."""
+    if "multi_modal_inputs" not in td.keys():
+        return [None] * td["input_ids"].shape[0]
+    out = []
+    for entry in td["multi_modal_inputs"]:
+        entry = getattr(entry, "data", entry)
+        out.append(entry if entry else None)
+    return out
+
+
+def _positions_3d(pos: torch.Tensor, row: torch.Tensor, col: torch.Tensor, width: int) -> torch.Tensor:
+    """verl's jagged 3-D position ids (``[B, k, S_b]``, ``k`` = 4: text positions then the three rotary axes, or 3)
+    -> ``[k, B, width]`` in the padded layout of ``_to_verl_padded`` (``row``, ``col`` of each jagged token)."""
+    vals = pos.values()  # [k, total] (verl: values().unsqueeze(1) is the model's [k, 1, total])
+    if vals.dim() != 2 or vals.shape[0] not in (3, 4):
+        raise ValueError(f"position_ids: expected verl's jagged 3-D position ids with 3 or 4 rows per token, got "
+                         f"values of shape {tuple(vals.shape)}.")
+    out = vals.new_zeros((vals.shape[0], pos.shape[0], width))
+    out[:, row, col] = vals
+    return out
+
+
 class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     """verl's FSDP LM engine with zorro's deduplicated forward (see module docstring)."""
 
@@ -145,7 +172,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         if self.zorro.sharing == "prefix" and sp > 1:
             return ("sharing=prefix with Ulysses sequence parallel > 1 (the prefix tree is not sharded over SP "
                     "ranks: use sharing=prompt, or ulysses_sequence_parallel_size=1)")
-        return setup_unsupported(sp, getattr(mc, "hf_config", None), ulysses_supported=True)
+        return setup_unsupported(sp, getattr(mc, "hf_config", None), ulysses_supported=True, vlm_supported=True)
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
@@ -164,18 +191,32 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
                 return "per-sample temperatures with logits_optimization=memory"
         if get(data=data, key="force_group_size", default=1) != 1:
             return "force_group_size > 1"
-        if "multi_modal_inputs" in data.keys():
-            from verl.utils.model import extract_multi_modal_inputs
-
-            # verl's V1 agent loop stores an (empty) entry per sample for text-only data: only real inputs count
-            if extract_multi_modal_inputs(data["multi_modal_inputs"]):
-                return "multimodal inputs"
-        if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
-            return "3-D position ids (mrope)"
+        if self._zorro_multimodal(data):
+            if not is_multimodal(self.module):
+                return "multimodal inputs / 3-D position ids with a text-only model"
+            if get(data=data, key="use_fused_kernels", default=False):
+                return ("multimodal batches with use_fused_kernels=True (zorro's fused head does not pass the "
+                        "images to the model)")
+            return None  # the positions are checked against every row's own by the plan (packed_positions)
         if "position_ids" in data.keys() and not _standard_positions(data["position_ids"]):
             return ("position_ids that do not count 0, 1, 2, ... along each row (verl's text layout): zorro recomputes "
                     "the positions on its packed row, so other positions would change results")
         return None
+
+    @staticmethod
+    def _zorro_multimodal(data) -> bool:
+        """Whether ``data`` is a vision-language batch: real multimodal inputs (verl's V1 agent loop stores an empty
+        entry per sample for text-only data) or 3-D position ids."""
+        if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
+            return True
+        return "multi_modal_inputs" in data.keys() and any(_row_media(data))
+
+    def _zorro_media(self, data, ids_pad, am, rw):
+        """The :class:`~zorro_verl.packing.multimodal.BatchMedia` of a vision-language batch (content keys, keyed
+        ids), None for a text batch."""
+        if not self._zorro_multimodal(data):
+            return None
+        return batch_media(ids_pad, am, rw, _row_media(data), media_tokens(self.module))
 
     # ------------------------------------------------------------------ model
     def initialize(self):
@@ -414,12 +455,21 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         r)``. Raises on a batch zorro cannot read or pack (no collective: run before the ranks agree)."""
         p, r = row_lengths(data)
         r_split = None
-        if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
+        media = None
+        if self.zorro.sharing == "prefix" or self._zorro_multimodal(data):
             ids_pad, row, col = _to_verl_padded(data["input_ids"], p, r, int(p.max()), int(r.max()))
             am = torch.zeros_like(ids_pad)
             am[row, col] = 1
+            # a vision-language batch groups on keyed ids: rows share only where tokens and images are equal
+            media = self._zorro_media(data, ids_pad, am, int(r.max()))
+            if media is not None:
+                ids_pad = media.keyed_ids
+        if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
             tc = tree_row_costs(ids_pad, am, int(r.max()), self.zorro.min_shared_len)
             g, p, r, r_split = tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
+        elif media is not None:
+            pw = int(p.max())
+            g = group_ids(ids_pad[:, :pw], am[:, :pw].bool())
         else:
             g = row_group_ids(data, p)
         sp = self.ulysses_sequence_parallel_size
@@ -442,8 +492,14 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         ids_pad, row, col = _to_verl_padded(micro_batch["input_ids"], p, r, pw, rw)
         am = torch.zeros_like(ids_pad)
         am[row, col] = 1
-        pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0]
-        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am, **self.zorro.plan_kwargs())
+        media = None
+        if self._zorro_multimodal(micro_batch):  # images once per unique prompt, 3-D positions from the rows
+            plan, media = build_media_plan(ids_pad, am, rw, self._zorro_media(micro_batch, ids_pad, am, rw), None,
+                                           _positions_3d(micro_batch["position_ids"], row, col, pw + rw),
+                                           **self.zorro.plan_kwargs())
+        else:
+            pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0]
+            plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am, **self.zorro.plan_kwargs())
         if plan.tree is not None and getattr(self, "_zorro_tree_stats", None) is not None:
             self._zorro_tree_stats[0] += plan.T
             self._zorro_tree_stats[1] = max(self._zorro_tree_stats[1], plan.tree.levels)
@@ -470,7 +526,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
                 logp, ent = zorro_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
                                        calculate_entropy=calculate_entropy,
                                        logits_optimization=self.zorro.logits_optimization,
-                                       chunk_size=self.logits_chunk_size, shard=shard)
+                                       chunk_size=self.logits_chunk_size, shard=shard, media=media)
 
             offsets = micro_batch["input_ids"].offsets()
             # predict-next layout: the token at column j of row b's response is predicted at row position p_b-1+j
