@@ -45,6 +45,7 @@ from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
+from zorro_verl.integrations.verl.v09.vlm import restore_verl_methods, run_idle_tower, use_transformers_methods
 from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing import build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
@@ -146,6 +147,18 @@ def _positions_3d(pos: torch.Tensor, row: torch.Tensor, col: torch.Tensor, width
     out = vals.new_zeros((vals.shape[0], pos.shape[0], width))
     out[:, row, col] = vals
     return out
+
+
+@contextmanager
+def _idle_tower(module):
+    """For one forward of a micro-batch without images: the input embedding's output gets ``0 * mean`` of the vision
+    tower on a dummy image added (:func:`~zorro_verl.integrations.verl.v09.vlm.run_idle_tower`)."""
+    owner = next(m for m in module.modules() if hasattr(m, "visual") and hasattr(m, "config"))
+    handle = module.get_input_embeddings().register_forward_hook(lambda mod, args, out: run_idle_tower(owner, out))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
@@ -263,6 +276,8 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         # install_zorro's checks (layer types, hybrid delta-net wrappers); every forward then checks that each
         # attention / linear-attention layer ran through zorro once (check_layer_calls).
         install_zorro(self.module, probe=False)
+        if is_multimodal(self.module):  # verl's class patches bypass transformers' attention interface (vlm.py)
+            use_transformers_methods(self.module)
 
     def _installed(self) -> bool:
         return is_installed(self.module)
@@ -274,6 +289,7 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             yield
             return
         uninstall_zorro(self.module)
+        restore_verl_methods(self.module)
         try:
             yield
         finally:
@@ -518,7 +534,10 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
                         else torch.autocast(device_type=device_name, dtype=autocast_dtype))
-        with autocast_ctx:
+        idle = nullcontext()
+        if media is not None and not media.model_kwargs():
+            idle = _idle_tower(self.module)  # no image here: the tower still runs (FSDP collectives, as verl)
+        with autocast_ctx, idle:
             if use_fused:  # verl's fused linear + log-prob kernel as the head (fused.py), one float temperature
                 logp, ent = zorro_fused_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
                                              calculate_entropy=calculate_entropy, shard=shard)
