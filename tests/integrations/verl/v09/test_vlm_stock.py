@@ -1,0 +1,175 @@
+"""verl 0.9.1's STOCK ``FSDPEngineWithLMHead`` on tiny vision-language models (CPU, fp32, 1-rank gloo, FSDP2 and
+FSDP1) against an independent per-row Hugging Face oracle: the harness zorro's VLM engine will be compared with.
+
+Families: Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 (:data:`tests.support.verl_vlm.FAMILIES`). The batch
+(:func:`tests.support.verl_vlm.make_vlm_engine_batch`) is a GRPO batch as verl's trainer hands it to the engine:
+4 prompts x 3 rollouts, one-image prompts, a prompt with two images, two prompts with identical tokens (same image
+size) but different pixels, an image-free prompt, an empty and a 1-token response, 4-row position ids from verl's
+own agent-loop code. The oracle runs transformers' own forward on every row alone (its own pixels, positions from
+the model's ``get_rope_index``, no padding or packing) in fp64.
+
+Two test-only CPU stand-ins for GPU kernels verl's stock remove-padding path calls (Qwen2.5-VL: flash-attn;
+Qwen3.5: flash-linear-attention's varlen delta rule) are explained in
+:func:`tests.support.verl_vlm.cpu_stock_vlm_kernels`.
+
+Tolerances (fp32, docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; loss, grad norm and gradients relative
+<= 1e-5 (gradient clipping disabled, so the engine's gradients are the loss's).
+"""
+
+import pytest
+import torch
+
+from tests.support.verl_vlm import FAMILIES  # import before any engine: it captures transformers' own forwards
+
+pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
+
+ATOL = 1e-5
+RTOL = 1e-5
+TEMPERATURE = 0.8
+NO_CLIP = {"clip_grad": 1e6}
+#: one vision-tower weight whose gradient is compared relative to its own largest entry
+VISION_WEIGHT = "model.visual.blocks.0.attn.qkv.weight"
+#: batch / engine settings per variant (the keys of make_vlm_engine_batch and build_engine)
+VARIANTS = {
+    # 3 fixed micro-batches of 4 shuffled rows, packed (verl's remove-padding path)
+    "rmpad": dict(use_remove_padding=True),
+    # the same rows padded per micro-batch, position ids [4, B, S]
+    "padded": dict(use_remove_padding=False),
+    # verl's dynamic batch size: rows regrouped by token budget (rearrange_micro_batches) and restored
+    "dynamic": dict(use_remove_padding=True, use_dynamic_bsz=True, max_token_len=64),
+    # siblings adjacent, micro-batches of 3 = one prompt each: one micro-batch has no image (verl's dummy vision pass)
+    "grouped": dict(use_remove_padding=True, shuffle=False, micro_batch_size=3),
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def vlm_case(tmp_path_factory, family):
+    """Checkpoint and the fp64 oracle model of ``family``, and a per-variant cache of batches and oracle results
+    (module scope: built once for both strategies)."""
+    from tests.support.verl_vlm import oracle_model, tiny_vlm_checkpoint
+
+    ckpt = tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), family)
+    # the oracle in fp64: its own rounding is then far below the fp32 engine's (an fp32 oracle of Qwen3.5 is ~1e-5
+    # off in its vision gradients by itself: the chunked delta rule)
+    return {"ckpt": ckpt, "model": oracle_model(ckpt, torch.float64), "variants": {}}
+
+
+def _variant(case, name):
+    """``(batch, engine settings, oracle)`` of a variant, computed once per family."""
+    from tests.support.verl_engines import ppo_loss_fn
+    from tests.support.verl_vlm import hf_reference, make_vlm_engine_batch, reference_loss_grads
+
+    if name not in case["variants"]:
+        opts = {"micro_batch_size": 4, **VARIANTS[name]}
+        shuffle = opts.pop("shuffle", True)
+        td = make_vlm_engine_batch(case["model"].config, n=3, seed=1, temperature=TEMPERATURE, shuffle=shuffle,
+                                   **opts)
+        with torch.no_grad():  # also checks verl's positions against the model's own get_rope_index
+            ref = hf_reference(case["model"], td, temperature=TEMPERATURE)
+        loss, grads = reference_loss_grads(case["model"], td, ppo_loss_fn(), temperature=TEMPERATURE)
+        case["variants"][name] = (td, opts, {**ref, "loss": loss, "grads": grads})
+    return case["variants"][name]
+
+
+def _stock_errors(case, variant, strategy) -> dict:
+    """Build verl's stock engine (fp32), run inference and one training step (verl's PPO loss) on the variant's
+    batch and measure against the oracle."""
+    from tests.support.verl_engines import build_engine, engine_grads, infer, output_values, ppo_loss_fn
+    from tests.support.verl_vlm import cpu_stock_vlm_kernels, reset_verl_patches
+
+    td, opts, ref = _variant(case, variant)
+    with cpu_stock_vlm_kernels():  # test-only CPU stand-ins for verl's GPU-only kernels (see there)
+        reset_verl_patches()  # verl patches classes process-wide: this engine gets exactly its own config's patches
+        eng = build_engine(case["ckpt"], zorro=False, strategy=strategy, optim_overrides=NO_CLIP,
+                           **{"max_token_len": 128, **opts})
+        out = infer(eng, td)
+        with eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison
+            tr = eng.train_batch(td.clone(), loss_function=ppo_loss_fn())
+    mask = td["response_mask"].bool()
+    res = {}
+    for key in ("log_probs", "entropy"):
+        got = output_values(out, td, key).double()
+        want = torch.nn.functional.pad(ref[key], (0, mask.shape[1] - ref[key].shape[1]))
+        res[key] = (got - want)[mask].abs().max().item()
+        res[f"{key}_scale"] = want[mask].abs().max().item()
+    got, want = engine_grads(eng), ref["grads"]
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    diff = {n: (got[n].double() - want[n]).abs().max().item() if n in want else got[n].abs().max().item()
+            for n in got}  # a parameter the oracle does not reach must get a zero gradient
+    res["grad_rel"] = max(diff.values()) / max(g.abs().max().item() for g in want.values())
+    vision = [n for n in want if ".visual." in n]
+    res["vision_grad_scale"] = max(want[n].abs().max().item() for n in vision)
+    res["vision_grad_rel"] = max(diff[n] for n in vision) / res["vision_grad_scale"]
+    res["vision_weight_rel"] = diff[VISION_WEIGHT] / want[VISION_WEIGHT].abs().max().item()
+    res["loss"] = (ref["loss"], sum(tr["loss"]))
+    res["grad_norm"] = (torch.sqrt(sum((g ** 2).sum() for g in want.values())).item(),
+                        float(tr["metrics"]["grad_norm"]))
+    return res
+
+
+#: verl 0.9.1 + transformers 5.x: a Qwen2.5-VL micro-batch without any image crashes (any device) in verl's dummy
+#: vision pass, verl/models/transformers/qwen2_vl.py:393-394 (``model.visual(...)`` returns a
+#: ``BaseModelOutputWithPooling`` there, and ``.mean()`` is called on it; the image path at line 354 unpacks it with
+#: ``unpack_visual_output``, the dummy path does not). Strict: this test says so when verl fixes it.
+STOCK_BUG_NO_IMAGE = pytest.mark.xfail(raises=AttributeError, strict=True,
+                                       reason="verl 0.9.1 qwen2_vl.py:394 calls .mean() on BaseModelOutputWithPooling "
+                                              "in an image-free micro-batch")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_stock_engine_matches_hf_per_row(request, vlm_case, family, strategy, variant):
+    if family == "qwen2_5_vl" and variant == "grouped":
+        request.applymarker(STOCK_BUG_NO_IMAGE)
+    res = _stock_errors(vlm_case, variant, strategy)
+    print(f"\n{family} {strategy} {variant}: {res}")
+    for key in ("log_probs", "entropy"):
+        assert res[f"{key}_scale"] > 0.1 and res[key] <= ATOL, (key, res)
+    (la, lb), (ga, gb) = res["loss"], res["grad_norm"]
+    assert abs(la) > 1e-4 and abs(la - lb) <= RTOL * abs(la), res
+    assert ga > 1e-4 and abs(ga - gb) <= RTOL * ga, res
+    assert res["vision_grad_scale"] > 1e-4, res  # the vision tower is trained, not just present
+    assert res["grad_rel"] <= RTOL and res["vision_grad_rel"] <= RTOL and res["vision_weight_rel"] <= RTOL, res
+
+
+def test_batch_layout(vlm_case):
+    """The harness batch is verl's layout and covers the cases it promises."""
+    from tests.support.verl_vlm import batch_rows
+
+    td, _, _ = _variant(vlm_case, "rmpad")
+    assert td["input_ids"].is_nested and td["position_ids"].is_nested
+    assert td["position_ids"].dim() == 3 and td["position_ids"]._ragged_idx == 2  # [B, 4, j]
+    rows = batch_rows(td)
+    n_images = [0 if not mm else mm["image_grid_thw"].shape[0] for *_, mm in rows]
+    assert sorted(set(n_images)) == [0, 1, 2] and {r for _, _, r, _, _ in rows} >= {0, 1}
+    assert all(set(mm) in (set(), {"pixel_values", "image_grid_thw", "images_seqlens"}) for *_, mm in rows)
+    for ids, p, r, pos, mm in rows:
+        assert pos.shape == (4, p + r) and torch.equal(pos[0], torch.arange(p + r))  # row 0: text positions
+        assert int((ids == vlm_case["model"].config.image_token_id).sum()) == \
+            (0 if not mm else int(mm["image_grid_thw"].prod(-1).sum()) // 4)  # placeholders = t*h*w / merge**2
+    tokens = {tuple(ids[:p].tolist()) for ids, p, *_ in rows}
+    prompts = {(tuple(ids[:p].tolist()), float(mm["pixel_values"].sum()) if mm else None) for ids, p, *_, mm in rows}
+    assert len(tokens) == 3 and len(prompts) == 4  # 4 prompts, two of them with the same tokens
+    grouped, _, _ = _variant(vlm_case, "grouped")
+    chunks = [batch_rows(grouped)[i:i + 3] for i in range(0, 12, 3)]
+    assert any(all(not mm for *_, mm in c) for c in chunks)  # an image-free micro-batch
+
+
+def test_oracle_sees_pixels(vlm_case):
+    """The two prompts with identical tokens but different pixels give different log-probs, so the oracle catches
+    an engine that shares one image's features between them."""
+    from tests.support.verl_vlm import batch_rows, hf_row_logits
+
+    td, _, _ = _variant(vlm_case, "rmpad")
+    by_tokens = {}
+    for ids, p, _, _, mm in batch_rows(td):
+        if mm and mm["image_grid_thw"].shape[0] == 1:
+            by_tokens.setdefault(tuple(ids[:p].tolist()), {})[float(mm["pixel_values"].sum())] = (ids[:p], mm)
+    (same,) = [v for v in by_tokens.values() if len(v) == 2]  # one token sequence, two different images
+    with torch.no_grad():
+        a, b = (hf_row_logits(vlm_case["model"], ids, mm)[-1].log_softmax(-1) for ids, mm in same.values())
+    assert (a - b).abs().max() > 1e-2
