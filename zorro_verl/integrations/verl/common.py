@@ -40,8 +40,8 @@ def setup_unsupported(ulysses_sp: int = 1, hf_config=None, *, ulysses_supported:
                 "or use verl 0.9's engine, where zorro runs under Ulysses)")
     if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
         if not vlm_supported:
-            return ("vision-language models in the verl 0.7 legacy actor (3-D position ids / multimodal inputs; "
-                    "verl 0.9's engine runs them with zorro)")
+            return ("vision-language models in this actor (3-D position ids / multimodal inputs: it does not hand "
+                    "images and 3-D positions to zorro's packed forward; zorro runs VLMs in verl 0.9's engine)")
         if ulysses_sp > 1:
             return ("vision-language models under Ulysses sequence parallel > 1 (verl slices a VLM's sequence after "
                     "the vision tower; zorro does not: set ulysses_sequence_parallel_size=1)")

@@ -47,6 +47,16 @@ def family(request):
     return request.param
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _transformers_methods_after():
+    """verl's engines patch the Qwen-VL / Qwen3.5 classes process-wide and never undo it: put transformers' own
+    methods back when this module is done, so later tests of these classes run transformers' code."""
+    yield
+    from tests.support.verl_vlm import reset_verl_patches
+
+    reset_verl_patches()
+
+
 @pytest.fixture(scope="module")
 def vlm_case(tmp_path_factory, family):
     """Checkpoint and the fp64 oracle model of ``family``, and a per-variant cache of batches and oracle results
