@@ -157,15 +157,19 @@ def test_frozen_vision_tower_gets_no_gradient():
     assert max_rel_grad_error(ref_grads, got)[0] <= GRAD_REL_TOL
 
 
-def test_video_and_multi_image_rows():
-    """Qwen2.5-VL with a video (2 temporal patches) and an image in one prompt, siblings interleaved."""
-    model = tiny_vlm_model("qwen2_5_vl", seed=3)
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_and_multi_image_rows(kind):
+    """A video (2 temporal patches) and an image in one prompt, siblings interleaved. Qwen2.5-VL: the video's
+    placeholders in one run; Qwen3-VL: one run per frame with text between (its processor puts a timestamp there):
+    an item's placeholders need not be contiguous, only in order."""
+    model = tiny_vlm_model(kind, seed=3)
     g = torch.Generator().manual_seed(5)
     vgrid = torch.tensor([[2, 2 * MERGE, 2 * MERGE]])
     video = torch.randn(int(vgrid.prod()), PATCH_DIM, generator=g, dtype=torch.float64)
     img, igrid = image(7)
-    toks = [1, V_START] + [VIDEO] * (int(vgrid.prod()) // MERGE ** 2) + [V_END, 2, V_START] + \
-        [IMAGE] * (int(igrid.prod()) // MERGE ** 2) + [V_END, 3]
+    per_frame = int(vgrid[0, 1:].prod()) // MERGE ** 2
+    frames = [VIDEO] * (2 * per_frame) if kind == "qwen2_5_vl" else [VIDEO] * per_frame + [50, 51] + [VIDEO] * per_frame
+    toks = [1, V_START] + frames + [V_END, 2, V_START] + [IMAGE] * (int(igrid.prod()) // MERGE ** 2) + [V_END, 3]
     media = {"pixel_values_videos": video, "video_grid_thw": vgrid, "pixel_values": img, "image_grid_thw": igrid,
              "second_per_grid_ts": torch.tensor([1.0])}
     other, om = prompt_with_media([[4, 5], image(8), [6]])
