@@ -43,14 +43,6 @@ GRAD_REL_TOL = 1e-10
 WORST: dict = {}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _rows(seed: int = 0, reps: int = 3) -> list:
     a, b, c = image(1), image(2), image(3, 2, 3)
     prompts = [prompt_with_media([[1, 2], a, [3, 4]]),  # A
