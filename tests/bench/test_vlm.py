@@ -21,6 +21,7 @@ from zorro_verl.bench.vlm import (
     format_vlm_table,
     parse_vlm_scenario,
     run_vlm_bench,
+    scenario_flops,
 )
 from zorro_verl.testing.vlm import tiny_vlm_config, tiny_vlm_model
 
@@ -141,6 +142,12 @@ def test_vlm_bench_end_to_end_tiny():
         assert r["zorro_tokens"] == sc.G * sc.P + sc.B * sc.R
         assert r["efficiency_paired"] == pytest.approx(r["speedup_paired"] / r["ideal_speedup"])
     assert rows[-1]["ideal_speedup"] == pytest.approx(1.0)  # nothing shared
+    from zorro_verl.bench.models import build_vlm_config
+
+    cfg = build_vlm_config("vlm-quick")  # the batches' FLOPs = the scenario's, from the config alone
+    for r, sc in zip(rows, [s for s in scs for _ in range(2)]):
+        assert r["ideal_speedup"] == pytest.approx(scenario_flops(cfg, sc)[
+            "ideal_fwd_bwd" if r["mode"] == "fwd_bwd" else "ideal"], rel=1e-12)
     lines = check_vlm_targets(rows)
     assert all(line.startswith(("PASS", "FAIL", "INFO")) for line in lines)
     assert sum("log-probs" in line for line in lines) == 3 and all(
@@ -164,3 +171,21 @@ def test_vlm_cli_json_and_flag_errors(tmp_path, capsys):
         bench.main(["--vlm", "--model", "quick"])
     with pytest.raises(ValueError, match="add --vlm"):
         bench.main(["--vlm-scenario", "img256"])
+
+
+def test_vlm_settings_cpu_and_gpu():
+    """--vlm alone: the CPU set with its targets; --preset gpu: the issue's scenario (1,024 image + 64 text tokens,
+    n = 8, R = 128) on the Qwen2.5-VL-3B shape in bf16 (defined here; its ideal from the config: ~5.5x)."""
+    from zorro_verl.bench.cli import _parser, resolve_vlm
+    from zorro_verl.bench.models import build_vlm_config
+
+    cpu = resolve_vlm(_parser().parse_args(["--vlm"]))
+    assert (cpu.device, cpu.dtype, cpu.model, cpu.threads, cpu.targets) == ("cpu", "float32", "vlm-quick", 1, True)
+    assert [s.name for s in cpu.scenarios] == ["img256", "2img64", "noshare"]
+    gpu = resolve_vlm(_parser().parse_args(["--vlm", "--preset", "gpu"]))
+    assert (gpu.device, gpu.dtype, gpu.model, gpu.grad_ckpt) == ("cuda", "bfloat16", "qwen2.5-vl-3b", True)
+    (sc,) = gpu.scenarios
+    assert (sc.B, sc.n, sc.image_tokens, sc.text_tokens, sc.R) == (16, 8, 1024, 64, 128)
+    assert 5.0 < scenario_flops(build_vlm_config(gpu.model), sc)["ideal_fwd_bwd"] < 6.0
+    moved = resolve_vlm(_parser().parse_args(["--vlm", "--device", "cuda"]))
+    assert not moved.targets  # targets belong to the preset's device

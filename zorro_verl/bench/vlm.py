@@ -38,7 +38,7 @@ from zorro_verl.bench.runner import Runner, common_fields, setup_run
 from zorro_verl.bench.timing import Clock, time_interleaved
 
 __all__ = ["VlmScenario", "VlmSettings", "VLM_CPU_SCENARIOS", "VLM_GPU_SCENARIOS", "VLM_PRESETS", "VLM_TARGETS",
-           "parse_vlm_scenario", "vlm_batches", "VlmRunner", "run_vlm_bench", "check_vlm_targets",
+           "parse_vlm_scenario", "scenario_flops", "vlm_batches", "VlmRunner", "run_vlm_bench", "check_vlm_targets",
            "format_vlm_table"]
 
 #: Text tokens are drawn from ``[1, TEXT_VOCAB)``: below every special id of the VLM shapes.
@@ -140,6 +140,20 @@ def parse_vlm_scenario(text: str) -> VlmScenario:
     sc = VlmScenario(f"B{B}G{G}-{k}x{i}+{t}-R{r}", B, G, i, t, r, images=k)
     sc.check()
     return sc
+
+
+def scenario_flops(cfg, sc: VlmScenario) -> dict:
+    """:func:`~zorro_verl.bench.flops.vlm_flop_model` of a scenario from the config alone (every row of the same
+    lengths, as :func:`vlm_batches` makes them), without building a model or a batch: e.g. the GPU scenario's ideal
+    on Qwen2.5-VL-3B. Adds ``ideal`` (forward) and ``ideal_fwd_bwd``."""
+    from zorro_verl.bench.flops import vlm_flop_model
+
+    sc.check()
+    side = sc.side() * cfg.vision_config.spatial_merge_size
+    grid = [1, side, side]
+    f = vlm_flop_model(cfg, torch.full((sc.B,), sc.P), torch.full((sc.B,), sc.R), torch.arange(sc.B) % sc.G,
+                       sc.P + sc.R, [grid] * (sc.B * sc.images), [grid] * (sc.G * sc.images))
+    return {**f, "ideal": f["baseline"] / f["zorro"], "ideal_fwd_bwd": f["baseline_fwd_bwd"] / f["zorro_fwd_bwd"]}
 
 
 def vlm_batches(sc: VlmScenario, k: int, model, device: str) -> list[dict]:
