@@ -2,7 +2,9 @@
 
 Settings come from a preset (:data:`zorro_verl.bench.presets.PRESETS`; ``--quick`` = ``--preset cpu-quick``;
 neither: ``cpu-quick``'s settings, whatever the device) and single flags override its fields. ``--ops`` runs the
-op-level attention benchmark instead of the model-level one. Exit code 1 if a target check fails.
+op-level attention benchmark instead of the model-level one, ``--tree`` the prefix-tree benchmark and ``--vlm`` the
+vision-language one (its own settings: :data:`zorro_verl.bench.vlm.VLM_PRESETS`, ``--preset gpu`` picks the GPU
+ones). Exit code 1 if a target check fails.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from zorro_verl.bench.presets import PRESETS, QUICK_PLAN_SCENARIO, Preset
 from zorro_verl.bench.report import check_targets, format_table, plot
 from zorro_verl.bench.scenarios import parse_scenario
 
-__all__ = ["main", "resolve", "settings", "DTYPES"]
+__all__ = ["main", "resolve", "resolve_vlm", "settings", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
 
@@ -37,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", action="store_true",
                    help="run the prefix-tree benchmark (agentic batches: ordinary vs prompt sharing vs "
                         "sharing=prefix, CPU quick set with its targets) instead of the model-level one")
+    p.add_argument("--vlm", action="store_true",
+                   help="run the vision-language benchmark (a Qwen2.5-VL-shaped model, prompts with images: "
+                        "ordinary forward vs zorro, ideal with the vision tower; CPU set with its targets, "
+                        "--preset gpu: the GPU scenario) instead of the model-level one")
+    p.add_argument("--vlm-scenario", action="append", default=None, metavar="NAME|B,G,I,T,R[,K]",
+                   help="with --vlm: a named scenario (img256, 2img64, noshare, img1024) or B rows, G prompts, I image "
+                        "tokens per image (a square), T text tokens, R response tokens, K images per prompt; "
+                        "repeatable, replaces the preset's")
     p.add_argument("--ops", action="store_true",
                    help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "
                         "instead of the model-level one; backends: --backends or every available one")
@@ -117,6 +127,61 @@ def resolve(args: argparse.Namespace) -> Preset:
     return s
 
 
+def resolve_vlm(args: argparse.Namespace):
+    """The ``--vlm`` run's settings: :data:`~zorro_verl.bench.vlm.VLM_PRESETS` ``gpu`` with ``--preset gpu``, else
+    ``cpu``; ``--device``, ``--dtype``, ``--model`` (a VLM shape), ``--clock``, ``--threads``, ``--grad-ckpt`` and
+    ``--vlm-scenario`` override single fields. Targets apply on the preset's device type only."""
+    from zorro_verl.bench.models import VLM_SHAPES
+    from zorro_verl.bench.vlm import VLM_PRESETS, parse_vlm_scenario
+
+    bad = [flag for flag, on in (("--tree", args.tree), ("--ops", args.ops), ("--scenario", args.scenario),
+                                 ("--lora", args.lora), ("--plot", args.plot), ("--plan-check", args.plan_check))
+           if on]
+    if bad:
+        raise ValueError(f"--vlm: {bad} belong to the other benchmarks (scenarios of a --vlm run: --vlm-scenario).")
+    base = VLM_PRESETS["gpu" if args.preset == "gpu" else "cpu"]
+    over = {}
+    for field, val in (("device", args.device), ("dtype", args.dtype), ("model", args.model), ("clock", args.clock),
+                       ("threads", args.threads), ("grad_ckpt", args.grad_ckpt)):
+        if val is not None:
+            over[field] = val
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}.")
+    if args.model is not None and args.model not in VLM_SHAPES:
+        raise ValueError(f"--model: a --vlm run expects one of {sorted(VLM_SHAPES)}, got {args.model!r}.")
+    if args.vlm_scenario:
+        over["scenarios"] = tuple(parse_vlm_scenario(t) for t in args.vlm_scenario)
+    s = dataclasses.replace(base, **over)
+    if torch.device(s.device).type != torch.device(base.device).type:
+        s = dataclasses.replace(s, targets=False)
+    return s
+
+
+def _main_vlm(args: argparse.Namespace, modes: tuple, t0: float) -> int:
+    from zorro_verl.bench.vlm import check_vlm_targets, format_vlm_table, run_vlm_bench
+
+    s = resolve_vlm(args)
+    cuda = torch.device(s.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but torch.cuda.is_available() is False; use --device cpu.")
+    if not cuda:
+        torch.set_num_threads(s.threads)
+    rows = run_vlm_bench(s.scenarios, modes=modes, model_shape=s.model, dtype=DTYPES[s.dtype], device=s.device,
+                         warmup=args.warmup, reps=args.reps, clock=s.clock, grad_ckpt=s.grad_ckpt,
+                         backend=args.backends.split(",")[0].strip() if args.backends else "sdpa")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print()
+    print(format_vlm_table(rows))
+    checks = check_vlm_targets(rows) if s.targets else []
+    for line in checks:
+        print(line)
+    print(f"total {time.perf_counter() - t0:.0f} s; vision-language benchmark ({s.name}, model {s.model}); device: "
+          f"{rows[0]['device'] if rows else s.device}")
+    return 1 if any(c.startswith("FAIL") for c in checks) else 0
+
+
 def settings(argv: list[str]) -> Preset:
     """The settings a command line resolves to (:func:`resolve` of its parsed arguments)."""
     return resolve(_parser().parse_args(argv))
@@ -124,6 +189,13 @@ def settings(argv: list[str]) -> Preset:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.vlm_scenario and not args.vlm:
+        raise ValueError("--vlm-scenario: a scenario of the vision-language benchmark; add --vlm.")
+    if args.vlm:
+        modes = tuple(m.strip() for m in args.modes.split(","))
+        if not set(modes) <= {"fwd", "fwd_bwd"}:
+            raise ValueError(f"--modes: expected a comma list of fwd, fwd_bwd, got {args.modes!r}.")
+        return _main_vlm(args, modes, time.perf_counter())
     s = resolve(args)
     cuda = torch.device(s.device).type == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -4,6 +4,11 @@ vs what zorro's deduplicated forward computes.
 Counted: matmul FLOPs of every linear layer per token (2 per multiply-add), attention ``4 Hq D`` per (query, key)
 pair actually needed (causal), the LM head on the rows each side computes; gated delta-net layers per token.
 Inputs are the per-row lengths of a batch (``[B] int64`` CPU tensors); outputs are Python ints.
+
+Vision-language models (Qwen2.5-VL's vision tower, :func:`vision_flops` / :func:`vlm_flop_model`): per patch the
+patch embedding, each block's qkv / proj / SwiGLU MLP and the patch merger; ``4 Hv`` per (query, key) pair of each
+block's attention as the model computes it (bidirectional, windowed blocks within each window, full-attention blocks
+within each frame); ordinary = every row encodes its own images, zorro = each unique item once.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["flop_model", "tree_flop_model", "layer_costs", "attention_pairs", "linear_flops_per_token",
-           "mlp_flops_per_token", "linear_attention_flops_per_token"]
+           "mlp_flops_per_token", "linear_attention_flops_per_token", "vision_patch_flops", "vision_attention_pairs",
+           "vision_flops", "vlm_flop_model"]
 
 #: Model types whose full-attention q_proj also produces a per-head output gate (twice the query width).
 _GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -132,3 +138,78 @@ def tree_flop_model(cfg, plan) -> dict:
     head_rows = int(plan.head_index.numel())
     z = per_token * plan.T + L * per_pair * pairs + 2 * cfg.hidden_size * cfg.vocab_size * head_rows
     return {"zorro": z, "zorro_tokens": plan.T, "pairs": pairs, "head_rows": head_rows}
+
+
+def _check_vision_config(vcfg) -> None:
+    if getattr(vcfg, "model_type", None) != "qwen2_5_vl_vision" or getattr(vcfg, "window_size", None) is None:
+        raise ValueError(f"vision FLOP model: counts Qwen2.5-VL's vision tower (windowed + full-attention blocks, "
+                         f"SwiGLU MLP, one patch merger), got a {getattr(vcfg, 'model_type', None)!r} vision config.")
+
+
+def vision_patch_flops(vcfg) -> tuple[int, int]:
+    """``(embed, per_patch)``: forward FLOPs per patch of Qwen2.5-VL's patch embedding (a Conv3d with stride = kernel:
+    a ``C Tp p^2 -> Hv`` matmul) and of everything else that costs per patch: each block's qkv (``Hv -> 3 Hv``),
+    proj (``Hv -> Hv``) and SwiGLU MLP (``3 Hv Iv``), and the patch merger (``Hm = Hv m^2``: ``Hm -> Hm -> out`` per
+    merged token, i.e. ``2 Hv (Hm + out)`` per patch). Attention is counted per pair (:func:`vision_attention_pairs`).
+    """
+    _check_vision_config(vcfg)
+    Hv, Iv, m = vcfg.hidden_size, vcfg.intermediate_size, vcfg.spatial_merge_size
+    embed = 2 * vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2 * Hv
+    block = 2 * (4 * Hv * Hv + 3 * Hv * Iv)
+    merger = 2 * Hv * (Hv * m * m + vcfg.out_hidden_size)
+    return embed, vcfg.depth * block + merger
+
+
+def vision_attention_pairs(vcfg, grid) -> tuple[int, int]:
+    """``(window, full)``: (query, key) pairs per head of one windowed block and one full-attention block for one
+    item of grid ``(t, h, w)`` (patches), as Qwen2.5-VL computes them: bidirectional, each frame alone (full:
+    ``(h w)^2`` per frame); windows of ``ws = window_size / merge / patch`` merged tokens a side tiled from the top
+    left corner (the last row / column of windows cut short), each window ``(rows cols merge^2)^2``."""
+    _check_vision_config(vcfg)
+    t, h, w = (int(x) for x in grid)
+    m = vcfg.spatial_merge_size
+    ws = vcfg.window_size // m // vcfg.patch_size
+    lh, lw = h // m, w // m
+    rows = [min(ws, lh - i) for i in range(0, lh, ws)]
+    cols = [min(ws, lw - j) for j in range(0, lw, ws)]
+    window = t * sum((r * c * m * m) ** 2 for r in rows for c in cols)
+    return window, t * (h * w) ** 2
+
+
+def vision_flops(vcfg, grids) -> dict:
+    """FLOPs of Qwen2.5-VL's vision tower encoding the items of ``grids`` (``[k, 3]`` int, patches; one row per
+    item, each encoded once): ``fwd`` and ``fwd_bwd`` (a trained tower: 3x forward for the blocks, the merger and
+    attention; 2x for the patch embedding, whose input, the pixels, needs no gradient), ``patches``, ``items``."""
+    embed, per_patch = vision_patch_flops(vcfg)
+    full_blocks = len(set(vcfg.fullatt_block_indexes) & set(range(vcfg.depth)))
+    per_pair = 4 * vcfg.hidden_size
+    patches = pairs = 0
+    for g in (grids.tolist() if torch.is_tensor(grids) else grids):
+        window, full = vision_attention_pairs(vcfg, g)
+        patches += int(g[0]) * int(g[1]) * int(g[2])
+        pairs += (vcfg.depth - full_blocks) * window + full_blocks * full
+    lin, attn = per_patch * patches, per_pair * pairs
+    return {"fwd": embed * patches + lin + attn, "fwd_bwd": 2 * embed * patches + 3 * (lin + attn),
+            "patches": patches, "items": len(grids)}
+
+
+def vlm_flop_model(cfg, p_len: torch.Tensor, r_len: torch.Tensor, row_group: torch.Tensor, S: int, row_grids,
+                   packed_grids) -> dict:
+    """Forward (and forward + backward) FLOPs of a vision-language batch, ordinary padded forward vs zorro.
+
+    The language model as :func:`flop_model` (``cfg.text_config``; placeholders are tokens like any other, the
+    response-only head), plus the vision tower (:func:`vision_flops`): the ordinary forward encodes every row's
+    items (``row_grids [sum_b k_b, 3]``), zorro each unique prompt's items once (``packed_grids [k, 3]``).
+    Returns ``baseline``, ``zorro``, ``baseline_fwd_bwd``, ``zorro_fwd_bwd`` (totals), the vision parts
+    ``vision_baseline(_fwd_bwd)`` / ``vision_zorro(_fwd_bwd)``, ``images_baseline`` / ``images_zorro`` (items
+    encoded), ``patches_baseline`` / ``patches_zorro``, and the text model's ``baseline_tokens``, ``zorro_tokens``,
+    ``N``."""
+    text = flop_model(cfg.text_config, p_len, r_len, row_group, S)
+    vb, vz = vision_flops(cfg.vision_config, row_grids), vision_flops(cfg.vision_config, packed_grids)
+    out = {k: text[k] for k in ("baseline_tokens", "zorro_tokens", "N")}
+    for side, v in (("baseline", vb), ("zorro", vz)):
+        out[side] = text[side] + v["fwd"]
+        out[f"{side}_fwd_bwd"] = text[f"{side}_fwd_bwd"] + v["fwd_bwd"]
+        out[f"vision_{side}"], out[f"vision_{side}_fwd_bwd"] = v["fwd"], v["fwd_bwd"]
+        out[f"images_{side}"], out[f"patches_{side}"] = v["items"], v["patches"]
+    return out

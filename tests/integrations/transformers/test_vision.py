@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from zorro_verl.integrations.transformers import install_zorro, zorro_step
+from zorro_verl.integrations.transformers import install_zorro, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.vision import media_tokens, rope_positions
 from zorro_verl.packing import build_plan
 from zorro_verl.packing.multimodal import batch_media, build_media_plan, keyed_id, pack_media
@@ -147,6 +147,22 @@ def test_frozen_vision_tower_gets_no_gradient():
     got = grads_of(model)
     assert not any(n.startswith("model.visual") for n in got)
     assert max_rel_grad_error(ref_grads, got)[0] <= GRAD_REL_TOL
+
+
+def test_uninstall_restores_the_language_models_attention():
+    """install_zorro switches the language model (text_config) as well as the root; uninstall_zorro must switch
+    both back (it restored the root only: the next ordinary forward reached zorro's attention without a plan)."""
+    rows = _rows(reps=1)
+    model = tiny_vlm_model("qwen2_5_vl")
+    ref = ordinary_vlm_logprobs(model, rows)
+    install_zorro(model)
+    assert model.config.text_config._attn_implementation != "sdpa"
+    uninstall_zorro(model)
+    cfg = model.config
+    assert (cfg._attn_implementation, cfg.text_config._attn_implementation,
+            cfg.vision_config._attn_implementation) == ("sdpa", "sdpa", "sdpa")
+    got = ordinary_vlm_logprobs(model, rows)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])

@@ -182,6 +182,8 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
         return getattr(model, "zorro_features", None)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model._zorro_previous_sub_attn = vision.sub_attention(model)
+    model._zorro_previous_text_attn = getattr(getattr(model.config, "text_config", None), "_attn_implementation",
+                                              None)
     # a vision-language model: its language model runs zorro, its vision tower keeps its own attention
     model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
     try:
@@ -201,7 +203,11 @@ def uninstall_zorro(model) -> None:
     if is_installed(model):
         previous = getattr(model, "_zorro_previous_attn", None) or "sdpa"
         subs = getattr(model, "_zorro_previous_sub_attn", None) or {}
-        model.set_attn_implementation({"": previous, **subs} if subs else previous)
+        if subs:  # a vision-language model: install switched its language model (text_config) too
+            text = getattr(model, "_zorro_previous_text_attn", None) or previous
+            model.set_attn_implementation({"": previous, "text_config": text, **subs})
+        else:
+            model.set_attn_implementation(previous)
 
 
 def _probe(model) -> None:
