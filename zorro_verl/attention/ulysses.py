@@ -29,7 +29,8 @@ from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["check_ulysses_heads", "ulysses_attend", "gather_rows", "all_to_all_bytes"]
+__all__ = ["check_ulysses_heads", "ulysses_attend", "gather_rows", "all_to_all_bytes", "sequence_to_heads",
+           "heads_to_sequence"]
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
@@ -111,6 +112,22 @@ def ulysses_attend(plan: ZorroPlan, backend: str, shard: UlyssesShard, query: to
     if pad:
         out = torch.cat([out, out.new_zeros(1, pad, *out.shape[2:])], 1)
     return _AllToAll.apply(out, group, 1, 2)  # [1, T_pad, Hq/sp, D] -> [1, L, Hq, D]
+
+
+def sequence_to_heads(x: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
+    """``[L, H, ...]`` (this rank's tokens, every head) -> ``[T, H / sp, ...]`` (every token of the deduplicated row,
+    pad dropped, this rank's heads ``[rank * H / sp, (rank + 1) * H / sp)``); autograd-aware (backward: the opposite
+    exchange). Used around the gated delta-net, whose heads are independent (docs/DESIGN.md §8)."""
+    return _AllToAll.apply(x, shard.group, 1, 0)[: shard.T]
+
+
+def heads_to_sequence(x: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
+    """``[T, H / sp, ...]`` (this rank's heads) -> ``[L, H, ...]`` (this rank's tokens): the pad rows are added as
+    zeros, then the exchange back (the inverse of :func:`sequence_to_heads`)."""
+    pad = shard.padded_len - shard.T
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])], 0)
+    return _AllToAll.apply(x, shard.group, 0, 1)
 
 
 class _GatherRows(torch.autograd.Function):

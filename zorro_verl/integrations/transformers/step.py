@@ -107,11 +107,8 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
     # the head rows this call computes: all N, or (sequence parallel) the ones whose predicting row this rank holds
     keep, targets = (plan.logit_index, plan.target_ids) if shard is None else (shard.logit_index, shard.target_ids)
     index = None  # prefix trees: the head runs once per distinct position, head_inverse maps outputs to its rows
-    if plan.head_index is not None:
-        if shard is not None:
-            raise ValueError("shard: prefix-tree plans (sharing='prefix') under Ulysses sequence parallelism are not "
-                             "supported; use sharing='prompt' with ulysses_sequence_parallel_size > 1.")
-        keep, index = plan.head_index, plan.head_inverse
+    if plan.head_index is not None:  # under SP: the distinct positions this rank holds, its outputs' rows there
+        keep, index = (plan.head_index, plan.head_inverse) if shard is None else (shard.head_index, shard.head_inverse)
     if divisors is not None and shard is not None:
         divisors = divisors[shard.rows]
     if head_fn is None and mode == "memory":
