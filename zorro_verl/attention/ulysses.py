@@ -29,8 +29,8 @@ from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["check_ulysses_heads", "ulysses_attend", "gather_rows", "all_to_all_bytes", "sequence_to_heads",
-           "heads_to_sequence"]
+__all__ = ["check_ulysses_heads", "ulysses_attend", "gather_rows", "all_to_all_bytes",
+           "linear_attention_all_to_all_bytes", "sequence_to_heads", "heads_to_sequence"]
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
@@ -74,6 +74,18 @@ def all_to_all_bytes(local_len: int, sp_size: int, num_heads: int, num_kv_heads:
     KV repeat."""
     kv = sp_size if num_kv_heads < sp_size else num_kv_heads
     return (2 * num_heads + 2 * kv) * local_len * head_dim * element_size
+
+
+def linear_attention_all_to_all_bytes(local_len: int, sp_size: int, num_k_heads: int, num_v_heads: int,
+                                      head_k_dim: int, head_v_dim: int, element_size: int,
+                                      decay_element_size: int) -> int:
+    """Bytes one rank hands to ``all_to_all`` per gated delta-net layer in the forward (the backward sends the same
+    again): the conv inputs ``q, k [L, Hk', Dk]``, ``v [L, Hv, Dv]`` and ``beta [L, Hv]`` in the model dtype, the
+    log decay ``g [L, Hv]`` in ``decay_element_size`` (fp32, fp64 for fp64 models), and the output ``[L, Hv, Dv]``
+    back; ``Hk' = Hk``, or ``Hv`` when ``sp`` does not divide the key heads (each repeated per value head)."""
+    hk = num_k_heads if num_k_heads % sp_size == 0 else num_v_heads
+    elements = 2 * hk * head_k_dim + 2 * num_v_heads * head_v_dim + num_v_heads
+    return local_len * (elements * element_size + num_v_heads * decay_element_size)
 
 
 def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
