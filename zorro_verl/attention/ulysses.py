@@ -15,6 +15,9 @@ all-to-all is an autograd Function whose backward is the opposite all-to-all (sa
 hands each rank its rows' gradient times ``sp`` — every SP rank computes the same loss on ``[N]`` and FSDP averages
 gradients over all ``dp * sp`` ranks (verl's ``gather_outputs_and_unpad`` scales the same way).
 
+:func:`sequence_to_heads` / :func:`heads_to_sequence` are the same exchange for ``[L, H, ...]`` tensors, used around
+the gated delta-net's conv and recurrence (``integrations/transformers/hybrid.py``; heads independent there too).
+
 Imports torch (``torch.distributed``) and the packing layer.
 """
 

@@ -84,8 +84,9 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             :func:`~zorro_verl.logprob.linear_head_params`), never call the module.
         shard: this rank's part under Ulysses sequence parallelism (:func:`~zorro_verl.packing.ulysses.ulysses_shard`
             of ``plan``; every rank of the SP group calls with the same plan): the model runs on the rank's slice
-            of the packed row, the head at the response-predicting rows it holds, and the outputs are all-gathered
-            (autograd-aware) into ``[N]`` on every SP rank.
+            of the packed row, the head at the response-predicting rows it holds (a prefix tree's: once per distinct
+            local position, ``shard.head_index``), and the outputs are all-gathered (autograd-aware) into ``[N]`` on
+            every SP rank. Attention and gated delta-net layers exchange sequence shards for head shards.
         temperature_op: for a float ``temperature``: ``upcast`` (divide after the fp32 upcast, OpenRLHF's order),
             ``logits`` (divide in the logits' dtype, verl 0.7's ``logits.div_(temperature)``) or ``logits_rounded``
             (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`); a tensor ``temperature`` always runs ``logits_rounded``.
