@@ -262,9 +262,16 @@ PREFIX = {"sharing": "prefix", "min_shared_len": 4}
 
 
 def _agentic_td(dp_rank: int, mbs: int, dp: int):
-    """test_prefix_engine.py's agentic batch (a shared system prompt over 3 questions x 3 samples, one 3-turn
-    multi-output trajectory with masked tool tokens; clusters interleaved), drawn per DP rank."""
+    """:func:`_agentic_rows` as a verl batch."""
     from tests.support.verl_engines import make_engine_batch
+
+    return make_engine_batch(base=_agentic_rows(dp_rank), temperature=0.8, micro_batch_size=mbs,
+                             global_batch_size=12 * dp)
+
+
+def _agentic_rows(dp_rank: int) -> dict:
+    """test_prefix_engine.py's agentic batch (a shared system prompt over 3 questions x 3 samples, one 3-turn
+    multi-output trajectory with masked tool tokens; clusters interleaved), drawn per DP rank; padded layout."""
     from zorro_verl.testing import batch_from_rows, multi_turn_rows, shared_system_rows
 
     rows = shared_system_rows(3, 3, system_len=10, question_len=3, response_len=4, vocab_size=100, seed=7 + dp_rank)
@@ -272,9 +279,8 @@ def _agentic_td(dp_rank: int, mbs: int, dp: int):
                                    seed=8 + dp_rank)
     order = [4, 9, 0, 11, 2, 7, 5, 1, 10, 3, 6, 8]
     rows, masks = rows + turns, [[1] * len(r) for _, r in rows] + masks
-    base = batch_from_rows([rows[i] for i in order], response_masks=[masks[i] for i in order],
+    return batch_from_rows([rows[i] for i in order], response_masks=[masks[i] for i in order],
                            include_training_fields=True, seed=9 + dp_rank)
-    return make_engine_batch(base=base, temperature=0.8, micro_batch_size=mbs, global_batch_size=12 * dp)
 
 
 def _hybrid_runs(ulysses: dict, counter, sp: int, strategy: str) -> dict:
@@ -282,7 +288,8 @@ def _hybrid_runs(ulysses: dict, counter, sp: int, strategy: str) -> dict:
     without SP, run padded (``use_remove_padding=False``): verl's own SP path for these models needs
     flash-linear-attention's context-parallel kernels (Qwen3.5; Qwen3-Next has no SP path in verl 0.9.1), and its
     CPU remove-padding path leaks the recurrent state across packed rows (test_hybrid_engine.py). One 8-row,
-    2-prompt batch: inference and one training step; the all-to-all bytes of the training step."""
+    2-prompt batch, and for Qwen3.5 also the agentic batch with ``sharing=prefix``: inference and one training step;
+    the all-to-all bytes of the training step."""
     import tempfile
 
     import torch
@@ -290,21 +297,29 @@ def _hybrid_runs(ulysses: dict, counter, sp: int, strategy: str) -> dict:
     from tests.support.verl_engines import build_engine, engine_grads, make_engine_batch, ppo_loss_fn, response_values
     from zorro_verl.testing import grad_rel_error, tiny_hybrid_model
 
+    def prompt_batch(z):
+        return make_engine_batch(batch_size=8, num_prompts=2, prompt_len=9, response_len=5, seed=5, shuffle=True,
+                                 temperature=0.8, calculate_entropy=True, micro_batch_size=4, use_remove_padding=z)
+
+    def tree_batch(z):
+        return make_engine_batch(base=_agentic_rows(0), temperature=0.8, calculate_entropy=True, micro_batch_size=4,
+                                 use_remove_padding=z)
+
     out = {}
-    for kind in ("qwen3_5", "qwen3_next"):
+    for name, kind, make, settings in (("qwen3_5", "qwen3_5", prompt_batch, None),
+                                       ("qwen3_next", "qwen3_next", prompt_batch, None),
+                                       ("qwen3_5_prefix", "qwen3_5", tree_batch, PREFIX)):
         with tempfile.TemporaryDirectory() as d:
             model = tiny_hybrid_model(kind, dtype=torch.float32, seed=0, exact=False)
             model.config.architectures = [type(model).__name__]
             model.save_pretrained(d)
             cfg = model.config
-            batches = [make_engine_batch(batch_size=8, num_prompts=2, prompt_len=9, response_len=5, seed=5,
-                                         shuffle=True, temperature=0.8, calculate_entropy=True, micro_batch_size=4,
-                                         use_remove_padding=z) for z in (False, True)]
+            batches = [make(z) for z in (False, True)]
             mask = batches[1]["response_mask"].bool()
             inf, tr, grads, sent = [], [], [], []
             for z, td in zip((False, True), batches):
                 eng = build_engine(d, zorro=z, micro_batch_size=4, use_remove_padding=z, strategy=strategy,
-                                   engine_overrides=ulysses if z else None)
+                                   engine_overrides=ulysses if z else None, zorro_settings=settings if z else None)
                 with eng.eval_mode():
                     inf.append(eng.infer_batch(td.clone(), loss_function=None))
                 counter.bytes = 0
@@ -325,12 +340,12 @@ def _hybrid_runs(ulysses: dict, counter, sp: int, strategy: str) -> dict:
         res["grad_rel"] = grad_rel_error(grads[0], grads[1])
         res["fallback"] = tr[1]["metrics"].get("zorro/fallback_batches")
         res["a2a_bytes"] = sent[1]
-        res["mb_tokens"] = [_dedup_tokens(batches[1], b) for b in zmb.batches]
+        res["mb_tokens"] = [(_tree_tokens if settings else _dedup_tokens)(batches[1], b) for b in zmb.batches]
         res["shape"] = {"layer_types": list(cfg.layer_types), "heads": cfg.num_attention_heads,
                         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                         "k_heads": cfg.linear_num_key_heads, "v_heads": cfg.linear_num_value_heads,
                         "k_dim": cfg.linear_key_head_dim, "v_dim": cfg.linear_value_head_dim, "sp": sp}
-        out[kind] = res
+        out[name] = res
     return out
 
 

@@ -9,12 +9,12 @@ micro-batches of 3 rows (4-row groups split across micro-batches), packed rows w
 Every engine also runs the inference pass with a dynamic token budget. The 2-process run also checks the memory
 logits mode (with gradient checkpointing), verl's fused kernels, a long-prompt batch in which one SP rank holds no
 response-predicting row (the common case at long context), the refusal of SP ranks with different batches, and hybrid
-Qwen3.5 / Qwen3-Next (gated delta-net layers exchanged like attention) against verl's stock engine without SP, run
-padded (verl's own SP path for them needs flash-linear-attention's context-parallel kernels; its CPU remove-padding
-path is no reference: test_hybrid_engine.py). Prefix trees (``sharing=prefix``) under SP, in both runs: an agentic
-batch per DP rank (a shared system prompt over 3 questions x 3 samples, a multi-output 3-turn trajectory with masked
-tool tokens) against both stock engines, and the prompt batch as a depth-one tree. The all-to-all bytes are counted per
-training step and must equal the cost model.
+Qwen3.5 / Qwen3-Next (gated delta-net layers exchanged like attention; Qwen3.5 also with ``sharing=prefix`` on the
+agentic batch below) against verl's stock engine without SP, run padded (verl's own SP path for them needs
+flash-linear-attention's context-parallel kernels; its CPU remove-padding path is no reference: test_hybrid_engine.py).
+Prefix trees (``sharing=prefix``) under SP, in both runs: an agentic batch per DP rank (a shared system prompt over 3
+questions x 3 samples, a multi-output 3-turn trajectory with masked tool tokens) against both stock engines, and the
+prompt batch as a depth-one tree. The all-to-all bytes are counted per training step and must equal the cost model.
 
 Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
 <= 1e-5.
@@ -176,7 +176,8 @@ def test_sp2_matches_stock_kv_heads_below_sp(sp2_results, strategy):
     for r in sp2_results:  # checked once, under FSDP2: they do not depend on the strategy
         ref = r["fsdp2"]["refusals"]
         assert "hold different batches" in ref["mismatch"]
-        for kind, h in r["fsdp2"]["hybrid"].items():  # gated delta-net layers under SP (FSDP2)
+        assert set(r["fsdp2"]["hybrid"]) == {"qwen3_5", "qwen3_next", "qwen3_5_prefix"}
+        for kind, h in r["fsdp2"]["hybrid"].items():  # gated delta-net layers under SP (FSDP2), also with a tree
             _check_hybrid(kind, h)
 
 
