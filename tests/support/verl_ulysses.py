@@ -341,6 +341,7 @@ def _hybrid_runs(ulysses: dict, counter, sp: int, strategy: str) -> dict:
         res["fallback"] = tr[1]["metrics"].get("zorro/fallback_batches")
         res["a2a_bytes"] = sent[1]
         res["mb_tokens"] = [(_tree_tokens if settings else _dedup_tokens)(batches[1], b) for b in zmb.batches]
+        res["stock_mb_tokens"] = _stock_mb_tokens(batches[1], 4)  # stock's micro-batches (4 rows in order)
         res["shape"] = {"layer_types": list(cfg.layer_types), "heads": cfg.num_attention_heads,
                         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                         "k_heads": cfg.linear_num_key_heads, "v_heads": cfg.linear_num_value_heads,
