@@ -44,7 +44,7 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
     import torch
     import torch.distributed as dist
 
-    from zorro_verl.integrations.transformers import install_zorro
+    from zorro_verl.integrations.transformers import install_zorro, zorro_step
     from zorro_verl.integrations.transformers.hybrid import linear_attention_modules
     from zorro_verl.packing import build_plan
     from zorro_verl.packing.ulysses import ulysses_shard
@@ -121,6 +121,20 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
             if rechunk is not None:
                 e_oracle["rechunk_per_param"] = per_param(oracle, rechunk, 1e-6)
             res[mode] = {"sp_vs_ref": e, "sp_vs_oracle": e_oracle}
+        if plan.tree is not None:  # per-row temperatures: outputs sharing a head row divide it by their own
+            temps = torch.linspace(0.5, 1.2, plan.B, dtype=torch.float32)
+            pair = []
+            for sh in (None, shard):
+                model.zero_grad(set_to_none=True)
+                lp, en = zorro_step(model, plan, backend="sdpa", temperature=temps, calculate_entropy=True, shard=sh)
+                ((lp.double() * w1).sum() + (en.double() * w2).sum()).backward()
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                if sh is not None:
+                    for g in grads.values():
+                        dist.all_reduce(g)
+                        g /= world
+                pair.append({"logp": lp.detach(), "ent": en.detach(), "grads": grads})
+            res["per_row_temperature"] = {"sp_vs_ref": errors(*pair)}
         out[name] = res
     return out
 

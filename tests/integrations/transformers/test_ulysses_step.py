@@ -8,7 +8,8 @@ and Gemma 2 (windows, soft-capping), a packed row of odd length, a 1-token and a
 log-probs, entropy and the gradient relative (Frobenius) <= 1e-12. Prefix trees and hybrid layers (the same two
 processes; SP = 4 in four more, the two tree cases): a tree over a shared system prompt, responses sharing their
 first tokens, an identical row and multi-output agent-loop samples with masked tool tokens on tiny Qwen3; Qwen3.5
-and Qwen3-Next (one key head: repeated before the exchange) with the prompt plan, Qwen3.5 with the tree. SP vs the
+and Qwen3-Next (one key head: repeated before the exchange) with the prompt plan, Qwen3.5 with the tree (trees also
+with per-row temperatures: outputs sharing a head row divide it by their own). SP vs the
 same plan without SP: relative (Frobenius) <= 1e-12; SP vs the ordinary per-row forward: log-probs / entropy
 <= 1e-12 abs, gradients per parameter (floored at 1e-6 of the largest) <= 1e-9 for attention-only models
 (test_tree_step.py's rule, tightened from 1e-8) and <= max(1e-12, 4x the oracle's own re-chunking error) for
@@ -35,6 +36,9 @@ def _check_trees_and_hybrids(r, cases=TREE_CASES):
     assert r["tree_qwen3"]["Nh"] < r["tree_qwen3"]["N"]  # shared predicting positions: the head once per position
     for case in cases:
         assert min(r[case]["rows_per_rank"]) >= 0 and sum(r[case]["rows_per_rank"]) == r[case]["N"]
+        if r[case]["tree"]:  # per-row temperatures on a tree: each output's own divisor on the shared head row
+            err = r[case]["per_row_temperature"]["sp_vs_ref"]
+            assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (case, err)
         for mode in MODES:
             err, orc = r[case][mode]["sp_vs_ref"], r[case][mode]["sp_vs_oracle"]
             assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (case, mode, err)
