@@ -46,3 +46,29 @@ def test_bad_sp_arguments_raise():
         ulysses_shard(plan, 0, 0)
     with pytest.raises(ValueError, match="rank"):
         ulysses_shard(plan, 2, 2)
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_tree_shards_run_each_distinct_head_position_once(sp):
+    """A prefix-tree plan: the shard layout is the prompt plan's over the tree's packed row; each rank's head rows
+    are the distinct positions of its outputs, and together the ranks compute ``plan.head_index`` exactly once."""
+    from zorro_verl.testing import batch_from_rows, multi_turn_rows, shared_system_rows
+
+    rows = shared_system_rows(2, 3, system_len=7, question_len=2, response_len=4, vocab_size=50, seed=2)
+    rows[1] = (rows[1][0], rows[0][1][:2] + rows[1][1][2:])  # two responses share their first 2 tokens
+    rows.append(rows[0])  # an identical row: every position shared
+    turns, _ = multi_turn_rows(3, first_prompt_len=4, turn_len=2, observation_len=1, vocab_size=50, seed=3)
+    b = batch_from_rows(rows + turns)
+    plan = build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1], sharing="prefix",
+                      min_shared_len=1)
+    assert plan.head_index.numel() < plan.N
+    shards = [ulysses_shard(plan, sp, s) for s in range(sp)]
+    heads = []
+    for s in shards:
+        assert s.head_index is not None and s.head_inverse.shape == s.rows.shape
+        assert torch.equal(s.head_index[s.head_inverse], s.logit_index)  # each output reads its own position
+        assert s.head_index.unique().numel() == s.head_index.numel()
+        heads.append(s.head_index + s.start)
+    assert torch.equal(torch.cat(heads), plan.head_index)  # every distinct position once, on one rank
+    prompt_plan = build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1])
+    assert ulysses_shard(prompt_plan, sp, 0).head_index is None  # the prompt plan's path is unchanged

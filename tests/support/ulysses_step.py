@@ -2,13 +2,15 @@
 with an :class:`~zorro_verl.packing.ulysses.UlyssesShard` on every rank of an SP group against ``zorro_step`` of the
 whole packed row on one rank, no verl involved.
 
-Run as ``python -m tests.support.ulysses_step RANK WORLD INIT_FILE DEVICE OUT_JSON`` (``DEVICE``: ``cpu`` = fp64 over
-gloo with the ``sdpa`` backend; ``cuda`` = bf16 over NCCL with the ``flash`` backend, plus an fp64 ``sdpa`` oracle for
-the relative rule). Models: tiny Qwen3s with 4 query / 2 KV heads and with 2 query / 1 KV head (fewer KV heads than
-SP ranks when ``WORLD = 2``), on CPU also tiny gpt-oss (sliding windows, attention sinks) and Gemma 2 (windows,
-soft-capping); the batch has 3 shuffled prompts, a 1-token and an empty response and an odd packed
-length. Loss ``sum(w1 * log_probs) + sum(w2 * entropy)`` with fixed random weights; the SP gradient is the SP
-group's sum divided by ``WORLD`` (the row gather scales by SP, as verl's does, for FSDP's averaging).
+Run as ``python -m tests.support.ulysses_step RANK WORLD INIT_FILE DEVICE SUITE OUT_JSON`` (``DEVICE``: ``cpu`` =
+fp64 over gloo with the ``sdpa`` backend; ``cuda`` = bf16 over NCCL with the ``flash`` backend, plus an fp64 ``sdpa``
+oracle for the relative rule; ``SUITE``: ``all``, ``base`` (the prompt-plan cases below) or ``trees`` (two
+prefix-tree cases of :func:`_tree_and_hybrid_cases`, CPU only)). Models: tiny Qwen3s with 4 query / 2 KV
+heads and with 2 query / 1 KV head (fewer KV heads than SP ranks when ``WORLD = 2``), on CPU also tiny gpt-oss
+(sliding windows, attention sinks) and Gemma 2 (windows, soft-capping); the batch has 3 shuffled prompts, a 1-token
+and an empty response and an odd packed length. Loss ``sum(w1 * log_probs) + sum(w2 * entropy)`` with fixed random
+weights; the SP gradient is the SP group's sum divided by ``WORLD`` (the row gather scales by SP, as verl's does, for
+FSDP's averaging).
 """
 
 from __future__ import annotations
@@ -28,10 +30,116 @@ def _errors(ref: dict, got: dict) -> dict:
     ga = torch.cat([g.double().flatten() for g in ref["grads"].values()])
     gb = torch.cat([got["grads"][k].double().flatten() for k in ref["grads"]])
     return {"log_probs": rel(ref["logp"], got["logp"]), "entropy": rel(ref["ent"], got["ent"]), "grads": rel(ga, gb),
-            "log_probs_max_abs": (ref["logp"].double() - got["logp"].double()).abs().max().item()}
+            "log_probs_max_abs": (ref["logp"].double() - got["logp"].double()).abs().max().item(),
+            "entropy_max_abs": (ref["ent"].double() - got["ent"].double()).abs().max().item()}
 
 
-def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
+def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> dict:
+    """CPU fp64 cases beyond the prompt plan: a prefix tree (a shared system prompt over three questions, two
+    responses sharing their first tokens, an identical row, and verl's multi-output agent-loop samples with tool
+    tokens masked out) on tiny Qwen3, and hybrid Qwen3.5 / Qwen3-Next (gated delta-net) with the prompt plan and
+    with a tree. Each: SP vs the same plan without SP, and SP vs the ordinary per-row forward."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from zorro_verl.integrations.transformers import install_zorro, zorro_step
+    from zorro_verl.integrations.transformers.hybrid import linear_attention_modules
+    from zorro_verl.packing import build_plan
+    from zorro_verl.packing.ulysses import ulysses_shard
+    from zorro_verl.recurrent import chunk_gated_delta_rule_ref
+    from zorro_verl.testing import (
+        batch_from_rows,
+        create_dummy_batch,
+        multi_turn_rows,
+        ordinary_logprobs,
+        shared_system_rows,
+        tiny_hybrid_model,
+        tiny_model,
+    )
+
+    rows = shared_system_rows(3, 2, system_len=9, question_len=3, response_len=4, vocab_size=100, seed=1)
+    rows[3] = (rows[3][0], rows[2][1][:2] + rows[3][1][2:])  # two responses of question 1 share 2 tokens
+    rows.append(rows[0])  # an identical row
+    turns, turn_masks = multi_turn_rows(3, first_prompt_len=5, turn_len=3, observation_len=2, vocab_size=100, seed=2)
+    masks = [[1] * len(r) for _, r in rows] + turn_masks
+    tree_batch = batch_from_rows(rows + turns, response_masks=masks)
+    prompt_batch = create_dummy_batch(batch_size=5, num_unique_prompts=2, prompt_len=7, response_len=5, device="cpu",
+                                      add_padding=True, vocab_size=128, seed=5, shuffle=True)
+
+    def plan_of(batch, sharing):
+        R = batch["responses"].shape[1]
+        return build_plan(batch["input_ids"], batch["attention_mask"], R, sharing=sharing,
+                          **({"min_shared_len": 1} if sharing == "prefix" else {}))
+
+    def ordinary(model, batch, w1, w2):
+        model.zero_grad(set_to_none=True)
+        lp, ent = ordinary_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1],
+                                    temperature=0.7, calculate_entropy=True)
+        ((lp.double() * w1).sum() + (ent.double() * w2).sum()).backward()
+        return {"logp": lp.detach(), "ent": ent.detach(),
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+    def per_param(ref, got, floor):
+        """max over parameters of max|d| / max|ref|, each floored at ``floor`` x the largest gradient."""
+        scale = max(g.abs().max().item() for g in ref["grads"].values())
+        return max(((got["grads"][k] - g).abs().max() / g.abs().max().clamp_min(floor * scale)).item()
+                   for k, g in ref["grads"].items())
+
+    out = {}
+    cases = [("tree_qwen3", "qwen3", {}, tree_batch, "prefix"),
+             ("hybrid_qwen3_5", "qwen3_5", {}, prompt_batch, "prompt"),
+             ("hybrid_qwen3_next_k1", "qwen3_next", {"linear_k_heads": 1}, prompt_batch, "prompt"),
+             ("hybrid_tree_qwen3_5", "qwen3_5", {}, tree_batch, "prefix")]
+    for name, kind, cfg, batch, sharing in cases:
+        if names is not None and name not in names:
+            continue
+        plan = plan_of(batch, sharing)
+        shard = ulysses_shard(plan, world, rank, dist.group.WORLD)
+        gen = torch.Generator().manual_seed(3)
+        w1, w2 = (torch.randn(plan.N, generator=gen, dtype=torch.float64) for _ in range(2))
+        if kind == "qwen3":
+            ref_model, model = (tiny_model("qwen3", dtype=torch.float64, seed=0, heads=4) for _ in range(2))
+        else:
+            ref_model, model = (tiny_hybrid_model(kind, dtype=torch.float64, seed=1, **cfg) for _ in range(2))
+        oracle = ordinary(ref_model, batch, w1, w2)
+        rechunk = None
+        if kind != "qwen3":  # the hybrid rule: the oracle's own sensitivity to the delta rule's chunking
+            for _, mod in linear_attention_modules(ref_model):
+                mod.chunk_gated_delta_rule = functools.partial(chunk_gated_delta_rule_ref, chunk_size=4)
+            rechunk = ordinary(ref_model, batch, w1, w2)
+        install_zorro(model)
+        res = {"T": plan.T, "N": plan.N, "rows_per_rank": list(shard.row_counts),
+               "tree": plan.tree is not None, "Nh": None if plan.head_index is None else plan.head_index.numel()}
+        for mode in ("none", "memory"):
+            ref = step(model, "sdpa", None, mode, plan=plan, w=(w1, w2))
+            got = step(model, "sdpa", shard, mode, plan=plan, w=(w1, w2))
+            e = errors(ref, got)
+            e_oracle = errors(oracle, got)
+            e_oracle["grad_per_param"] = per_param(oracle, got, 1e-6)
+            if rechunk is not None:
+                e_oracle["rechunk_per_param"] = per_param(oracle, rechunk, 1e-6)
+            res[mode] = {"sp_vs_ref": e, "sp_vs_oracle": e_oracle}
+        if plan.tree is not None:  # per-row temperatures: outputs sharing a head row divide it by their own
+            temps = torch.linspace(0.5, 1.2, plan.B, dtype=torch.float32)
+            pair = []
+            for sh in (None, shard):
+                model.zero_grad(set_to_none=True)
+                lp, en = zorro_step(model, plan, backend="sdpa", temperature=temps, calculate_entropy=True, shard=sh)
+                ((lp.double() * w1).sum() + (en.double() * w2).sum()).backward()
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                if sh is not None:
+                    for g in grads.values():
+                        dist.all_reduce(g)
+                        g /= world
+                pair.append({"logp": lp.detach(), "ent": en.detach(), "grads": grads})
+            res["per_row_temperature"] = {"sp_vs_ref": errors(*pair)}
+        out[name] = res
+    return out
+
+
+def run_rank(rank: int, world: int, init_file: str, device: str, suite: str = "all") -> dict:
     os.environ.update(OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -56,11 +164,11 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
     w1, w2 = (torch.randn(plan.N, generator=gen, dtype=torch.float64).to(dev) for _ in range(2))
     res = {"T": plan.T, "N": plan.N, "response_lens": sorted(plan.response_lens.tolist())}
 
-    def step(model, backend, shard, mode):
+    def step(model, backend, shard, mode, plan=plan, w=(w1, w2)):
         model.zero_grad(set_to_none=True)
         logp, ent = zorro_step(model, plan, backend=backend, temperature=0.7, calculate_entropy=True,
                                logits_optimization=mode, chunk_size=3, shard=shard)
-        ((logp.double() * w1).sum() + (ent.double() * w2).sum()).backward()
+        ((logp.double() * w[0]).sum() + (ent.double() * w[1]).sum()).backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         if shard is not None:  # the SP group's partial gradients add up to sp x the gradient (see module doc)
             for g in grads.values():
@@ -68,7 +176,12 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
                 g /= world
         return {"logp": logp.detach(), "ent": ent.detach(), "grads": grads}
 
-    for heads in (4, 2):  # (Hq, Hkv) = (4, 2), (2, 1)
+    if suite in ("all", "trees"):
+        # SP = 4 ("trees") runs the two cases whose exchange differs from SP = 2: the tree with KV heads repeated
+        # (2 < 4) and the hybrid tree with the delta-net's key heads repeated (2 < 4)
+        res.update(_tree_and_hybrid_cases(rank, world, step, _errors,
+                                          None if suite == "all" else ("tree_qwen3", "hybrid_tree_qwen3_5")))
+    for heads in ((4, 2) if suite in ("all", "base") else ()):  # (Hq, Hkv) = (4, 2), (2, 1)
         out = {}
         models = {}
         for dtype in ((torch.float64, torch.bfloat16) if cuda else (torch.float64,)):
@@ -89,7 +202,7 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
                 got = step(models[torch.float64], "sdpa", shard, mode)
                 out[mode] = {"sp_vs_ref": _errors(ref, got)}
         res[f"heads{heads}"] = out
-    if not cuda:
+    if not cuda and suite in ("all", "base"):
         # attention features under SP: gpt-oss (sliding windows, per-head sinks, sliced to each rank's heads, with
         # their gradient) and Gemma 2 (windows, logit soft-capping; its final-logit soft-cap rules out memory mode)
         for kind, modes in (("gpt_oss", ("none", "memory")), ("gemma2", ("none",))):
@@ -106,4 +219,4 @@ def run_rank(rank: int, world: int, init_file: str, device: str) -> dict:
 if __name__ == "__main__":
     from tests.support.multi_rank import rank_main
 
-    rank_main(run_rank, str)
+    rank_main(run_rank, str, str)

@@ -68,6 +68,8 @@ def install_cpu_varlen() -> None:
 
 #: Per-GPU token budget of the dynamic-batch-size inference pass (x sp per SP group: several micro-batches).
 DYN_BUDGET = 16
+#: The same for the agentic batch, whose longest row (18 tokens) must fit the stock engine's per-GPU budget.
+TREE_DYN_BUDGET = 24
 #: verl's fused kernels, torch backend (the model config's flag; verl's worker copies it into the engine config).
 FUSED_MODEL = {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": "torch"}}
 
@@ -122,10 +124,10 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
     mask = td["response_mask"].bool()
     p, r = row_lengths(td)
 
-    def run(engine, batch=td):
-        # the same rows also with a dynamic token budget (per GPU; verl and zorro: DYN_BUDGET * sp per SP group)
+    def run(engine, batch=td, budget=DYN_BUDGET):
+        # the same rows also with a dynamic token budget (per GPU; verl and zorro: budget * sp per SP group)
         dyn = batch.clone()
-        tu.assign_non_tensor(dyn, use_dynamic_bsz=True, max_token_len_per_gpu=DYN_BUDGET)
+        tu.assign_non_tensor(dyn, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
         with engine.eval_mode():
             inf = engine.infer_batch(batch.clone(), loss_function=None)
             inf_dyn = engine.infer_batch(dyn, loss_function=None)
@@ -146,6 +148,18 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
         zorro = build_engine(ckpt, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses, strategy=strategy)
         runs["zorro_sp"] = run(zorro)
         zmb = zorro.zorro_last_micro_batches
+        # prefix trees under SP: an agentic batch per DP rank; engines with lr = 0 (the optimizer step leaves the
+        # weights as loaded), so each compares on the checkpoint's weights whatever ran before
+        frozen = dict(micro_batch_size=mbs, strategy=strategy, lr=0.0)
+        tree = build_engine(ckpt, zorro=True, engine_overrides=ulysses, zorro_settings=PREFIX, **frozen)
+        tree_td = _agentic_td(rank // sp, mbs, dp)
+        tree_runs = {"stock": run(build_engine(ckpt, zorro=False, **frozen), tree_td, TREE_DYN_BUDGET),
+                     "stock_sp": run(build_engine(ckpt, zorro=False, engine_overrides=ulysses,
+                                                  attn_implementation=CPU_VARLEN_ATTN, **frozen), tree_td,
+                                     TREE_DYN_BUDGET),
+                     "zorro_sp": run(tree, tree_td, TREE_DYN_BUDGET)}
+        tmb = tree.zorro_last_micro_batches
+        runs["zorro_sp_prefix"] = run(tree)  # the prompt batch as a depth-one tree
 
         cfg = zorro.module.config
         res = {"rank": rank, "rows": int(mask.shape[0]), "response_lens": sorted(r.tolist()),
@@ -160,6 +174,16 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
                "a2a_bytes": {k: v["a2a_bytes"] for k, v in runs.items()}}
         for ref in ("stock_sp", "stock"):
             res[ref] = _compare(runs[ref], runs["zorro_sp"], td, mask)
+        tmask = tree_td["response_mask"].bool()  # tool tokens (0 in it) are context: compared where trained
+        res["tree"] = {ref: _compare(tree_runs[ref], tree_runs["zorro_sp"], tree_td, tmask)
+                       for ref in ("stock_sp", "stock")}
+        res["tree"]["depth_one_vs_stock_sp"] = _compare(runs["stock_sp"], runs["zorro_sp_prefix"], td, mask)
+        res["tree"]["a2a_bytes"] = {k: v["a2a_bytes"] for k, v in tree_runs.items()}
+        res["tree"]["plan_tokens"] = [_tree_tokens(tree_td, b) for b in tmb.batches]
+        res["tree"]["stock_mb_tokens"] = [int(x) for x in _stock_mb_tokens(tree_td, mbs)]
+        res["tree"]["ordinary_tokens"] = int(sum(res["tree"]["stock_mb_tokens"]))
+        res["tree"]["fallback"] = tree_runs["zorro_sp"]["tr"]["metrics"]["zorro/fallback_batches"]
+        res["tree"]["depth"] = tree_runs["zorro_sp"]["inf"]["metrics"]["zorro/tree_depth"][0]
         if world == sp:
             # the single-group run also checks the memory logits mode (with gradient checkpointing: the exchanges run
             # again in the recompute), verl's fused kernels (below) and the refusals
@@ -169,7 +193,8 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
             runs["zorro_sp_memory"] = run(mem)
             res["stock_sp"]["memory"] = _compare(runs["stock_sp"], runs["zorro_sp_memory"], td, mask)
             if strategy == STRATEGIES[0]:  # what zorro refuses does not depend on the strategy
-                res["refusals"] = _refusals(ckpt, zorro, td, rank, ulysses, mbs)
+                res["refusals"] = _refusals(zorro, td, rank, mbs)
+                res["hybrid"] = _hybrid_runs(ulysses, counter, sp, strategy)
             # one 24-token prompt, 4 short responses (T = 29): SP rank 0 holds prompt tokens only, so it runs the
             # head on no row at all (the common case at long context) and still takes part in every exchange
             long_td = make_engine_batch(batch_size=4, num_prompts=1, prompt_len=24, response_len=3, seed=5,
@@ -216,15 +241,9 @@ def _compare(a: dict, b: dict, td, mask) -> dict:
     return cmp
 
 
-def _refusals(ckpt: str, zorro, td, rank: int, ulysses: dict, mbs: int) -> dict:
-    """What zorro refuses under SP: SP ranks holding different batches (raises on every rank of the group), and a
-    hybrid linear-attention model (raises at initialisation; with ``warn`` the engine runs the stock forward)."""
-    import tempfile
-
-    import torch
-
-    from tests.support.verl_engines import build_engine, make_engine_batch
-    from zorro_verl.testing import tiny_hybrid_model
+def _refusals(zorro, td, rank: int, mbs: int) -> dict:
+    """What zorro refuses under SP: SP ranks holding different batches (raises on every rank of the group)."""
+    from tests.support.verl_engines import make_engine_batch
 
     out = {}
     other = td if rank == 0 else make_engine_batch(batch_size=12, num_prompts=3, prompt_len=7, response_len=6,
@@ -235,20 +254,123 @@ def _refusals(ckpt: str, zorro, td, rank: int, ulysses: dict, mbs: int) -> dict:
         out["mismatch"] = "no error"
     except ValueError as e:
         out["mismatch"] = str(e)
-    with tempfile.TemporaryDirectory() as d:
-        model = tiny_hybrid_model("qwen3_next", dtype=torch.float32, seed=0, exact=False)
-        model.config.architectures = [type(model).__name__]
-        model.save_pretrained(d)
-        try:
-            build_engine(d, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses)
-            out["hybrid_raise"] = "no error"
-        except ValueError as e:
-            out["hybrid_raise"] = str(e)
-        warn = build_engine(d, zorro=True, micro_batch_size=mbs, engine_overrides=ulysses,
-                            zorro_settings={"on_unsupported": "warn"})
-        out["hybrid_warn_active"] = warn.zorro_active
-        out["hybrid_warn_reason"] = warn._zorro_static_reason
     return out
+
+
+#: zorro's prefix sharing as test_prefix_engine.py runs it.
+PREFIX = {"sharing": "prefix", "min_shared_len": 4}
+
+
+def _agentic_td(dp_rank: int, mbs: int, dp: int):
+    """:func:`_agentic_rows` as a verl batch."""
+    from tests.support.verl_engines import make_engine_batch
+
+    return make_engine_batch(base=_agentic_rows(dp_rank), temperature=0.8, micro_batch_size=mbs,
+                             global_batch_size=12 * dp)
+
+
+def _agentic_rows(dp_rank: int) -> dict:
+    """test_prefix_engine.py's agentic batch (a shared system prompt over 3 questions x 3 samples, one 3-turn
+    multi-output trajectory with masked tool tokens; clusters interleaved), drawn per DP rank; padded layout."""
+    from zorro_verl.testing import batch_from_rows, multi_turn_rows, shared_system_rows
+
+    rows = shared_system_rows(3, 3, system_len=10, question_len=3, response_len=4, vocab_size=100, seed=7 + dp_rank)
+    turns, masks = multi_turn_rows(3, first_prompt_len=5, turn_len=3, observation_len=2, vocab_size=100,
+                                   seed=8 + dp_rank)
+    order = [4, 9, 0, 11, 2, 7, 5, 1, 10, 3, 6, 8]
+    rows, masks = rows + turns, [[1] * len(r) for _, r in rows] + masks
+    return batch_from_rows([rows[i] for i in order], response_masks=[masks[i] for i in order],
+                           include_training_fields=True, seed=9 + dp_rank)
+
+
+def _hybrid_runs(ulysses: dict, counter, sp: int, strategy: str) -> dict:
+    """Qwen3.5 and Qwen3-Next (gated delta-net layers) under SP through the zorro engine vs verl's stock engine
+    without SP, run padded (``use_remove_padding=False``): verl's own SP path for these models needs
+    flash-linear-attention's context-parallel kernels (Qwen3.5; Qwen3-Next has no SP path in verl 0.9.1), and its
+    CPU remove-padding path leaks the recurrent state across packed rows (test_hybrid_engine.py). One 8-row,
+    2-prompt batch, and for Qwen3.5 also the agentic batch with ``sharing=prefix``: inference and one training step;
+    the all-to-all bytes of the training step."""
+    import tempfile
+
+    import torch
+
+    from tests.support.verl_engines import build_engine, engine_grads, make_engine_batch, ppo_loss_fn, response_values
+    from zorro_verl.testing import grad_rel_error, tiny_hybrid_model
+
+    def prompt_batch(z):
+        return make_engine_batch(batch_size=8, num_prompts=2, prompt_len=9, response_len=5, seed=5, shuffle=True,
+                                 temperature=0.8, calculate_entropy=True, micro_batch_size=4, use_remove_padding=z)
+
+    def tree_batch(z):
+        return make_engine_batch(base=_agentic_rows(0), temperature=0.8, calculate_entropy=True, micro_batch_size=4,
+                                 use_remove_padding=z)
+
+    out = {}
+    for name, kind, make, settings in (("qwen3_5", "qwen3_5", prompt_batch, None),
+                                       ("qwen3_next", "qwen3_next", prompt_batch, None),
+                                       ("qwen3_5_prefix", "qwen3_5", tree_batch, PREFIX)):
+        with tempfile.TemporaryDirectory() as d:
+            model = tiny_hybrid_model(kind, dtype=torch.float32, seed=0, exact=False)
+            model.config.architectures = [type(model).__name__]
+            model.save_pretrained(d)
+            cfg = model.config
+            batches = [make(z) for z in (False, True)]
+            mask = batches[1]["response_mask"].bool()
+            inf, tr, grads, sent = [], [], [], []
+            for z, td in zip((False, True), batches):
+                eng = build_engine(d, zorro=z, micro_batch_size=4, use_remove_padding=z, strategy=strategy,
+                                   engine_overrides=ulysses if z else None, zorro_settings=settings if z else None)
+                with eng.eval_mode():
+                    inf.append(eng.infer_batch(td.clone(), loss_function=None))
+                counter.bytes = 0
+                with eng.train_mode(zero_grad_on_exit=False):
+                    tr.append(eng.train_batch(td.clone(), loss_function=ppo_loss_fn()))
+                sent.append(counter.bytes)
+                grads.append(engine_grads(eng))
+                if z:
+                    zmb = eng.zorro_last_micro_batches
+        res = {}
+        for key in ("log_probs", "entropy"):
+            a, b = (response_values(o["model_output"][key], t) for o, t in zip(inf, batches))
+            res[f"{key}_max_abs"] = (a - b)[mask].abs().max().item()
+            res[f"{key}_scale"] = a[mask].abs().max().item()
+        res["loss"] = (sum(tr[0]["loss"]), sum(tr[1]["loss"]))
+        norms = [x["metrics"].get("grad_norm") for x in tr]
+        res["grad_norm"] = None if None in norms else [float(n) for n in norms]
+        res["grad_rel"] = grad_rel_error(grads[0], grads[1])
+        res["fallback"] = tr[1]["metrics"].get("zorro/fallback_batches")
+        res["a2a_bytes"] = sent[1]
+        res["mb_tokens"] = [(_tree_tokens if settings else _dedup_tokens)(batches[1], b) for b in zmb.batches]
+        res["stock_mb_tokens"] = _stock_mb_tokens(batches[1], 4)  # stock's micro-batches (4 rows in order)
+        res["shape"] = {"layer_types": list(cfg.layer_types), "heads": cfg.num_attention_heads,
+                        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                        "k_heads": cfg.linear_num_key_heads, "v_heads": cfg.linear_num_value_heads,
+                        "k_dim": cfg.linear_key_head_dim, "v_dim": cfg.linear_value_head_dim, "sp": sp}
+        out[name] = res
+    return out
+
+
+def _tree_tokens(td, rows) -> int:
+    """Tokens of the prefix-tree plan (:data:`PREFIX`) the zorro engine builds for ``rows`` of ``td``."""
+    import torch
+
+    from zorro_verl.integrations.verl.v09.engine import _to_verl_padded, row_lengths
+    from zorro_verl.packing import build_plan
+
+    p, r = row_lengths(td)
+    ids, row, col = _to_verl_padded(td["input_ids"], p, r, int(p.max()), int(r.max()))
+    am = ids.new_zeros(ids.shape)
+    am[row, col] = 1
+    idx = torch.tensor(rows)
+    return build_plan(ids[idx], am[idx], int(r.max()), **PREFIX).T
+
+
+def _stock_mb_tokens(td, mbs: int) -> list:
+    """Tokens of each stock micro-batch (rows in order, ``mbs`` each)."""
+    from zorro_verl.integrations.verl.v09.engine import row_lengths
+
+    p, r = row_lengths(td)
+    return [int((p[i: i + mbs] + r[i: i + mbs]).sum()) for i in range(0, len(p), mbs)]
 
 
 def _shard_of(td, sp: int, rank: int):

@@ -15,6 +15,9 @@ all-to-all is an autograd Function whose backward is the opposite all-to-all (sa
 hands each rank its rows' gradient times ``sp`` — every SP rank computes the same loss on ``[N]`` and FSDP averages
 gradients over all ``dp * sp`` ranks (verl's ``gather_outputs_and_unpad`` scales the same way).
 
+:func:`sequence_to_heads` / :func:`heads_to_sequence` are the same exchange for ``[L, H, ...]`` tensors, used around
+the gated delta-net's conv and recurrence (``integrations/transformers/hybrid.py``; heads independent there too).
+
 Imports torch (``torch.distributed``) and the packing layer.
 """
 
@@ -29,7 +32,8 @@ from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["check_ulysses_heads", "ulysses_attend", "gather_rows", "all_to_all_bytes"]
+__all__ = ["check_ulysses_heads", "ulysses_attend", "gather_rows", "all_to_all_bytes",
+           "linear_attention_all_to_all_bytes", "sequence_to_heads", "heads_to_sequence"]
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
@@ -75,6 +79,18 @@ def all_to_all_bytes(local_len: int, sp_size: int, num_heads: int, num_kv_heads:
     return (2 * num_heads + 2 * kv) * local_len * head_dim * element_size
 
 
+def linear_attention_all_to_all_bytes(local_len: int, sp_size: int, num_k_heads: int, num_v_heads: int,
+                                      head_k_dim: int, head_v_dim: int, element_size: int,
+                                      decay_element_size: int) -> int:
+    """Bytes one rank hands to ``all_to_all`` per gated delta-net layer in the forward (the backward sends the same
+    again): the conv inputs ``q, k [L, Hk', Dk]``, ``v [L, Hv, Dv]`` and ``beta [L, Hv]`` in the model dtype, the
+    log decay ``g [L, Hv]`` in ``decay_element_size`` (fp32, fp64 for fp64 models), and the output ``[L, Hv, Dv]``
+    back; ``Hk' = Hk``, or ``Hv`` when ``sp`` does not divide the key heads (each repeated per value head)."""
+    hk = num_k_heads if num_k_heads % sp_size == 0 else num_v_heads
+    elements = 2 * hk * head_k_dim + 2 * num_v_heads * head_v_dim + num_v_heads
+    return local_len * (elements * element_size + num_v_heads * decay_element_size)
+
+
 def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     """``[1, Hkv, L, D]`` -> ``[1, Hkv * rep, L, D]``, each head repeated ``rep`` times consecutively."""
     if rep == 1:
@@ -111,6 +127,22 @@ def ulysses_attend(plan: ZorroPlan, backend: str, shard: UlyssesShard, query: to
     if pad:
         out = torch.cat([out, out.new_zeros(1, pad, *out.shape[2:])], 1)
     return _AllToAll.apply(out, group, 1, 2)  # [1, T_pad, Hq/sp, D] -> [1, L, Hq, D]
+
+
+def sequence_to_heads(x: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
+    """``[L, H, ...]`` (this rank's tokens, every head) -> ``[T, H / sp, ...]`` (every token of the deduplicated row,
+    pad dropped, this rank's heads ``[rank * H / sp, (rank + 1) * H / sp)``); autograd-aware (backward: the opposite
+    exchange). Used around the gated delta-net, whose heads are independent (docs/DESIGN.md §8)."""
+    return _AllToAll.apply(x, shard.group, 1, 0)[: shard.T]
+
+
+def heads_to_sequence(x: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
+    """``[T, H / sp, ...]`` (this rank's heads) -> ``[L, H, ...]`` (this rank's tokens): the pad rows are added as
+    zeros, then the exchange back (the inverse of :func:`sequence_to_heads`)."""
+    pad = shard.padded_len - shard.T
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])], 0)
+    return _AllToAll.apply(x, shard.group, 0, 1)
 
 
 class _GatherRows(torch.autograd.Function):

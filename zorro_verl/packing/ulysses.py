@@ -10,13 +10,18 @@ Every rank of a sequence-parallel (SP) group holds the same micro-batch and buil
 The LM head runs on each rank only at the response-predicting rows it holds (``plan.logit_index`` in its range);
 :attr:`UlyssesShard.gather_index` puts the all-gathered per-rank values back into ``[N]``, original row order.
 
+Prefix-tree plans (``plan.tree``) shard the same way: the packed row is the trie's DFS layout, every rank runs its
+slice, and the attention / recurrence backends see the whole row after the exchange. A predicting position shared by
+several outputs lies on exactly one rank, which runs the head there once (``head_index [Nh_s]``, its distinct local
+rows) and hands each of its outputs that row (``head_inverse [N_s]``) with the output's own target.
+
 This module imports torch only; :func:`ulysses_shard` does its one host sync (the per-rank row counts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -41,6 +46,8 @@ class UlyssesShard:
     * ``target_ids [N_s]``: the tokens they predict.
     * ``gather_index [N]``: for every entry of ``[N]``, its place in the all-gathered ``[sp * max_rows]`` values
       (rank ``s``'s ``j``-th row sits at ``s * max_rows + j``).
+    * ``head_index [Nh_s]``, ``head_inverse [N_s]`` (prefix-tree plans only, else None): the distinct local
+      positions among ``logit_index`` (ascending; the head runs there once) and each output's row among them.
     """
 
     sp_size: int
@@ -58,6 +65,8 @@ class UlyssesShard:
     logit_index: torch.Tensor
     target_ids: torch.Tensor
     gather_index: torch.Tensor
+    head_index: Optional[torch.Tensor] = None
+    head_inverse: Optional[torch.Tensor] = None
 
 
 def ulysses_shard(plan: ZorroPlan, sp_size: int, rank: int, group: Any = None) -> UlyssesShard:
@@ -70,7 +79,8 @@ def ulysses_shard(plan: ZorroPlan, sp_size: int, rank: int, group: Any = None) -
         group: the SP process group, carried for the collectives (not used here).
 
     Returns:
-        An :class:`UlyssesShard`. One host sync (the per-rank row counts).
+        An :class:`UlyssesShard`. One host sync (the per-rank row counts; a tree plan's local ``unique`` is a
+        second one).
     """
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(f"sp_size: expected an int >= 1 (ulysses_sequence_parallel_size), got {sp_size!r}.")
@@ -96,7 +106,12 @@ def ulysses_shard(plan: ZorroPlan, sp_size: int, rank: int, group: Any = None) -
     slot[order] = torch.arange(plan.N, device=dev) - first[owner[order]] + owner[order] * max_rows
     lo = sum(row_counts[:rank])
     rows = order[lo: lo + row_counts[rank]]
+    local = plan.logit_index[rows] - start  # [N_s]
+    head_index = head_inverse = None
+    if plan.head_index is not None:  # a tree: outputs sharing a position read one head row (on this rank only)
+        head_index, head_inverse = torch.unique(local, return_inverse=True)  # [Nh_s], [N_s]
     return UlyssesShard(
         sp_size=sp_size, rank=rank, T=T, padded_len=Tp, local_len=L, start=start, row_counts=row_counts,
         max_rows=max_rows, group=group, input_ids=ids[start: start + L], position_ids=pos[start: start + L],
-        rows=rows, logit_index=plan.logit_index[rows] - start, target_ids=plan.target_ids[rows], gather_index=slot)
+        rows=rows, logit_index=local, target_ids=plan.target_ids[rows], gather_index=slot,
+        head_index=head_index, head_inverse=head_inverse)

@@ -271,3 +271,13 @@ def test_gpu_bf16_relative_rule(kind):
     ref_lp = (lp_o.double() - lp64).abs().max().item()
     assert (lp_z.double() - lp64).abs().max().item() <= 2 * ref_lp
     assert max_rel_grad_error(g64, up(g_z))[0] <= 3 * max_rel_grad_error(g64, up(g_o))[0]
+
+
+def test_sp_head_split_of_the_delta_net():
+    """Under Ulysses SP the delta-net's value heads are split over the ranks; key heads are repeated per value head
+    when SP does not divide them; SP must divide the value heads (refused by name otherwise)."""
+    assert hybrid.linear_attention_sp_repeat(2, 4, 2) == 1
+    assert hybrid.linear_attention_sp_repeat(2, 4, 4) == 2
+    assert hybrid.linear_attention_sp_repeat(1, 4, 2) == 4
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        hybrid.linear_attention_sp_repeat(2, 6, 4)

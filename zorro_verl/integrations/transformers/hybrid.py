@@ -21,6 +21,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from zorro_verl.attention.ulysses import heads_to_sequence, sequence_to_heads
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext, require_context
 from zorro_verl.recurrent import packed_causal_conv, packed_gated_delta_rule
 
@@ -33,6 +34,7 @@ __all__ = [
     "unwrap_linear_attention",
     "is_wrapped",
     "zorro_gated_deltanet_forward",
+    "linear_attention_sp_repeat",
 ]
 
 LINEAR_ATTENTION = "linear_attention"
@@ -164,12 +166,18 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
                                  zorro_ctx: StepContext | None = None, **kwargs) -> torch.Tensor:
     """The wrapped forward of a gated delta-net module instance on the packed row.
 
+    Under Ulysses sequence parallelism (``zorro_ctx.shard``) the token-wise projections run on the rank's slice, the
+    conv inputs (per key / value head), ``g`` and ``beta`` are exchanged for head shards of the whole row (the
+    attention layers' all-to-all), the packed conv and recurrence run there on the rank's heads (conv channels and
+    weight rows of those heads), and the output comes back to the slice before the gated norm and ``out_proj``.
+
     Args:
-        hidden_states: ``[1, T, hidden]`` (the packed dedup row).
+        hidden_states: ``[1, T, hidden]`` (the packed dedup row; ``[1, L, hidden]``, this rank's slice, under SP).
         zorro_ctx: the step context (plan, backend, layer-call counter) — the ``zorro_ctx`` kwarg of the model call.
 
     Returns:
-        ``[1, T, hidden]`` equal, token for token, to the module's output on each ordinary row ``[prompt|response]``.
+        ``[1, T, hidden]`` (``[1, L, hidden]`` under SP) equal, token for token, to the module's output on each
+        ordinary row ``[prompt|response]``.
     """
     ctx = require_context(zorro_ctx, "zorro linear attention")
     if cache_params is not None:
@@ -178,13 +186,14 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
     if attention_mask is not None:
         raise ValueError("zorro linear attention: got an attention_mask; call the model without one (the plan "
                          "carries the structure).")
-    plan = ctx.plan
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != plan.T:
-        raise ValueError(f"zorro linear attention: expected hidden_states [1, T={plan.T}, hidden] (one packed row), "
-                         f"got {tuple(hidden_states.shape)}.")
+    plan, shard = ctx.plan, ctx.shard
+    n = plan.T if shard is None else shard.local_len
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != n:
+        what = "one packed row" if shard is None else f"this rank's slice of {shard.sp_size}"
+        raise ValueError(f"zorro linear attention: expected hidden_states [1, {n}, hidden] ({what}), got "
+                         f"{tuple(hidden_states.shape)}.")
     ctx.calls.recurrent += 1
-    T = plan.T
-    mixed, z, b, a = gated_deltanet_projections(self, hidden_states)  # [T, C], [T, Hv, Dv], [T, Hv], [T, Hv]
+    mixed, z, b, a = gated_deltanet_projections(self, hidden_states)  # [n, C], [n, Hv, Dv], [n, Hv], [n, Hv]
     conv_fn = getattr(self, "causal_conv1d_fn", None)
     if hidden_states.is_cuda:
         if conv_fn is None:
@@ -193,19 +202,75 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
         if not _uses_fla(self.chunk_gated_delta_rule):
             _report_fallback(ctx.calls, "flash-linear-attention", "the gated delta rule runs the torch fallback kernel "
                              "(exact but slow)", "flash-linear-attention")
-    mixed = packed_causal_conv(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan, activation="silu",
-                               causal_conv1d_fn=conv_fn)
-    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    q = q.reshape(T, -1, self.head_k_dim)  # [T, Hk, Dk]
-    k = k.reshape(T, -1, self.head_k_dim)
-    v = v.reshape(T, -1, self.head_v_dim)  # [T, Hv, Dv]
-    beta = b.sigmoid()
-    g = log_decay(self, a)  # [T, Hv]
-    rep = self.num_v_heads // self.num_k_heads
+    beta = b.sigmoid()  # token-wise per head: computed before any exchange
+    g = log_decay(self, a)  # [n, Hv]
+    weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [C, Kc], [C] | None
+    hk_l, hv_l, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim  # this rank's heads
+    if shard is not None:  # Ulysses: sequence shards -> head shards around the conv and the recurrence
+        mixed, weight, bias, g, beta, hk_l = _exchange_to_heads(self, mixed, weight, bias, g, beta, shard)
+        hv_l //= shard.sp_size
+    T = plan.T
+    x = packed_causal_conv(mixed, weight, bias, plan, activation="silu", causal_conv1d_fn=conv_fn)  # [T, C_local]
+    q, k, v = torch.split(x, [hk_l * dk, hk_l * dk, hv_l * dv], dim=-1)
+    q, k, v = q.reshape(T, hk_l, dk), k.reshape(T, hk_l, dk), v.reshape(T, hv_l, dv)  # [T, Hk_l, Dk], [T, Hv_l, Dv]
+    rep = hv_l // hk_l
     if rep > 1:
         q = q.repeat_interleave(rep, dim=1)
         k = k.repeat_interleave(rep, dim=1)
     kernel = self.chunk_gated_delta_rule
-    core = packed_gated_delta_rule(kernel, q, k, v, g, beta, plan, varlen=_uses_fla(kernel))  # [T, Hv, Dv]
-    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(1, T, -1))
+    core = packed_gated_delta_rule(kernel, q, k, v, g, beta, plan, varlen=_uses_fla(kernel))  # [T, Hv_l, Dv]
+    if shard is not None:
+        core = heads_to_sequence(core, shard)  # [L, Hv, Dv]
+    core = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
+    return self.out_proj(core.reshape(1, n, -1))
+
+
+def _exchange_to_heads(mod, mixed: torch.Tensor, weight: torch.Tensor, bias, g: torch.Tensor, beta: torch.Tensor,
+                       shard):
+    """The Ulysses exchange of a gated delta-net layer's sequence mixers' inputs (docs/DESIGN.md §8).
+
+    The conv is depthwise (per channel) and the delta rule runs per value head, so both run unchanged on any subset
+    of heads. Channels are ``[q (Hk Dk) | k (Hk Dk) | v (Hv Dv)]``, the conv weight's rows in the same order.
+
+    Args:
+        mixed: ``[L, C]`` conv inputs of this rank's tokens; weight: ``[C, Kc]``; bias: ``[C]`` or None;
+            g, beta: ``[L, Hv]`` (log decay, fp32 or fp64; write strength).
+
+    Returns:
+        ``(mixed [T, C_l], weight [C_l, Kc], bias [C_l] | None, g [T, Hv_l], beta [T, Hv_l], Hk_l)``: the whole
+        deduplicated row for this rank's heads (``Hv_l = Hv / sp``; ``Hk_l = Hk / sp``, or ``Hv_l`` after the key
+        heads' repeat when ``sp`` does not divide them), the conv channels and weight rows of those heads.
+    """
+    hk, hv, dk, dv, sp, r = mod.num_k_heads, mod.num_v_heads, mod.head_k_dim, mod.head_v_dim, shard.sp_size, shard.rank
+    n = mixed.shape[0]
+    rep_k = linear_attention_sp_repeat(hk, hv, sp)
+    sizes = [mod.key_dim, mod.key_dim, mod.value_dim]
+    q, k, v = torch.split(mixed, sizes, dim=-1)
+    q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
+    wq, wk, wv = torch.split(weight, sizes, dim=0)
+    wq, wk, wv = wq.reshape(hk, dk, -1), wk.reshape(hk, dk, -1), wv.reshape(hv, dv, -1)
+    parts = [wq, wk, wv]
+    if bias is not None:
+        bq, bk, bv = torch.split(bias, sizes)
+        parts += [bq.reshape(hk, dk), bk.reshape(hk, dk), bv.reshape(hv, dv)]
+    if rep_k > 1:  # fewer key heads than SP ranks: each key head (and its channels) once per value head, in order
+        q, k = q.repeat_interleave(rep_k, 1), k.repeat_interleave(rep_k, 1)
+        parts = [x.repeat_interleave(rep_k, 0) if i % 3 < 2 else x for i, x in enumerate(parts)]
+    hk_l, hv_l = q.shape[1] // sp, hv // sp
+    q, k, v, g, beta = (sequence_to_heads(x, shard) for x in (q, k, v, g, beta))  # [T, H/sp, ...]
+    T = q.shape[0]
+    own = [x[r * h:(r + 1) * h] for x, h in zip(parts, (hk_l, hk_l, hv_l) * 2)]  # this rank's heads' channels
+    mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)  # [T, C_l]
+    weight = torch.cat([x.reshape(-1, x.shape[-1]) for x in own[:3]], 0)  # [C_l, Kc]
+    bias = torch.cat([x.reshape(-1) for x in own[3:]]) if bias is not None else None
+    return mixed, weight, bias, g, beta, hk_l
+
+
+def linear_attention_sp_repeat(num_k_heads: int, num_v_heads: int, sp_size: int) -> int:
+    """How many times each key head is repeated before the Ulysses exchange of a gated delta-net layer: 1 when
+    ``sp`` divides the key heads, else ``Hv / Hk`` (every value head takes its own copy of its key head) when ``sp``
+    divides the value heads. Raises ``ValueError`` naming the fix when ``sp`` divides neither."""
+    if num_v_heads % sp_size:
+        raise ValueError(f"ulysses_sequence_parallel_size: {sp_size} must divide the gated delta-net's value heads "
+                         f"(linear_num_value_heads = {num_v_heads}); choose a sequence-parallel size that divides it.")
+    return 1 if num_k_heads % sp_size == 0 else num_v_heads // num_k_heads

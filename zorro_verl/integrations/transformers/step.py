@@ -84,8 +84,9 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
             :func:`~zorro_verl.logprob.linear_head_params`), never call the module.
         shard: this rank's part under Ulysses sequence parallelism (:func:`~zorro_verl.packing.ulysses.ulysses_shard`
             of ``plan``; every rank of the SP group calls with the same plan): the model runs on the rank's slice
-            of the packed row, the head at the response-predicting rows it holds, and the outputs are all-gathered
-            (autograd-aware) into ``[N]`` on every SP rank.
+            of the packed row, the head at the response-predicting rows it holds (a prefix tree's: once per distinct
+            local position, ``shard.head_index``), and the outputs are all-gathered (autograd-aware) into ``[N]`` on
+            every SP rank. Attention and gated delta-net layers exchange sequence shards for head shards.
         temperature_op: for a float ``temperature``: ``upcast`` (divide after the fp32 upcast, OpenRLHF's order),
             ``logits`` (divide in the logits' dtype, verl 0.7's ``logits.div_(temperature)``) or ``logits_rounded``
             (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`); a tensor ``temperature`` always runs ``logits_rounded``.
@@ -107,11 +108,8 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
     # the head rows this call computes: all N, or (sequence parallel) the ones whose predicting row this rank holds
     keep, targets = (plan.logit_index, plan.target_ids) if shard is None else (shard.logit_index, shard.target_ids)
     index = None  # prefix trees: the head runs once per distinct position, head_inverse maps outputs to its rows
-    if plan.head_index is not None:
-        if shard is not None:
-            raise ValueError("shard: prefix-tree plans (sharing='prefix') under Ulysses sequence parallelism are not "
-                             "supported; use sharing='prompt' with ulysses_sequence_parallel_size > 1.")
-        keep, index = plan.head_index, plan.head_inverse
+    if plan.head_index is not None:  # under SP: the distinct positions this rank holds, its outputs' rows there
+        keep, index = (plan.head_index, plan.head_inverse) if shard is None else (shard.head_index, shard.head_inverse)
     if divisors is not None and shard is not None:
         divisors = divisors[shard.rows]
     if head_fn is None and mode == "memory":

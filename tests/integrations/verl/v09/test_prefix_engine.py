@@ -89,19 +89,3 @@ def test_train_step_matches_stock(verl_cpu, tiny_ckpt, strategy, logits_mode):
     assert abs(loss_a - loss_b) <= RTOL * abs(loss_a)
     assert abs(gn_a - gn_b) <= RTOL * gn_a
     assert grad_rel_error(*grads) <= RTOL
-
-
-def test_prefix_sharing_with_ulysses_is_refused():
-    import types
-
-    from zorro_verl.integrations.verl.settings import ZorroSettings
-    from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
-
-    def reason(sharing, sp):
-        fake = types.SimpleNamespace(zorro=ZorroSettings(enable=True, sharing=sharing),
-                                     engine_config=types.SimpleNamespace(ulysses_sequence_parallel_size=sp),
-                                     model_config=types.SimpleNamespace())
-        return ZorroFSDPEngineWithLMHead._zorro_static_unsupported(fake)
-
-    assert "sharing=prefix with Ulysses" in reason("prefix", 2)
-    assert reason("prefix", 1) is None and reason("prompt", 2) is None

@@ -8,8 +8,13 @@ processes (two KV heads); 12 rows of 3 shuffled prompts per DP rank with a 1-tok
 micro-batches of 3 rows (4-row groups split across micro-batches), packed rows whose length SP does not divide.
 Every engine also runs the inference pass with a dynamic token budget. The 2-process run also checks the memory
 logits mode (with gradient checkpointing), verl's fused kernels, a long-prompt batch in which one SP rank holds no
-response-predicting row (the common case at long context) and the refusals (SP ranks with different batches; hybrid
-linear-attention layers). The all-to-all bytes are counted per training step and must equal the cost model.
+response-predicting row (the common case at long context), the refusal of SP ranks with different batches, and hybrid
+Qwen3.5 / Qwen3-Next (gated delta-net layers exchanged like attention; Qwen3.5 also with ``sharing=prefix`` on the
+agentic batch below) against verl's stock engine without SP, run padded (verl's own SP path for them needs
+flash-linear-attention's context-parallel kernels; its CPU remove-padding path is no reference: test_hybrid_engine.py).
+Prefix trees (``sharing=prefix``) under SP, in both runs: an agentic batch per DP rank (a shared system prompt over 3
+questions x 3 samples, a multi-output 3-turn trajectory with masked tool tokens) against both stock engines, and the
+prompt batch as a depth-one tree. The all-to-all bytes are counted per training step and must equal the cost model.
 
 Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
 <= 1e-5.
@@ -62,6 +67,14 @@ def _record(name: str, results: list) -> None:
     tz, ts = (sum(r[k] for r in first) for k in ("dedup_tokens", "ordinary_tokens"))
     line["all-to-all"] = (f"zorro / stock SP bytes per training step {bz} / {bs} = {bz / bs:.3f}; tokens "
                           f"{tz} / {ts} = {tz / ts:.3f}")
+    cs = [r["tree"]["stock_sp"] for r in results]
+    line["tree vs stock_sp"] = (f"log-prob {max(c['log_probs_max_abs'] for c in cs):.1e}, entropy "
+                                f"{max(c['entropy_max_abs'] for c in cs):.1e}, loss rel "
+                                f"{max(rel(c['loss']) for c in cs):.1e}, grad rel {max(c['grad_rel'] for c in cs):.1e}")
+    bz, bs = (sum(r["tree"]["a2a_bytes"][k] for r in first) for k in ("zorro_sp", "stock_sp"))
+    tz, ts = (sum(sum(r["tree"]["plan_tokens"]) for r in first), sum(r["tree"]["ordinary_tokens"] for r in first))
+    line["tree all-to-all"] = (f"zorro / stock SP bytes per training step {bz} / {bs} = {bz / bs:.3f}; tokens "
+                               f"{tz} / {ts} = {tz / ts:.3f}")
     SUMMARY[name] = line
 
 
@@ -95,6 +108,24 @@ def _check_bytes(r: dict, sp: int) -> None:
     assert r["a2a_bytes"]["zorro_sp"] < r["a2a_bytes"]["stock_sp"]
 
 
+def _check_tree(r: dict, sp: int) -> None:
+    """Prefix trees under SP: equal to both stock engines; bytes = the cost model over the trees' packed rows."""
+    from zorro_verl.attention.ulysses import all_to_all_bytes
+
+    t = r["tree"]
+    assert t["fallback"] == [0.0] and t["depth"] >= 3
+    for ref in ("stock_sp", "stock", "depth_one_vs_stock_sp"):
+        _check_equal(t[ref])
+
+    def expected(tokens):
+        return sum(2 * r["layers"] * all_to_all_bytes(-(-n // sp), sp, r["heads"], r["kv_heads"], r["head_dim"], 4)
+                   for n in tokens)
+
+    assert t["a2a_bytes"]["zorro_sp"] == expected(t["plan_tokens"])
+    assert t["a2a_bytes"]["stock_sp"] == expected(t["stock_mb_tokens"])
+    assert sum(t["plan_tokens"]) < t["ordinary_tokens"] and t["a2a_bytes"]["zorro_sp"] < t["a2a_bytes"]["stock_sp"]
+
+
 def _check_common(results: list, sp: int) -> None:
     # the same micro-batch counts on every rank of the DP x SP mesh
     assert len({r["micro_batches"] for r in results}) == 1
@@ -110,6 +141,7 @@ def _check_common(results: list, sp: int) -> None:
             _check_equal(r[ref])
         assert r["stock_sp_vs_stock_log_probs_max_abs"] <= ATOL
         _check_bytes(r, sp)
+        _check_tree(r, sp)
     first = [r for r in results if r["rank"] % sp == 0]
     assert first and all(r["stock"]["grad_norm"] is not None for r in first)
 
@@ -144,8 +176,44 @@ def test_sp2_matches_stock_kv_heads_below_sp(sp2_results, strategy):
     for r in sp2_results:  # checked once, under FSDP2: they do not depend on the strategy
         ref = r["fsdp2"]["refusals"]
         assert "hold different batches" in ref["mismatch"]
-        assert "hybrid linear-attention" in ref["hybrid_raise"] and "Ulysses" in ref["hybrid_raise"]
-        assert ref["hybrid_warn_active"] is False and "hybrid" in ref["hybrid_warn_reason"]
+        assert set(r["fsdp2"]["hybrid"]) == {"qwen3_5", "qwen3_next", "qwen3_5_prefix"}
+        for kind, h in r["fsdp2"]["hybrid"].items():  # gated delta-net layers under SP (FSDP2), also with a tree
+            _check_hybrid(kind, h)
+
+
+def _check_hybrid(kind: str, h: dict) -> None:
+    """Hybrid models under SP vs stock without SP (padded): fp32 tolerances; bytes = attention layers' cost model +
+    the delta-net layers' (:func:`~zorro_verl.attention.ulysses.linear_attention_all_to_all_bytes`)."""
+    from zorro_verl.attention.ulysses import all_to_all_bytes, linear_attention_all_to_all_bytes
+
+    assert h["fallback"] == [0.0], kind
+    for key in ("log_probs", "entropy"):
+        assert h[f"{key}_scale"] > 0.1 and h[f"{key}_max_abs"] <= ATOL, (kind, key, h)
+    la, lb = h["loss"]
+    assert abs(la) > 1e-4 and abs(la - lb) <= RTOL * abs(la), (kind, h["loss"])
+    if h["grad_norm"] is not None:
+        ga, gb = h["grad_norm"]
+        assert ga > 1e-4 and abs(ga - gb) <= RTOL * ga, (kind, h["grad_norm"])
+    assert h["grad_rel"] <= RTOL, (kind, h["grad_rel"])
+    s = h["shape"]
+    sp, types = s["sp"], s["layer_types"]
+    n_attn, n_lin = types.count("full_attention"), types.count("linear_attention")
+    def expected(tokens):
+        return sum(2 * (n_attn * all_to_all_bytes(-(-t // sp), sp, s["heads"], s["kv_heads"], s["head_dim"], 4)
+                        + n_lin * linear_attention_all_to_all_bytes(-(-t // sp), sp, s["k_heads"], s["v_heads"],
+                                                                     s["k_dim"], s["v_dim"], 4, 4))
+                   for t in tokens)
+
+    assert h["a2a_bytes"] == expected(h["mb_tokens"]), (kind, h["a2a_bytes"], expected(h["mb_tokens"]))
+    # stock has no head-exchange SP path for these models: the same cost model on its micro-batches, for reference
+    stock = expected(h["stock_mb_tokens"])
+    assert h["a2a_bytes"] < stock
+    tz, ts = sum(h["mb_tokens"]), sum(h["stock_mb_tokens"])
+    SUMMARY.setdefault("hybrid SP=2 (FSDP2)", {})[kind] = (
+        f"log-prob {h['log_probs_max_abs']:.1e}, entropy {h['entropy_max_abs']:.1e}, loss rel "
+        f"{abs(la - lb) / abs(la):.1e}, grad rel {h['grad_rel']:.1e}; all-to-all bytes per training step "
+        f"{h['a2a_bytes']} / {stock} (cost model on stock's micro-batches) = {h['a2a_bytes'] / stock:.3f}; tokens "
+        f"{tz} / {ts} = {tz / ts:.3f}")
 
 
 def test_sp2_dp2_matches_stock(sp2_dp2_results, strategy):

@@ -36,7 +36,11 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from zorro_verl.attention.ulysses import check_ulysses_heads
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
-from zorro_verl.integrations.transformers.hybrid import linear_attention_modules, text_config
+from zorro_verl.integrations.transformers.hybrid import (
+    linear_attention_modules,
+    linear_attention_sp_repeat,
+    text_config,
+)
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
 from zorro_verl.integrations.transformers.vision import is_multimodal, media_tokens
@@ -182,9 +186,6 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
     def _zorro_static_unsupported(self):
         mc = self.model_config
         sp = self.engine_config.ulysses_sequence_parallel_size
-        if self.zorro.sharing == "prefix" and sp > 1:
-            return ("sharing=prefix with Ulysses sequence parallel > 1 (the prefix tree is not sharded over SP "
-                    "ranks: use sharing=prompt, or ulysses_sequence_parallel_size=1)")
         return setup_unsupported(sp, getattr(mc, "hf_config", None), ulysses_supported=True, vlm_supported=True)
 
     def _zorro_batch_unsupported(self, data):
@@ -245,22 +246,20 @@ class ZorroFSDPEngineWithLMHead(ZorroActorMixin, FSDPEngineWithLMHead):
             self._install()
 
     def _zorro_model_unsupported(self):
-        """Static refusals that need the built model: LoRA adapters with dropout, hybrid linear-attention layers or
-        unshardable head counts under Ulysses; the ``memory`` logits mode computes the head as ``F.linear(hidden,
+        """Static refusals that need the built model: LoRA adapters with dropout, attention or gated delta-net head
+        counts Ulysses cannot shard; the ``memory`` logits mode computes the head as ``F.linear(hidden,
         weight, bias)`` and needs the head's output returned unchanged as the logits."""
         reason = lora_unsupported(self.module)
         if reason is not None:
             return reason
         sp = self.ulysses_sequence_parallel_size
         if sp > 1:
-            if linear_attention_modules(self.module):
-                return ("hybrid linear-attention layers (gated delta-net) under Ulysses sequence parallel > 1: their "
-                        "recurrence runs over the whole sequence and zorro does not exchange it across SP ranks (set "
-                        "ulysses_sequence_parallel_size=1)")
             cfg = text_config(self.module)
             try:
                 check_ulysses_heads(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                                     or cfg.num_attention_heads, sp)
+                for _, mod in linear_attention_modules(self.module):  # gated delta-nets exchange their heads too
+                    linear_attention_sp_repeat(mod.num_k_heads, mod.num_v_heads, sp)
             except ValueError as e:
                 return str(e)
         if self.zorro.logits_optimization != "memory":
