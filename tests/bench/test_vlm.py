@@ -26,14 +26,6 @@ from zorro_verl.bench.vlm import (
 from zorro_verl.testing.vlm import tiny_vlm_config, tiny_vlm_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _vcfg():
     """Tiny Qwen2.5-VL tower: hidden 16, MLP 32, 2 heads, patch 4, temporal patch 2, 3 channels, merge 2, out 32,
     window 16 pixels = 2 x 2 merged tokens, depth 2 (block 0 windowed, block 1 full)."""

@@ -252,8 +252,10 @@ def pack_media(plan: ZorroPlan, media: BatchMedia, positions: torch.Tensor) -> P
         if cur is not None:
             raise ValueError(f"pack_media: a {kind} item's placeholders are cut in the packed row; build the plan "
                              "from the media's keyed ids (build_media_plan).")
-        inputs[pix_field] = torch.cat([it.pixels for it in chosen]) if chosen else None
-        inputs[grid_field] = torch.stack([it.grid for it in chosen]) if chosen else None
+        # on the plan's device: the rows' inputs may stay on the host (verl keeps non-tensor data where it was)
+        dev = plan.device
+        inputs[pix_field] = torch.cat([it.pixels for it in chosen]).to(dev, non_blocking=True) if chosen else None
+        inputs[grid_field] = torch.stack([it.grid for it in chosen]).to(dev) if chosen else None
         n_items += len(chosen)
     # every row's items must be the packed items its placeholders map to (equal content): a plan grouped on the
     # real ids would put B's placeholders on A's image

@@ -20,6 +20,12 @@ import pytest
 import torch
 
 from tests.support.verl_vlm import FAMILIES  # import before any engine: it captures transformers' own forwards
+from zorro_verl.testing.vlm import exact_fp64_vision
+
+# The fp64 oracle keeps the vision towers' rotary embedding in fp64 (transformers computes it in fp32 whatever the
+# dtype; the switch is global and changes nothing for fp32), so the reference is the same whichever test module ran
+# first in the process.
+exact_fp64_vision()
 
 pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
 
@@ -122,6 +128,7 @@ def _stock_errors(case, variant, strategy) -> dict:
     res["loss"] = (ref["loss"], sum(tr["loss"]))
     res["grad_norm"] = (torch.sqrt(sum((g ** 2).sum() for g in want.values())).item(),
                         float(tr["metrics"]["grad_norm"]))
+    raw["errors"] = res
     return res
 
 
@@ -251,7 +258,12 @@ def test_zorro_engine_matches_hf_per_row(vlm_case, family, strategy, variant, sh
         assert res[key] <= ATOL, (key, res)
     (la, lb), (ga, gb) = res["loss"], res["grad_norm"]
     assert abs(la - lb) <= RTOL * abs(la) and abs(ga - gb) <= RTOL * ga, res
-    assert res["grad_rel"] <= RTOL and res["vision_grad_rel"] <= RTOL, res
+    # gradients: within RTOL of the oracle, or (fp32 rounding of the model's own kernels, e.g. Qwen3.5's chunked
+    # delta rule, which zorro runs on other sequences: prompt and responses apart) within twice the stock engine's own
+    # error on the same batch (DESIGN §10's fp32 rule)
+    stock = vlm_case.get("stock", {}).get((variant, strategy), {}).get("errors", {})
+    for key in ("grad_rel", "vision_grad_rel"):
+        assert res[key] <= max(RTOL, 2 * stock.get(key, 0.0)), (key, res, stock.get(key))
     if "log_probs_vs_stock" in res:  # directly against verl's stock engine on the same batch (both within 1e-5 of
         # the oracle, so within 2e-5 of each other)
         assert res["log_probs_vs_stock"] <= 2 * ATOL and res["entropy_vs_stock"] <= 2 * ATOL, res
