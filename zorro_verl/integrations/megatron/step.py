@@ -1,0 +1,182 @@
+"""The zorro step on megatron-core's ``GPTModel``: run a model on a plan, return response log-probs / entropy
+(docs/DESIGN.md §4 for the transformers step it mirrors, §8 "Megatron").
+
+One step:
+
+1. the packed row ``plan.input_ids [T]`` (padded to a multiple of the tensor-parallel size under sequence
+   parallelism) runs as one ``[1, Tp]`` batch with ``packed_seq_params`` a :class:`ZorroPackedSeqParams` carrying the
+   plan to every layer's zorro core attention (:mod:`.attention`);
+2. RoPE: megatron's plain ``rope`` ignores ``position_ids`` (positions are the row index). For the call the model's
+   ``rotary_pos_emb`` returns its table indexed by the plan's positions, ``[Tp, 1, 1, D]``, so every token is rotated
+   by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row);
+3. the LM head runs only at the response-predicting rows, through ``GPTModel.forward(output_processor=...)``
+   (megatron-core >= 0.19): the post-norm hidden states (all-gathered first under sequence parallelism) are
+   selected at ``plan.logit_index`` (``plan.head_index`` for prefix trees) and given to the model's own
+   ``output_layer``;
+4. the vocabulary-parallel logits ``[N, 1, V/tp]`` are all-gathered (autograd: the backward keeps each rank's
+   slice) and the project's log-prob / entropy code runs on ``[N, V]`` (:func:`~zorro_verl.logprob.logits_logprobs`);
+5. every zorro core attention of the stage must have run exactly once (else ``ValueError``: a layer bypassed zorro).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+
+from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
+from zorro_verl.logprob import DEFAULT_CHUNK, check_logits_optimization, check_temperature_op, logits_logprobs
+from zorro_verl.packing import ZorroPlan
+
+__all__ = ["zorro_gpt_step", "find_gpt_model", "has_output_processor"]
+
+
+def has_output_processor() -> bool:
+    """Whether this megatron-core's ``GPTModel.forward`` takes ``output_processor`` (0.19 on; 0.16 does not)."""
+    return "output_processor" in inspect.signature(GPTModel.forward).parameters
+
+
+def find_gpt_model(model: torch.nn.Module) -> GPTModel:
+    """The ``GPTModel`` inside ``model`` (itself, or under megatron's ``.module`` wrappers: DDP, Float16Module)."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, GPTModel):
+            return m
+        m = getattr(m, "module", None)
+        if m is None:
+            break
+    raise ValueError(f"model: expected a megatron-core GPTModel or a wrapper with .module chains to one, got "
+                     f"{type(model).__name__}.")
+
+
+def _check_model(gpt: GPTModel, n_layers: int) -> None:
+    cfg = gpt.config
+    if n_layers == 0:
+        raise ValueError("model: no zorro core attention found. Build the model with zorro_layer_spec(spec) or call "
+                         "install_zorro_megatron(model) first.")
+    if gpt.position_embedding_type != "rope":
+        raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
+                         "(yarn / mrope / learned positions are not wired yet).")
+    if getattr(cfg, "multi_latent_attention", False):
+        raise ValueError("multi_latent_attention: expected False with zorro (MLA applies RoPE inside its own "
+                         "attention; not supported yet).")
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("pipeline_model_parallel_size: expected 1 with zorro_gpt_step (this stage has "
+                         f"pre_process={gpt.pre_process}, post_process={gpt.post_process}); pipeline stages are "
+                         "not supported yet.")
+    if getattr(cfg, "mtp_num_layers", None):
+        raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
+                         "prediction runs on the ordinary row layout).")
+    if getattr(cfg, "context_parallel_size", 1) != 1:
+        raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}.")
+    if not has_output_processor():
+        raise ValueError("megatron-core: GPTModel.forward has no output_processor (megatron-core < 0.19); zorro's "
+                         "head needs it. Install megatron-core >= 0.19 (scripts/setup_megatron_env.sh pins 0.19.2).")
+
+
+class _PositionedRope:
+    """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
+    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit)."""
+
+    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor):
+        self.rope, self.positions = rope, positions
+
+    def __enter__(self):
+        had = "forward" in vars(self.rope)
+        if had:
+            raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
+                             "another?); run one zorro step at a time.")
+        table_of = type(self.rope).forward.__get__(self.rope)
+        positions = self.positions
+
+        def forward(max_seq_len, *args, **kwargs):
+            return table_of(max_seq_len, *args, **kwargs)[positions]
+
+        self.rope.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.rope.forward
+        return False
+
+
+def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa", temperature: float = 1.0,
+                   calculate_entropy: bool = False, logits_optimization: str = "none",
+                   chunk_size: int = DEFAULT_CHUNK,
+                   temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Deduplicated forward of ``plan`` on a megatron-core ``GPTModel``: log-probs (and entropy) of every valid
+    response token, original row order — what :func:`~zorro_verl.integrations.transformers.zorro_step` returns for a
+    transformers model.
+
+    Args:
+        model: a ``GPTModel`` (or megatron's wrappers around one) built with :func:`zorro_layer_spec` or after
+            :func:`install_zorro_megatron`; one pipeline stage holding the whole model; tensor parallelism with or
+            without sequence parallelism. Every TP rank calls with the same plan.
+        plan: the micro-batch's plan (:func:`~zorro_verl.packing.build_plan`, prompt or prefix sharing).
+        backend: a registered attention backend name (:data:`~zorro_verl.attention.BACKEND_NAMES`).
+        temperature: a float > 0, applied as ``temperature_op`` says (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
+        calculate_entropy: also compute the entropy.
+        logits_optimization: ``none`` or ``compute`` (``memory``, the chunked head, is not wired to megatron's
+            vocabulary-parallel head yet: refused).
+        chunk_size: rows per block of the log-prob computation.
+
+    Returns:
+        ``(log_probs [N], entropy [N] | None)`` in the logits' precision (fp32, fp64 for fp64 models), identical on
+        every TP rank; ``plan.to_padded`` gives ``[B, R]``.
+    """
+    mode = check_logits_optimization(logits_optimization)
+    op = check_temperature_op(temperature_op)
+    if mode == "memory":
+        raise ValueError("logits_optimization: 'memory' is not supported on megatron yet (its head is vocabulary "
+                         "parallel); use 'none' or 'compute'.")
+    if isinstance(temperature, torch.Tensor) or isinstance(temperature, bool) \
+            or not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise ValueError(f"temperature: expected a float > 0, got {temperature!r} (per-row tensors are not wired "
+                         "to the megatron step yet).")
+    gpt = find_gpt_model(model)
+    layers = zorro_attention_modules(gpt)
+    _check_model(gpt, len(layers))
+    cfg = gpt.config
+    tp = cfg.tensor_model_parallel_size
+    # sequence parallelism scatters the row over the TP ranks: its length must divide; the pad tokens form no
+    # segment of the plan (the core attention outputs 0 there) and are never read by the head
+    Tp = plan.T if not cfg.sequence_parallel else -(-plan.T // tp) * tp
+    pad = Tp - plan.T
+    ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
+    pos = plan.position_ids if not pad else torch.cat([plan.position_ids, plan.position_ids.new_zeros(pad)])
+    keep, index = (plan.logit_index, None) if plan.head_index is None else (plan.head_index, plan.head_inverse)
+    zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
+
+    def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
+        if not output_layer.sequence_parallel:
+            return scale_logits(output_layer(hidden_states[keep], weight=output_weight,
+                                             runtime_gather_output=False)[0])
+        # Sequence parallel: the rows are spread over the TP ranks. Gather them (backward: each rank keeps its slice
+        # of the gradient, which the head's own input all-reduce below has made complete), pick the kept rows and
+        # run the head as a plain column-parallel layer, as megatron's inference path does.
+        full = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                    group=output_layer.tp_group)
+        output_layer.sequence_parallel = False
+        try:
+            logits = output_layer(full[keep], weight=output_weight, runtime_gather_output=False)[0]
+        finally:
+            output_layer.sequence_parallel = True
+        return scale_logits(logits)
+
+    with _PositionedRope(gpt.rotary_pos_emb, pos):
+        logits = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
+                       output_processor=head)  # [Nh, 1, V/tp]
+    if zp.calls.count != len(layers):
+        raise ValueError(f"zorro core attention: expected {len(layers)} calls (one per layer of this stage), got "
+                         f"{zp.calls.count}; a layer bypassed zorro and attended over the whole packed row.")
+    if tp > 1:  # every rank gets the whole vocabulary; backward hands each rank its own slice
+        logits = gather_from_tensor_model_parallel_region(logits, group=gpt.output_layer.tp_group)
+    return logits_logprobs(logits[:, 0], plan.target_ids, temperature=float(temperature),
+                           calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size,
+                           index=index, temperature_op=op)
