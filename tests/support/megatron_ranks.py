@@ -5,7 +5,8 @@ packed row padded to a multiple of 2), prompt and prefix-tree plans.
 
 Run as ``python -m tests.support.megatron_ranks RANK WORLD INIT_FILE OUT_JSON``. Each case returns this rank's
 maximum differences (log-probs, entropy, relative gradient of the rank's shards) and whether the two ranks returned
-identical log-probs.
+identical log-probs. Last, the vocabulary-parallel log-prob function alone against the project's full-vocabulary
+one (every temperature op).
 """
 
 from __future__ import annotations
@@ -43,8 +44,46 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
         res["T"] = plan.T
         res["sp"] = bool(zorro.config.sequence_parallel)
         out[name] = res
+    out["vocab_parallel"] = _vocab_parallel(rank, world)
     dist.barrier()
     return out
+
+
+def _vocab_parallel(rank: int, world: int) -> dict:
+    """vocab_parallel_logprobs on this rank's slice vs the project's logits_logprobs on the whole vocabulary (the
+    same seeded fp64 logits on both ranks), every temperature op at T = 0.7 and T = 1, with and without a chunk
+    smaller than the rows: worst value / gradient difference (the gradient on this rank's columns)."""
+    from megatron.core import parallel_state
+
+    from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
+    from zorro_verl.logprob import TEMPERATURE_OPS, logits_logprobs
+
+    g = torch.Generator().manual_seed(11)
+    N, V = 13, 40
+    full = torch.randn(N, V, generator=g, dtype=torch.float64) * 3
+    targets = torch.randint(0, V, (N,), generator=g)
+    w_lp, w_ent = torch.rand(N, generator=g, dtype=torch.float64), torch.rand(N, generator=g, dtype=torch.float64)
+    width = V // world
+    group = parallel_state.get_tensor_model_parallel_group()
+    worst = {"logprob": 0.0, "entropy": 0.0, "grad": 0.0, "cases": 0}
+    for op in TEMPERATURE_OPS:
+        for temp in (0.7, 1.0):
+            for chunk in (4, 1024):
+                ref_in = full.clone().requires_grad_(True)
+                lp_r, ent_r = logits_logprobs(ref_in, targets, temperature=temp, calculate_entropy=True,
+                                              temperature_op=op)
+                ((lp_r * w_lp).sum() + (ent_r * w_ent).sum()).backward()
+                mine = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
+                lp, ent = vocab_parallel_logprobs(mine, targets, group=group, vocab_start=rank * width,
+                                                  temperature=temp, calculate_entropy=True, chunk_size=chunk,
+                                                  temperature_op=op)
+                ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+                worst["logprob"] = max(worst["logprob"], (lp - lp_r).abs().max().item())
+                worst["entropy"] = max(worst["entropy"], (ent - ent_r).abs().max().item())
+                ref_g = ref_in.grad[:, rank * width:(rank + 1) * width]
+                worst["grad"] = max(worst["grad"], ((mine.grad - ref_g).abs().max() / ref_g.abs().max()).item())
+                worst["cases"] += 1
+    return worst
 
 
 if __name__ == "__main__":

@@ -117,12 +117,18 @@ def test_refusals(megatron_tp1):
 
 
 def test_tp2_and_sequence_parallel(tmp_path):
-    """TP = 2 and TP = 2 + sequence parallelism (2 gloo processes, one group for all cases)."""
+    """TP = 2 and TP = 2 + sequence parallelism (2 gloo processes, one group for all cases; the log-probs from the
+    vocabulary slices without gathering them), and the vocabulary-parallel log-prob function alone."""
     from tests.support.multi_rank import run_ranks
 
     results = run_ranks("tests.support.megatron_ranks", 2, [], tmp_path, timeout_s=int(os.environ.get(
         "ZORRO_MEGATRON_RANK_TIMEOUT", "600")))
     for rank, per_case in enumerate(results):
+        vp = per_case.pop("vocab_parallel")
+        assert vp["cases"] == 12
+        WORST[f"vocab_parallel_rank{rank}"] = {"logprob": vp["logprob"], "entropy": vp["entropy"],
+                                               "grad_rel": vp["grad"]}
+        assert vp["logprob"] <= TOL_VALUE and vp["entropy"] <= TOL_VALUE and vp["grad"] <= TOL_GRAD, (rank, vp)
         assert set(per_case) == {"tp2", "tp2_sp", "tp2_sp_prefix"}
         for case, res in per_case.items():
             assert res["ranks_equal"], (rank, case)

@@ -13,8 +13,9 @@ One step:
    (megatron-core >= 0.19): the post-norm hidden states (all-gathered first under sequence parallelism) are
    selected at ``plan.logit_index`` (``plan.head_index`` for prefix trees) and given to the model's own
    ``output_layer``;
-4. the vocabulary-parallel logits ``[N, 1, V/tp]`` are all-gathered (autograd: the backward keeps each rank's
-   slice) and the project's log-prob / entropy code runs on ``[N, V]`` (:func:`~zorro_verl.logprob.logits_logprobs`);
+4. log-probs / entropy: with TP = 1 the project's code on ``[N, V]`` (:func:`~zorro_verl.logprob.logits_logprobs`);
+   with TP > 1 on each rank's vocabulary slice ``[N, V/tp]`` without gathering it
+   (:func:`~zorro_verl.integrations.megatron.vocab_parallel.vocab_parallel_logprobs`);
 5. every zorro core attention of the stage must have run exactly once (else ``ValueError``: a layer bypassed zorro).
 """
 
@@ -24,14 +25,19 @@ import inspect
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.tensor_parallel import (
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
-from zorro_verl.logprob import DEFAULT_CHUNK, check_logits_optimization, check_temperature_op, logits_logprobs
+from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
+from zorro_verl.logprob import (
+    DEFAULT_CHUNK,
+    LEAN_BLOCKS,
+    check_logits_optimization,
+    check_temperature_op,
+    logits_logprobs,
+)
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["zorro_gpt_step", "find_gpt_model", "has_output_processor"]
@@ -124,7 +130,8 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
         calculate_entropy: also compute the entropy.
         logits_optimization: ``none`` or ``compute`` (``memory``, the chunked head, is not wired to megatron's
             vocabulary-parallel head yet: refused).
-        chunk_size: rows per block of the log-prob computation.
+        chunk_size: rows per block of the log-prob computation (at most ``ceil(rows / LEAN_BLOCKS)``).
+        temperature_op: where the temperature divides (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` in the logits' precision (fp32, fp64 for fp64 models), identical on
@@ -175,8 +182,15 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
     if zp.calls.count != len(layers):
         raise ValueError(f"zorro core attention: expected {len(layers)} calls (one per layer of this stage), got "
                          f"{zp.calls.count}; a layer bypassed zorro and attended over the whole packed row.")
-    if tp > 1:  # every rank gets the whole vocabulary; backward hands each rank its own slice
-        logits = gather_from_tensor_model_parallel_region(logits, group=gpt.output_layer.tp_group)
-    return logits_logprobs(logits[:, 0], plan.target_ids, temperature=float(temperature),
-                           calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size,
-                           index=index, temperature_op=op)
+    if tp == 1:
+        return logits_logprobs(logits[:, 0], plan.target_ids, temperature=float(temperature),
+                               calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size,
+                               index=index, temperature_op=op)
+    # the rank's vocabulary slice; a prefix tree's shared rows are expanded per output here (autograd sums them back)
+    logits = logits[:, 0] if index is None else logits[index, 0]
+    group = gpt.output_layer.tp_group
+    return vocab_parallel_logprobs(logits, plan.target_ids, group=group,
+                                   vocab_start=dist.get_rank(group) * logits.shape[1], temperature=float(temperature),
+                                   calculate_entropy=calculate_entropy,
+                                   chunk_size=max(1, min(chunk_size, -(-logits.shape[0] // LEAN_BLOCKS))),
+                                   temperature_op=op)
