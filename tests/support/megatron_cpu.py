@@ -9,11 +9,13 @@ an earlier token), and log-probs / entropy by ``torch.log_softmax`` in fp64.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 __all__ = ["init_megatron", "build_gpt", "make_batch", "stock_outputs", "zorro_outputs", "grads", "compare",
-           "VOCAB", "LOSS_ENT_WEIGHT"]
+           "VOCAB", "LOSS_ENT_WEIGHT", "CudaAsCpu", "cuda_as_cpu"]
 
 VOCAB = 96
 #: loss = sum(w * log_probs) + LOSS_ENT_WEIGHT * sum(entropy): every gradient path (log-probs and entropy) is used
@@ -49,22 +51,83 @@ def _cpu_shims(sequence_parallel_norms: bool) -> None:
     _SHIMMED = True
 
 
-def init_megatron(rank: int, world: int, init_file: str) -> None:
-    """gloo over a ``file://`` rendezvous, megatron's model-parallel groups with TP = ``world``, the CPU shims."""
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # a bare ordinal means a CUDA device
+
+
+class CudaAsCpu(torch.overrides.TorchFunctionMode):
+    """P4, for megatron's pipeline schedule only: it creates ``torch.zeros(..., device="cuda")`` (token counts) and
+    moves tensors with ``.cuda()``; inside this mode such device arguments mean the CPU (see :func:`cuda_as_cpu`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") is not None and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.Tensor, torch.dtype)) \
+                and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """A CUDA stream / event stand-in whose methods do nothing (the CPU runs everything in order)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: True if name == "query" else None
+
+
+@contextlib.contextmanager
+def cuda_as_cpu():
+    """P4 + P5 for megatron's pipeline schedule: ``device="cuda"`` arguments mean the CPU (:class:`CudaAsCpu`) and
+    ``torch.cuda.synchronize`` / streams / events (its p2p communication waits on them) do nothing; restored on
+    exit."""
+    names = {"synchronize": lambda *a, **k: None, "current_stream": _NoStream, "default_stream": _NoStream,
+             "Stream": _NoStream, "Event": _NoStream, "stream": lambda *a, **k: contextlib.nullcontext(),
+             "empty_cache": lambda *a, **k: None}
+    saved = {n: getattr(torch.cuda, n) for n in names}
+    for n, f in names.items():
+        setattr(torch.cuda, n, f)
+    try:
+        with CudaAsCpu():
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.cuda, n, f)
+
+
+def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1) -> None:
+    """gloo over a ``file://`` rendezvous, megatron's model-parallel groups (PP = ``pipeline``, TP = the rest), the
+    CPU shims. Called again with another ``pipeline`` it rebuilds the groups in the same process group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if parallel_state.model_parallel_is_initialized() and \
+            parallel_state.get_pipeline_model_parallel_world_size() != pipeline:
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // pipeline,
+                                                 pipeline_model_parallel_size=pipeline)
     _cpu_shims(sequence_parallel_norms=True)
 
 
-def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0):
+def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0,
+              pipeline: int = 1):
     """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups, RMSNorm, SwiGLU, RoPE, untied head) on the
     local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from ``seed`` with CPU
-    initialisation, so every TP size shards the same master weights."""
+    initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline size of the
+    model-parallel groups; the model is this rank's stage."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.parallel_state import get_tensor_model_parallel_world_size
@@ -78,7 +141,8 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
         hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=False,  # True would round fp64 scores to fp32
-        pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1)
+        pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+        pipeline_model_parallel_size=pipeline)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if zorro:
         from zorro_verl.integrations.megatron import zorro_layer_spec
@@ -87,7 +151,9 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
     torch.manual_seed(seed)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False,
-                     parallel_output=parallel_output)
+                     parallel_output=parallel_output,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     return model.to(torch.float64)  # torch norms are created in the default dtype
 
 

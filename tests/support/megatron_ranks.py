@@ -5,8 +5,9 @@ packed row padded to a multiple of 2), prompt and prefix-tree plans.
 
 Run as ``python -m tests.support.megatron_ranks RANK WORLD INIT_FILE OUT_JSON``. Each case returns this rank's
 maximum differences (log-probs, entropy, relative gradient of the rank's shards) and whether the two ranks returned
-identical log-probs. Last, the vocabulary-parallel log-prob function alone against the project's full-vocabulary
-one (every temperature op).
+identical log-probs. Then the vocabulary-parallel log-prob function alone against the project's full-vocabulary
+one (every temperature op). Last, the same two processes as PP = 2 stages (the model-parallel groups rebuilt):
+stock vs zorro through megatron's pipeline schedule.
 """
 
 from __future__ import annotations
@@ -45,8 +46,77 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
         res["sp"] = bool(zorro.config.sequence_parallel)
         out[name] = res
     out["vocab_parallel"] = _vocab_parallel(rank, world)
+    M.init_megatron(rank, world, init_file, pipeline=world)  # the same processes, now as PP = 2 stages
+    out["pp2"] = _pipeline(rank)
     dist.barrier()
     return out
+
+
+def _pipeline(rank: int) -> dict:
+    """PP = 2 (one layer per stage) through megatron's pipeline schedule (p2p over gloo): the stock per-row batch
+    ``[B, L]`` vs zorro's packed row (:func:`zorro_gpt_forward` as the stage forward, :func:`zorro_gpt_logprobs` in
+    the last stage's loss). Each stage compares its own gradients; the last stage also the log-probs / entropy."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tests.support import megatron_cpu as M
+    from zorro_verl.integrations.megatron import padded_length, zorro_gpt_forward, zorro_gpt_logprobs
+    from zorro_verl.packing import build_plan
+
+    stock = M.build_gpt(zorro=False, parallel_output=False, pipeline=2)
+    zorro = M.build_gpt(zorro=True, pipeline=2)
+    zorro.load_state_dict(stock.state_dict())
+    ids, am, R = M.make_batch()
+    rows = M._rows(ids, am, R)
+    L = max(len(t) for t, _, _ in rows)
+    batch = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, (t, _, _) in enumerate(rows):
+        batch[b, :len(t)] = t
+    mask = torch.triu(torch.ones(L, L, dtype=torch.bool), 1).view(1, 1, L, L)
+    got = {}
+
+    def loss_of(lp, ent):
+        loss = (lp * M.loss_weights(lp.numel())).sum() + M.LOSS_ENT_WEIGHT * ent.sum()
+        return loss, {}
+
+    def stock_step(_it, model):
+        out = model(input_ids=batch, position_ids=torch.arange(L)[None].expand(len(rows), L), attention_mask=mask)
+
+        def loss_func(logits):  # [B, L, V] on the last stage
+            lps, ents = [], []
+            for b, (t, p, r) in enumerate(rows):
+                if r:
+                    logp = torch.log_softmax(logits[b, p - 1:p + r - 1], -1)
+                    lps.append(logp.gather(-1, t[p:p + r, None])[:, 0])
+                    ents.append(-(logp.exp() * logp).sum(-1))
+            got["stock"] = (torch.cat(lps).detach(), torch.cat(ents).detach())
+            return loss_of(torch.cat(lps), torch.cat(ents))
+
+        return out, loss_func
+
+    plan = build_plan(ids, am, R)
+
+    def zorro_step(_it, model):
+        out = zorro_gpt_forward(model, plan)
+
+        def loss_func(logits):  # [N, 1, V] on the last stage
+            lp, ent = zorro_gpt_logprobs(model, plan, logits, calculate_entropy=True)
+            got["zorro"] = (lp.detach(), ent.detach())
+            return loss_of(lp, ent)
+
+        return out, loss_func
+
+    fb = get_forward_backward_func()
+    with M.cuda_as_cpu():
+        fb(forward_step_func=stock_step, data_iterator=None, model=[stock], num_microbatches=1, seq_length=L,
+           micro_batch_size=len(rows), forward_only=False)
+        fb(forward_step_func=zorro_step, data_iterator=None, model=[zorro], num_microbatches=1,
+           seq_length=padded_length(zorro, plan), micro_batch_size=1, forward_only=False)
+    last = parallel_state.is_pipeline_last_stage()
+    res = M.compare(got["stock"] if last else (torch.zeros(1), torch.zeros(1)),
+                    got["zorro"] if last else (torch.zeros(1), torch.zeros(1)), M.grads(stock), M.grads(zorro))
+    res.update(stage=parallel_state.get_pipeline_model_parallel_rank(), last=last, T=plan.T, rank=rank)
+    return res
 
 
 def _vocab_parallel(rank: int, world: int) -> dict:

@@ -4,7 +4,8 @@ The reference has no project code: megatron's local ``DotProductAttention`` on t
 mask, log-probs / entropy by ``torch.log_softmax`` (tests/support/megatron_cpu.py). Compared: log-probs and entropy of
 every response token (<= 1e-12 absolute) and every parameter gradient of the test loss (<= 1e-12 relative to the
 parameter's largest gradient entry), on a batch with interleaved siblings, an empty and a 1-token response. TP = 1
-in-process; TP = 2 and TP = 2 + sequence parallelism in one 2-process gloo group. Runs in ``.venv-megatron``
+in-process; TP = 2, TP = 2 + sequence parallelism and PP = 2 (megatron's pipeline schedule, each stage's gradients
+compared) in one 2-process gloo group. Runs in ``.venv-megatron``
 (scripts/test_megatron.sh); skipped where megatron-core is not installed.
 """
 
@@ -29,9 +30,11 @@ WORST: dict = {}
 
 
 def _record(case: str, res: dict) -> None:
+    """Check one case against the fp64 rules; ``logprob`` / ``entropy`` None: a stage without outputs (gradients
+    only)."""
     WORST[case] = res
-    assert res["logprob"] <= TOL_VALUE, (case, res)
-    assert res["entropy"] <= TOL_VALUE, (case, res)
+    for key in ("logprob", "entropy"):
+        assert res[key] is None or res[key] <= TOL_VALUE, (case, res)
     assert res["grad_rel"] <= TOL_GRAD, (case, res)
 
 
@@ -116,9 +119,10 @@ def test_refusals(megatron_tp1):
         core(q[:-1], kv[:-1], kv[:-1], None, packed_seq_params=zp)
 
 
-def test_tp2_and_sequence_parallel(tmp_path):
-    """TP = 2 and TP = 2 + sequence parallelism (2 gloo processes, one group for all cases; the log-probs from the
-    vocabulary slices without gathering them), and the vocabulary-parallel log-prob function alone."""
+def test_two_ranks_tp_sp_pp(tmp_path):
+    """TP = 2 and TP = 2 + sequence parallelism (the log-probs from the vocabulary slices without gathering them),
+    the vocabulary-parallel log-prob function alone, then PP = 2 through megatron's pipeline schedule: all in one
+    2-process gloo group."""
     from tests.support.multi_rank import run_ranks
 
     results = run_ranks("tests.support.megatron_ranks", 2, [], tmp_path, timeout_s=int(os.environ.get(
@@ -129,6 +133,13 @@ def test_tp2_and_sequence_parallel(tmp_path):
         WORST[f"vocab_parallel_rank{rank}"] = {"logprob": vp["logprob"], "entropy": vp["entropy"],
                                                "grad_rel": vp["grad"]}
         assert vp["logprob"] <= TOL_VALUE and vp["entropy"] <= TOL_VALUE and vp["grad"] <= TOL_GRAD, (rank, vp)
+        pp = per_case.pop("pp2")
+        assert pp["stage"] == rank and pp["last"] == (rank == 1) and pp["params"] == (7 if rank == 0 else 8)
+        if pp["last"]:
+            assert pp["n"] == 15
+        else:  # the first stage returns hidden states: only its gradients are compared
+            pp.update(logprob=None, entropy=None)
+        _record(f"pp2_stage{rank}", pp)
         assert set(per_case) == {"tp2", "tp2_sp", "tp2_sp_prefix"}
         for case, res in per_case.items():
             assert res["ranks_equal"], (rank, case)

@@ -10,7 +10,15 @@ from zorro_verl.integrations.megatron.attention import (
     zorro_core_attention,
     zorro_layer_spec,
 )
-from zorro_verl.integrations.megatron.step import find_gpt_model, has_output_processor, zorro_gpt_step
+from zorro_verl.integrations.megatron.step import (
+    find_gpt_model,
+    has_output_processor,
+    padded_length,
+    zorro_gpt_forward,
+    zorro_gpt_logprobs,
+    zorro_gpt_step,
+)
 
 __all__ = ["ZorroCoreAttention", "ZorroPackedSeqParams", "install_zorro_megatron", "zorro_attention_modules",
-           "zorro_core_attention", "zorro_layer_spec", "zorro_gpt_step", "find_gpt_model", "has_output_processor"]
+           "zorro_core_attention", "zorro_layer_spec", "zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs",
+           "padded_length", "find_gpt_model", "has_output_processor"]

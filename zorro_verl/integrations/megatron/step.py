@@ -40,7 +40,8 @@ from zorro_verl.logprob import (
 )
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["zorro_gpt_step", "find_gpt_model", "has_output_processor"]
+__all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "padded_length", "find_gpt_model",
+           "has_output_processor"]
 
 
 def has_output_processor() -> bool:
@@ -72,10 +73,6 @@ def _check_model(gpt: GPTModel, n_layers: int) -> None:
     if getattr(cfg, "multi_latent_attention", False):
         raise ValueError("multi_latent_attention: expected False with zorro (MLA applies RoPE inside its own "
                          "attention; not supported yet).")
-    if not (gpt.pre_process and gpt.post_process):
-        raise ValueError("pipeline_model_parallel_size: expected 1 with zorro_gpt_step (this stage has "
-                         f"pre_process={gpt.pre_process}, post_process={gpt.post_process}); pipeline stages are "
-                         "not supported yet.")
     if getattr(cfg, "mtp_num_layers", None):
         raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
                          "prediction runs on the ordinary row layout).")
@@ -112,31 +109,7 @@ class _PositionedRope:
         return False
 
 
-def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa", temperature: float = 1.0,
-                   calculate_entropy: bool = False, logits_optimization: str = "none",
-                   chunk_size: int = DEFAULT_CHUNK,
-                   temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Deduplicated forward of ``plan`` on a megatron-core ``GPTModel``: log-probs (and entropy) of every valid
-    response token, original row order — what :func:`~zorro_verl.integrations.transformers.zorro_step` returns for a
-    transformers model.
-
-    Args:
-        model: a ``GPTModel`` (or megatron's wrappers around one) built with :func:`zorro_layer_spec` or after
-            :func:`install_zorro_megatron`; one pipeline stage holding the whole model; tensor parallelism with or
-            without sequence parallelism. Every TP rank calls with the same plan.
-        plan: the micro-batch's plan (:func:`~zorro_verl.packing.build_plan`, prompt or prefix sharing).
-        backend: a registered attention backend name (:data:`~zorro_verl.attention.BACKEND_NAMES`).
-        temperature: a float > 0, applied as ``temperature_op`` says (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
-        calculate_entropy: also compute the entropy.
-        logits_optimization: ``none`` or ``compute`` (``memory``, the chunked head, is not wired to megatron's
-            vocabulary-parallel head yet: refused).
-        chunk_size: rows per block of the log-prob computation (at most ``ceil(rows / LEAN_BLOCKS)``).
-        temperature_op: where the temperature divides (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
-
-    Returns:
-        ``(log_probs [N], entropy [N] | None)`` in the logits' precision (fp32, fp64 for fp64 models), identical on
-        every TP rank; ``plan.to_padded`` gives ``[B, R]``.
-    """
+def _check_head_args(temperature, logits_optimization: str, temperature_op: str) -> tuple[str, str]:
     mode = check_logits_optimization(logits_optimization)
     op = check_temperature_op(temperature_op)
     if mode == "memory":
@@ -146,18 +119,35 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
             or not isinstance(temperature, (int, float)) or temperature <= 0:
         raise ValueError(f"temperature: expected a float > 0, got {temperature!r} (per-row tensors are not wired "
                          "to the megatron step yet).")
+    return mode, op
+
+
+def padded_length(model: torch.nn.Module, plan: ZorroPlan) -> int:
+    """Tokens of the row the model runs for ``plan``: ``plan.T``, rounded up to a multiple of the tensor-parallel
+    size under sequence parallelism (the pipeline schedule's ``seq_length`` for a zorro micro-batch)."""
+    cfg = find_gpt_model(model).config
+    tp = cfg.tensor_model_parallel_size
+    return plan.T if not cfg.sequence_parallel else -(-plan.T // tp) * tp
+
+
+def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa") -> torch.Tensor:
+    """Run this pipeline stage of a zorro ``GPTModel`` on ``plan`` (inside megatron's pipeline schedule, a stage
+    after the first receives its input through ``set_input_tensor`` as usual).
+
+    Returns the stage's output: on the last stage the head's logits at the response-predicting rows
+    ``[Nh, 1, V/tp]`` (``Nh = N``, or the distinct rows of a prefix tree), for :func:`zorro_gpt_logprobs`; on other
+    stages the hidden states ``[Tp(/tp under SP), 1, H]`` that the schedule sends on (``Tp``: :func:`padded_length`).
+    Every TP rank and every stage calls with the same plan."""
     gpt = find_gpt_model(model)
     layers = zorro_attention_modules(gpt)
     _check_model(gpt, len(layers))
-    cfg = gpt.config
-    tp = cfg.tensor_model_parallel_size
     # sequence parallelism scatters the row over the TP ranks: its length must divide; the pad tokens form no
     # segment of the plan (the core attention outputs 0 there) and are never read by the head
-    Tp = plan.T if not cfg.sequence_parallel else -(-plan.T // tp) * tp
+    Tp = padded_length(gpt, plan)
     pad = Tp - plan.T
     ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
     pos = plan.position_ids if not pad else torch.cat([plan.position_ids, plan.position_ids.new_zeros(pad)])
-    keep, index = (plan.logit_index, None) if plan.head_index is None else (plan.head_index, plan.head_inverse)
+    keep = plan.logit_index if plan.head_index is None else plan.head_index
     zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
 
     def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
@@ -177,12 +167,29 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
         return scale_logits(logits)
 
     with _PositionedRope(gpt.rotary_pos_emb, pos):
-        logits = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
-                       output_processor=head)  # [Nh, 1, V/tp]
+        out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
+                    output_processor=head)
     if zp.calls.count != len(layers):
         raise ValueError(f"zorro core attention: expected {len(layers)} calls (one per layer of this stage), got "
                          f"{zp.calls.count}; a layer bypassed zorro and attended over the whole packed row.")
-    if tp == 1:
+    return out
+
+
+def zorro_gpt_logprobs(model: torch.nn.Module, plan: ZorroPlan, logits: torch.Tensor, *, temperature: float = 1.0,
+                       calculate_entropy: bool = False, logits_optimization: str = "none",
+                       chunk_size: int = DEFAULT_CHUNK,
+                       temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropy) of the plan's response tokens from the last stage's output of
+    :func:`zorro_gpt_forward`, ``logits [Nh, 1, V/tp]`` -> ``(log_probs [N], entropy [N] | None)``, original row
+    order, identical on every TP rank (arguments as :func:`zorro_gpt_step`)."""
+    mode, op = _check_head_args(temperature, logits_optimization, temperature_op)
+    gpt = find_gpt_model(model)
+    keep = plan.logit_index if plan.head_index is None else plan.head_index
+    if logits.dim() != 3 or logits.shape[:2] != (keep.numel(), 1):
+        raise ValueError(f"logits: expected the last stage's head output [{keep.numel()}, 1, V/tp], got "
+                         f"{tuple(logits.shape)}. Pass what zorro_gpt_forward returned on the last pipeline stage.")
+    index = plan.head_inverse
+    if gpt.config.tensor_model_parallel_size == 1:
         return logits_logprobs(logits[:, 0], plan.target_ids, temperature=float(temperature),
                                calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size,
                                index=index, temperature_op=op)
@@ -194,3 +201,42 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
                                    calculate_entropy=calculate_entropy,
                                    chunk_size=max(1, min(chunk_size, -(-logits.shape[0] // LEAN_BLOCKS))),
                                    temperature_op=op)
+
+
+def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa", temperature: float = 1.0,
+                   calculate_entropy: bool = False, logits_optimization: str = "none",
+                   chunk_size: int = DEFAULT_CHUNK,
+                   temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Deduplicated forward of ``plan`` on a megatron-core ``GPTModel`` held by one pipeline stage: log-probs (and
+    entropy) of every valid response token, original row order — what
+    :func:`~zorro_verl.integrations.transformers.zorro_step` returns for a transformers model. Under pipeline
+    parallelism run :func:`zorro_gpt_forward` in megatron's schedule and :func:`zorro_gpt_logprobs` in its loss.
+
+    Args:
+        model: a ``GPTModel`` (or megatron's wrappers around one) built with :func:`zorro_layer_spec` or after
+            :func:`install_zorro_megatron`; tensor parallelism with or without sequence parallelism. Every TP rank
+            calls with the same plan.
+        plan: the micro-batch's plan (:func:`~zorro_verl.packing.build_plan`, prompt or prefix sharing).
+        backend: a registered attention backend name (:data:`~zorro_verl.attention.BACKEND_NAMES`).
+        temperature: a float > 0, applied as ``temperature_op`` says (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
+        calculate_entropy: also compute the entropy.
+        logits_optimization: ``none`` or ``compute`` (``memory``, the chunked head, is not wired to megatron's
+            vocabulary-parallel head yet: refused).
+        chunk_size: rows per block of the log-prob computation (at most ``ceil(rows / LEAN_BLOCKS)``).
+        temperature_op: where the temperature divides (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
+
+    Returns:
+        ``(log_probs [N], entropy [N] | None)`` in the logits' precision (fp32, fp64 for fp64 models), identical on
+        every TP rank; ``plan.to_padded`` gives ``[B, R]``.
+    """
+    _check_head_args(temperature, logits_optimization, temperature_op)
+    gpt = find_gpt_model(model)
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("pipeline_model_parallel_size: zorro_gpt_step runs a whole model, but this stage has "
+                         f"pre_process={gpt.pre_process}, post_process={gpt.post_process}. Under pipeline "
+                         "parallelism call zorro_gpt_forward in megatron's schedule and zorro_gpt_logprobs in its "
+                         "loss function.")
+    logits = zorro_gpt_forward(model, plan, backend=backend)
+    return zorro_gpt_logprobs(model, plan, logits, temperature=temperature, calculate_entropy=calculate_entropy,
+                              logits_optimization=logits_optimization, chunk_size=chunk_size,
+                              temperature_op=temperature_op)
