@@ -53,33 +53,38 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
 
 
 def _pipeline(rank: int) -> dict:
-    """PP = 2 (one layer per stage) through megatron's pipeline schedule (p2p over gloo): the stock per-row batch
-    ``[B, L]`` vs zorro's packed row (:func:`zorro_gpt_forward` as the stage forward, :func:`zorro_gpt_logprobs` in
-    the last stage's loss). Each stage compares its own gradients; the last stage also the log-probs / entropy."""
+    """PP = 2 (one layer per stage) through megatron's pipeline schedule (p2p over gloo), two micro-batches of
+    different lengths (``variable_seq_lengths=True``, as verl runs it): the stock per-row batches ``[B, L]`` vs zorro's
+    packed rows (:func:`zorro_gpt_forward` as the stage forward, :func:`zorro_gpt_logprobs` in the last stage's
+    loss). Each stage compares its own gradients; the last stage also the log-probs / entropy."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from tests.support import megatron_cpu as M
-    from zorro_verl.integrations.megatron import padded_length, zorro_gpt_forward, zorro_gpt_logprobs
+    from zorro_verl.integrations.megatron import zorro_gpt_forward, zorro_gpt_logprobs
     from zorro_verl.packing import build_plan
 
     stock = M.build_gpt(zorro=False, parallel_output=False, pipeline=2)
     zorro = M.build_gpt(zorro=True, pipeline=2)
     zorro.load_state_dict(stock.state_dict())
-    ids, am, R = M.make_batch()
-    rows = M._rows(ids, am, R)
-    L = max(len(t) for t, _, _ in rows)
-    batch = torch.zeros(len(rows), L, dtype=torch.long)
-    for b, (t, _, _) in enumerate(rows):
-        batch[b, :len(t)] = t
-    mask = torch.triu(torch.ones(L, L, dtype=torch.bool), 1).view(1, 1, L, L)
-    got = {}
+    for m in (stock, zorro):
+        m.config.variable_seq_lengths = True  # the micro-batches' lengths differ (stock: L; zorro: T)
+    batches = [M.make_batch(), M.make_batch(seed=4, shared_prefix=True)]
+    plans = [build_plan(ids, am, R) for ids, am, R in batches]
+    assert plans[0].T != plans[1].T
+    got = {"stock": [], "zorro": []}
 
     def loss_of(lp, ent):
         loss = (lp * M.loss_weights(lp.numel())).sum() + M.LOSS_ENT_WEIGHT * ent.sum()
         return loss, {}
 
-    def stock_step(_it, model):
+    def stock_step(it, model):
+        rows = M._rows(*next(it))
+        L = max(len(t) for t, _, _ in rows)
+        batch = torch.zeros(len(rows), L, dtype=torch.long)
+        for b, (t, _, _) in enumerate(rows):
+            batch[b, :len(t)] = t
+        mask = torch.triu(torch.ones(L, L, dtype=torch.bool), 1).view(1, 1, L, L)
         out = model(input_ids=batch, position_ids=torch.arange(L)[None].expand(len(rows), L), attention_mask=mask)
 
         def loss_func(logits):  # [B, L, V] on the last stage
@@ -89,33 +94,34 @@ def _pipeline(rank: int) -> dict:
                     logp = torch.log_softmax(logits[b, p - 1:p + r - 1], -1)
                     lps.append(logp.gather(-1, t[p:p + r, None])[:, 0])
                     ents.append(-(logp.exp() * logp).sum(-1))
-            got["stock"] = (torch.cat(lps).detach(), torch.cat(ents).detach())
+            got["stock"].append((torch.cat(lps).detach(), torch.cat(ents).detach()))
             return loss_of(torch.cat(lps), torch.cat(ents))
 
         return out, loss_func
 
-    plan = build_plan(ids, am, R)
-
-    def zorro_step(_it, model):
+    def zorro_step(it, model):
+        plan = next(it)  # every stage builds (here: takes) the same plan for the micro-batch
         out = zorro_gpt_forward(model, plan)
 
         def loss_func(logits):  # [N, 1, V] on the last stage
             lp, ent = zorro_gpt_logprobs(model, plan, logits, calculate_entropy=True)
-            got["zorro"] = (lp.detach(), ent.detach())
+            got["zorro"].append((lp.detach(), ent.detach()))
             return loss_of(lp, ent)
 
         return out, loss_func
 
     fb = get_forward_backward_func()
-    with M.cuda_as_cpu():
-        fb(forward_step_func=stock_step, data_iterator=None, model=[stock], num_microbatches=1, seq_length=L,
-           micro_batch_size=len(rows), forward_only=False)
-        fb(forward_step_func=zorro_step, data_iterator=None, model=[zorro], num_microbatches=1,
-           seq_length=padded_length(zorro, plan), micro_batch_size=1, forward_only=False)
+    with M.cuda_as_cpu():  # seq_length / micro_batch_size: unused with variable_seq_lengths (shapes are exchanged)
+        fb(forward_step_func=stock_step, data_iterator=iter(batches), model=[stock], num_microbatches=2,
+           seq_length=0, micro_batch_size=0, forward_only=False)
+        fb(forward_step_func=zorro_step, data_iterator=iter(plans), model=[zorro], num_microbatches=2,
+           seq_length=0, micro_batch_size=0, forward_only=False)
     last = parallel_state.is_pipeline_last_stage()
-    res = M.compare(got["stock"] if last else (torch.zeros(1), torch.zeros(1)),
-                    got["zorro"] if last else (torch.zeros(1), torch.zeros(1)), M.grads(stock), M.grads(zorro))
-    res.update(stage=parallel_state.get_pipeline_model_parallel_rank(), last=last, T=plan.T, rank=rank)
+    cat = (lambda xs: (torch.cat([x[0] for x in xs]), torch.cat([x[1] for x in xs]))) if last else \
+        (lambda xs: (torch.zeros(1), torch.zeros(1)))
+    res = M.compare(cat(got["stock"]), cat(got["zorro"]), M.grads(stock), M.grads(zorro))
+    res.update(stage=parallel_state.get_pipeline_model_parallel_rank(), last=last, T=[p.T for p in plans],
+               rank=rank)
     return res
 
 

@@ -136,7 +136,7 @@ def test_two_ranks_tp_sp_pp(tmp_path):
         pp = per_case.pop("pp2")
         assert pp["stage"] == rank and pp["last"] == (rank == 1) and pp["params"] == (7 if rank == 0 else 8)
         if pp["last"]:
-            assert pp["n"] == 15
+            assert pp["n"] == 30  # two micro-batches of 15 response tokens
         else:  # the first stage returns hidden states: only its gradients are compared
             pp.update(logprob=None, entropy=None)
         _record(f"pp2_stage{rank}", pp)
