@@ -22,11 +22,16 @@ VOCAB = 96
 LOSS_ENT_WEIGHT = 0.1
 
 _SHIMMED = False
+#: activation recomputation settings of :func:`build_gpt`: whole layers, or megatron's selective core attention
+_RECOMPUTE = {None: {}, "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                 "recompute_num_layers": 1},
+              "core_attn": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}}
 
 
 def _cpu_shims(sequence_parallel_norms: bool) -> None:
     """P1: megatron asks ``torch.cuda.current_device()`` for device arguments; P2: its RNG tracker reads CUDA
-    generator states (dropout is 0 here, so the inference tracker's no-op ``fork`` is right); P3 (sequence
+    generator states (dropout is 0 here, so the inference tracker's no-op ``fork`` is right), P7 the same around
+    activation recomputation; P3 (sequence
     parallelism): the local spec's torch norms refuse SP, so build the same norm and mark its parameters
     ``sequence_parallel`` as Transformer Engine's norms are (their gradients are then summed over TP)."""
     global _SHIMMED
@@ -36,6 +41,10 @@ def _cpu_shims(sequence_parallel_norms: bool) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # P7 (activation recomputation): megatron's checkpoint saves / restores the CUDA generator's state around the
+    # recomputed forward; there is none (the CPU generator's state is still saved and restored)
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     if sequence_parallel_norms:
         from megatron.core.transformer import torch_norm
 
@@ -122,11 +131,12 @@ def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1) -> N
 
 
 def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0,
-              pipeline: int = 1):
+              pipeline: int = 1, recompute: str | None = None):
     """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups, RMSNorm, SwiGLU, RoPE, untied head) on the
     local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from ``seed`` with CPU
     initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline size of the
-    model-parallel groups; the model is this rank's stage."""
+    model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer recomputed in
+    backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -142,7 +152,7 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=False,  # True would round fp64 scores to fp32
         pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
-        pipeline_model_parallel_size=pipeline)
+        pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute])
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if zorro:
         from zorro_verl.integrations.megatron import zorro_layer_spec
