@@ -61,7 +61,7 @@ def _pipeline(rank: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from tests.support import megatron_cpu as M
-    from zorro_verl.integrations.megatron import zorro_gpt_forward, zorro_gpt_logprobs
+    from zorro_verl.integrations.megatron import zorro_gpt_forward, zorro_gpt_logprobs, zorro_gpt_step
     from zorro_verl.packing import build_plan
 
     stock = M.build_gpt(zorro=False, parallel_output=False, pipeline=2)
@@ -110,6 +110,11 @@ def _pipeline(rank: int) -> dict:
 
         return out, loss_func
 
+    try:  # a stage is not a whole model: the one-call step refuses, naming the split API
+        zorro_gpt_step(zorro, plans[0])
+        refused = False
+    except ValueError as e:
+        refused = "zorro_gpt_forward" in str(e)
     fb = get_forward_backward_func()
     with M.cuda_as_cpu():  # seq_length / micro_batch_size: unused with variable_seq_lengths (shapes are exchanged)
         fb(forward_step_func=stock_step, data_iterator=iter(batches), model=[stock], num_microbatches=2,
@@ -121,7 +126,7 @@ def _pipeline(rank: int) -> dict:
         (lambda xs: (torch.zeros(1), torch.zeros(1)))
     res = M.compare(cat(got["stock"]), cat(got["zorro"]), M.grads(stock), M.grads(zorro))
     res.update(stage=parallel_state.get_pipeline_model_parallel_rank(), last=last, T=[p.T for p in plans],
-               rank=rank)
+               rank=rank, step_refused=refused)
     return res
 
 

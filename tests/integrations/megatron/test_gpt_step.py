@@ -124,6 +124,20 @@ def test_refusals(megatron_tp1):
         zorro_gpt_step(zorro, plan, temperature=torch.ones(plan.B))
     with pytest.raises(ValueError, match="GPTModel"):
         zorro_gpt_step(torch.nn.Linear(2, 2), plan)
+    # settings whose statistics run over the micro-batch's tokens (checked before anything runs)
+    for changes, what in (({"fp8": "hybrid"}, "fp8"),
+                          ({"num_moe_experts": 2, "moe_aux_loss_coeff": 0.01}, "moe_aux_loss_coeff"),
+                          ({"num_moe_experts": 2, "moe_expert_capacity_factor": 1.0}, "moe_expert_capacity_factor"),
+                          ({"num_moe_experts": 2, "moe_router_enable_expert_bias": True}, "expert_bias")):
+        saved = {k: getattr(zorro.config, k) for k in changes}
+        try:
+            for k, v in changes.items():
+                setattr(zorro.config, k, v)
+            with pytest.raises(ValueError, match=what):
+                zorro_gpt_step(zorro, plan)
+        finally:
+            for k, v in saved.items():
+                setattr(zorro.config, k, v)
     # a mask handed to a zorro call is refused, not ignored
     from zorro_verl.integrations.megatron import ZorroPackedSeqParams
 
@@ -153,6 +167,7 @@ def test_two_ranks_tp_sp_pp(tmp_path):
         assert vp["logprob"] <= TOL_VALUE and vp["entropy"] <= TOL_VALUE and vp["grad"] <= TOL_GRAD, (rank, vp)
         pp = per_case.pop("pp2")
         assert pp["stage"] == rank and pp["last"] == (rank == 1) and pp["params"] == (7 if rank == 0 else 8)
+        assert pp.pop("step_refused")
         if pp["last"]:
             assert pp["n"] == 30  # two micro-batches of 15 response tokens
         else:  # the first stage returns hidden states: only its gradients are compared

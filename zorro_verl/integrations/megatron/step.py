@@ -78,9 +78,41 @@ def _check_model(gpt: GPTModel, n_layers: int) -> None:
                          "prediction runs on the ordinary row layout).")
     if getattr(cfg, "context_parallel_size", 1) != 1:
         raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}.")
+    for name in ("fp8", "fp4"):
+        if getattr(cfg, name, None):
+            raise ValueError(f"{name}: expected None with zorro, got {getattr(cfg, name)!r}: low-precision scaling "
+                             "statistics (amax) are taken over the micro-batch's tokens, which deduplication changes. "
+                             f"Set {name}=None.")
+    _check_moe(cfg)
     if not has_output_processor():
         raise ValueError("megatron-core: GPTModel.forward has no output_processor (megatron-core < 0.19); zorro's "
                          "head needs it. Install megatron-core >= 0.19 (scripts/setup_megatron_env.sh pins 0.19.2).")
+
+
+def _check_moe(cfg) -> None:
+    """MoE routing is token-wise (a deduplicated prompt token is routed as each of its copies would be), but every
+    statistic over the micro-batch's tokens changes when prompt tokens count once instead of ``n`` times: the
+    load-balancing and z losses, the expert-bias updates, capacity-based token dropping. Exact only without them."""
+    if not getattr(cfg, "num_moe_experts", None):
+        return
+    coeff = cfg.moe_aux_loss_coeff
+    checks = [
+        ("moe_aux_loss_coeff", coeff, any(coeff) if isinstance(coeff, (list, tuple)) else bool(coeff), "0"),
+        ("moe_z_loss_coeff", cfg.moe_z_loss_coeff, bool(cfg.moe_z_loss_coeff), "None"),
+        ("moe_router_enable_expert_bias", cfg.moe_router_enable_expert_bias, cfg.moe_router_enable_expert_bias,
+         "False"),
+        ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
+         "None"),
+        ("moe_token_dropping", cfg.moe_token_dropping, cfg.moe_token_dropping, "False"),
+        ("moe_enable_routing_replay", cfg.moe_enable_routing_replay, cfg.moe_enable_routing_replay, "False"),
+        ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing, cfg.moe_router_force_load_balancing,
+         "False"),
+    ]
+    for name, got, bad, fix in checks:
+        if bad:
+            raise ValueError(f"{name}: got {got!r} on an MoE model; with zorro it must be {fix}: it depends on "
+                             "statistics over the micro-batch's tokens, which deduplication changes (prompt tokens "
+                             f"count once). Set it to {fix} (e.g. moe_router_load_balancing_type='none').")
 
 
 class _PositionedRope:
