@@ -15,13 +15,16 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["init_megatron", "build_gpt", "make_batch", "stock_outputs", "zorro_outputs", "grads", "compare",
-           "VOCAB", "LOSS_ENT_WEIGHT", "CudaAsCpu", "cuda_as_cpu"]
+           "VOCAB", "LOSS_ENT_WEIGHT", "CudaAsCpu", "cuda_as_cpu", "fp64_moe_routing"]
 
 VOCAB = 96
 #: loss = sum(w * log_probs) + LOSS_ENT_WEIGHT * sum(entropy): every gradient path (log-probs and entropy) is used
 LOSS_ENT_WEIGHT = 0.1
 
 _SHIMMED = False
+#: :func:`build_gpt`'s MoE layers: 4 experts, top-2 softmax routing in fp64, no statistic over the batch's tokens
+_MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0, "moe_token_dispatcher_type": "allgather", "moe_router_dtype": "fp64"}
 #: activation recomputation settings of :func:`build_gpt`: whole layers, or megatron's selective core attention
 _RECOMPUTE = {None: {}, "full": {"recompute_granularity": "full", "recompute_method": "uniform",
                                  "recompute_num_layers": 1},
@@ -58,6 +61,30 @@ def _cpu_shims(sequence_parallel_norms: bool) -> None:
 
         torch_norm.WrappedTorchNorm.__new__ = new
     _SHIMMED = True
+
+
+class _Fp64RouterTorch:
+    """``torch`` as megatron's MoE routing module sees it (P8, fp64 tests of MoE models): its score softmax is
+    hard-wired to ``dtype=torch.float32`` ("all the intermediate calculations are in fp32"), so an fp64 model's router
+    probabilities are fp32-rounded and any reassociation of their gradients (deduplicated prompt tokens) shows at
+    fp32 level. Here a softmax of fp64 input stays fp64; everything else is ``torch``."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def softmax(x, dim=None, dtype=None, **kwargs):
+        if x.dtype == torch.float64:
+            dtype = None
+        return torch.softmax(x, dim=dim, dtype=dtype, **kwargs)
+
+
+def fp64_moe_routing() -> None:
+    """Install :class:`_Fp64RouterTorch` in megatron's ``moe_utils`` (idempotent; test processes only)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not isinstance(moe_utils.torch, _Fp64RouterTorch):
+        moe_utils.torch = _Fp64RouterTorch()
 
 
 def _is_cuda(device) -> bool:
@@ -131,12 +158,13 @@ def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1) -> N
 
 
 def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0,
-              pipeline: int = 1, recompute: str | None = None):
+              pipeline: int = 1, recompute: str | None = None, moe: bool = False):
     """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups, RMSNorm, SwiGLU, RoPE, untied head) on the
     local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from ``seed`` with CPU
     initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline size of the
     model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer recomputed in
-    backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention)."""
+    backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention). ``moe``: every MLP a
+    4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing` first)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -152,8 +180,9 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=False,  # True would round fp64 scores to fp32
         pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
-        pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute])
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute], **(_MOE if moe else {}))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", **({"num_experts": _MOE["num_moe_experts"],
+                                                                 "moe_grouped_gemm": False} if moe else {}))
     if zorro:
         from zorro_verl.integrations.megatron import zorro_layer_spec
 

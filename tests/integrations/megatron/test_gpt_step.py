@@ -81,6 +81,22 @@ def test_activation_recomputation(megatron_tp1, recompute):
     _record(f"tp1_recompute_{recompute}", M.compare(s, z[:2], M.grads(stock), M.grads(zorro)))
 
 
+def test_moe_exact(megatron_tp1):
+    """MoE layers (top-2 of 4 experts, no load-balancing statistics): routing is token-wise, so a prompt token
+    computed once is routed as each of its copies; exact in fp64 once megatron's router softmax runs in fp64 (its
+    hard-wired fp32 softmax otherwise rounds the router gradients, which deduplication sums in another order: ~1e-8
+    relative, the same in any reassociation of the stock forward)."""
+    M.fp64_moe_routing()
+    stock = M.build_gpt(zorro=False, parallel_output=False, moe=True)
+    zorro = M.build_gpt(zorro=True, moe=True)
+    zorro.load_state_dict(stock.state_dict())
+    assert any("router" in n for n, _ in zorro.named_parameters())
+    ids, am, R = M.make_batch()
+    s = M.stock_outputs(stock, ids, am, R)
+    z = M.zorro_outputs(zorro, ids, am, R)
+    _record("tp1_moe", M.compare(s, z[:2], M.grads(stock), M.grads(zorro)))
+
+
 def test_other_calls_run_the_wrapped_attention(megatron_tp1):
     """Without a zorro plan the zorro model is megatron's model: the same call gives bitwise the same logits."""
     stock, zorro = megatron_tp1
