@@ -48,19 +48,20 @@ def megatron_tp1(tmp_path_factory):
     return stock, zorro
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "standard"])  # the backends that run on the CPU
 @pytest.mark.parametrize("sharing", ["prompt", "prefix"])
-def test_tp1_exact(megatron_tp1, sharing):
+def test_tp1_exact(megatron_tp1, sharing, backend):
     stock, zorro = megatron_tp1
     stock.zero_grad(set_to_none=True)
     zorro.zero_grad(set_to_none=True)
     ids, am, R = M.make_batch(shared_prefix=sharing == "prefix")
     s = M.stock_outputs(stock, ids, am, R)
-    lp, ent, plan = M.zorro_outputs(zorro, ids, am, R, sharing=sharing)
+    lp, ent, plan = M.zorro_outputs(zorro, ids, am, R, sharing=sharing, backend=backend)
     assert plan.T < plan.ordinary_tokens  # the prompts really were deduplicated
     assert lp.dtype == torch.float64 and lp.numel() == plan.N == 15
     res = M.compare(s, (lp, ent), M.grads(stock), M.grads(zorro))
     assert res["params"] == len(list(zorro.parameters()))
-    _record(f"tp1_{sharing}", res)
+    _record(f"tp1_{sharing}_{backend}", res)
 
 
 @pytest.mark.parametrize("recompute", ["full", "core_attn"])
