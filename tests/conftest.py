@@ -31,6 +31,11 @@ def pytest_terminal_summary(terminalreporter):
         worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
         terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind} with images, sharing={sharing}), worst: "
                                     f"{worst}")
+    meg = sys.modules.get("tests.integrations.megatron.test_gpt_step")
+    for case, res in (getattr(meg, "WORST", None) or {}).items():
+        vals = "" if res["logprob"] is None else f"log-probs {res['logprob']:.2e}, entropy {res['entropy']:.2e}, "
+        terminalreporter.write_line(f"zorro vs megatron (fp64, tiny GPTModel) {case}: {vals}gradients "
+                                    f"{res['grad_rel']:.2e} (relative)")
     mod = sys.modules.get("tests.integrations.verl.v09.test_ulysses")
     for case, line in (getattr(mod, "SUMMARY", None) or {}).items():
         for what, text in line.items():

@@ -21,6 +21,7 @@ LAYERS = [
     ("zorro_verl.integrations.transformers", "transformers"),
     ("zorro_verl.integrations.verl", "verl"),
     ("zorro_verl.integrations.openrlhf", "openrlhf"),
+    ("zorro_verl.integrations.megatron", "megatron"),
     ("zorro_verl.integrations", "integrations"),
     ("zorro_verl.api", "api"),
     ("zorro_verl.testing", "testing"),
@@ -45,6 +46,8 @@ ALLOWED = {
     # OpenRLHF, Ray, transformers only lazily; of the verl layer only its verl-free settings and common (checked below)
     "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"},
                  {"torch", "openrlhf", "wrapt", "ray", "transformers"}),
+    # megatron-core's GPTModel (no verl, no transformers: the engine subclass will live in the verl layer)
+    "megatron": (CORE | {"megatron"}, {"torch", "megatron"}),
     "root": ({"api", "packing", "root"}, set()),
     "data": (set(), set()),  # the Hydra presets: package data, no code
     "testing": (None, None),  # may use anything

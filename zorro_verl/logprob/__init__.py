@@ -12,8 +12,10 @@ from zorro_verl.logprob.response import (
     logits_logprobs,
     logprobs_from_logits,
     response_logprobs,
+    scaled_logits,
+    unscaled_grad,
 )
 
 __all__ = ["LOGITS_MODES", "DEFAULT_CHUNK", "LEAN_BLOCKS", "TEMPERATURE_OPS", "check_logits_optimization",
            "check_temperature_op", "response_logprobs", "logits_logprobs", "logprobs_from_logits", "linear_logprobs",
-           "linear_head_params"]
+           "linear_head_params", "scaled_logits", "unscaled_grad"]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 __all__ = ["LOGITS_MODES", "DEFAULT_CHUNK", "LEAN_BLOCKS", "TEMPERATURE_OPS", "check_logits_optimization",
            "check_temperature_op", "response_logprobs", "logits_logprobs", "logprobs_from_logits", "linear_logprobs",
-           "linear_head_params"]
+           "linear_head_params", "scaled_logits", "unscaled_grad"]
 
 #: Values of ``logits_optimization``.
 LOGITS_MODES = ("none", "compute", "memory")
@@ -119,6 +119,18 @@ def _unscaled_grad(grad: torch.Tensor, dtype: torch.dtype, temperature: float, o
         return grad.div_(temperature).to(dtype)
     g = grad.to(dtype)
     return g.div_(temperature if op == "logits" else _rounded_temperature(g, temperature))
+
+
+def scaled_logits(z_raw: torch.Tensor, temperature: float, op: str) -> torch.Tensor:
+    """Logits divided by the temperature where ``op`` says, in the softmax dtype: the one operation every mode runs
+    (for log-prob code outside this module, e.g. megatron's vocabulary-parallel head). ``z_raw [..]`` -> ``[..]``."""
+    return _scaled(z_raw, temperature, check_temperature_op(op))
+
+
+def unscaled_grad(grad: torch.Tensor, dtype: torch.dtype, temperature: float, op: str) -> torch.Tensor:
+    """The gradient w.r.t. the raw logits (``dtype``) from ``grad`` w.r.t. :func:`scaled_logits`' result, in the
+    operations autograd runs through it (``grad`` may be overwritten)."""
+    return _unscaled_grad(grad, dtype, temperature, check_temperature_op(op))
 
 
 def _lean_chunk(n: int, chunk: int) -> int:

@@ -1,0 +1,24 @@
+"""Zorro on megatron-core's ``GPTModel`` (docs/DESIGN.md §8 "Megatron"): the split attention as the layers' core
+attention, the plan carried by a ``PackedSeqParams`` subclass, per-token RoPE positions and the LM head at the
+response-predicting rows. Imports megatron-core (``.venv-megatron``: ``scripts/setup_megatron_env.sh``)."""
+
+from zorro_verl.integrations.megatron.attention import (
+    ZorroCoreAttention,
+    ZorroPackedSeqParams,
+    install_zorro_megatron,
+    zorro_attention_modules,
+    zorro_core_attention,
+    zorro_layer_spec,
+)
+from zorro_verl.integrations.megatron.step import (
+    find_gpt_model,
+    has_output_processor,
+    padded_length,
+    zorro_gpt_forward,
+    zorro_gpt_logprobs,
+    zorro_gpt_step,
+)
+
+__all__ = ["ZorroCoreAttention", "ZorroPackedSeqParams", "install_zorro_megatron", "zorro_attention_modules",
+           "zorro_core_attention", "zorro_layer_spec", "zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs",
+           "padded_length", "find_gpt_model", "has_output_processor"]

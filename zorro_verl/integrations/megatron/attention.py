@@ -1,0 +1,210 @@
+"""Zorro's core attention for megatron-core's ``GPTModel`` (docs/DESIGN.md §2, §8 "Megatron").
+
+Megatron's ``SelfAttention`` projects q/k/v, applies q/k norms and RoPE, and calls its ``core_attention`` submodule as
+``core_attention(query, key, value, attention_mask, attn_mask_type=, attention_bias=, packed_seq_params=)`` with
+``query [s, b, Hq_local, D]``, ``key / value [s, b, Hkv_local, D]`` (heads local to the tensor-parallel rank, GQA
+groups not yet repeated, the full sequence even under sequence parallelism) and expects ``[s, b, Hq_local * D]``.
+
+Zorro's plan reaches that call as ``packed_seq_params``: a :class:`ZorroPackedSeqParams` (a ``PackedSeqParams``
+subclass) whose ``qkv_format`` is ``"sbhd"``, so megatron treats the packed row as one ``[T, 1, ...]`` sequence (no
+THD squeeze, no per-segment RoPE) and hands the object on unchanged; it is captured by closure, not saved for
+backward, so megatron's activation recomputation sees it too. The zorro core attention is a subclass of the core
+attention the layer spec names (megatron's local ``DotProductAttention``, Transformer Engine's, ...): a call whose
+``packed_seq_params`` is a zorro one runs the project's split attention (:func:`zorro_verl.attention.attend`), every
+other call runs the wrapped class's own ``forward`` unchanged. Being a subclass, it keeps the state-dict names (e.g.
+a learnable ``softmax_offset``) and can be put in place before the model is built (:func:`zorro_layer_spec`) or after
+(:func:`install_zorro_megatron`, a class swap of each instance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from zorro_verl.attention import attend
+from zorro_verl.packing import ZorroPlan
+
+__all__ = ["ZorroPackedSeqParams", "ZorroCoreAttention", "zorro_core_attention", "zorro_layer_spec",
+           "install_zorro_megatron", "zorro_attention_modules", "ZORRO_QKV_FORMAT"]
+
+#: Megatron reads ``qkv_format == "thd"`` to switch to per-segment (packed) handling; any other value makes it treat
+#: the packed row as one sequence, which is what zorro wants (the plan carries the structure).
+ZORRO_QKV_FORMAT = "sbhd"
+
+
+class LayerCallCounter:
+    """How many core-attention calls took the zorro path in one forward (checked by the step: a layer that did not
+    reach zorro would have attended over the whole packed row, silently wrong). Opaque on purpose: it is shared by
+    reference however the params object is copied."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+
+@dataclasses.dataclass
+class ZorroPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` that carries a zorro plan through ``GPTModel.forward`` to every core attention.
+
+    Build it with :meth:`for_plan`. ``qkv_format`` must stay ``"sbhd"`` and ``max_seqlen_q`` / ``max_seqlen_kv`` must
+    be at least the largest position + 1 (``plan.max_row_len``): megatron sizes its RoPE table from them.
+
+    Fields beyond megatron's: ``plan`` (the micro-batch's :class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a
+    registered attention backend name), ``padded_len`` (tokens of the row the model runs: ``plan.T`` plus padding to
+    a multiple of the tensor-parallel size under sequence parallelism; pad tokens attend to nothing and output 0),
+    ``calls`` (the step's :class:`LayerCallCounter`).
+    """
+
+    plan: Optional[ZorroPlan] = None
+    backend: str = "sdpa"
+    padded_len: int = 0
+    calls: Optional[LayerCallCounter] = None
+
+    @classmethod
+    def for_plan(cls, plan: ZorroPlan, backend: str, padded_len: int) -> "ZorroPackedSeqParams":
+        if padded_len < plan.T:
+            raise ValueError(f"padded_len: expected >= plan.T ({plan.T}), got {padded_len}.")
+        return cls(qkv_format=ZORRO_QKV_FORMAT, max_seqlen_q=plan.max_row_len, max_seqlen_kv=plan.max_row_len,
+                   plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter())
+
+
+class ZorroCoreAttention:
+    """Mixin placed in front of a megatron core-attention class (see :func:`zorro_core_attention`).
+
+    ``forward(query [Tp, 1, Hq_l, D], key [Tp, 1, Hkv_l, D], value, attention_mask, ...)`` with a
+    :class:`ZorroPackedSeqParams` returns ``[Tp, 1, Hq_l * D]`` (``Tp`` the padded row, ``Hq_l`` / ``Hkv_l`` the
+    rank's heads); any other call is the wrapped class's ``forward``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The wrapped classes fold apply_query_key_layer_scaling into their own scale and undo it in the softmax;
+        # zorro needs the plain softmax scale: the one the layer passes, or megatron's default 1/sqrt(kv_channels).
+        scale = kwargs.get("softmax_scale")
+        self._zorro_scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.config.kv_channels)
+        self._zorro_attn_mask_type = kwargs.get("attn_mask_type", args[2] if len(args) > 2 else None)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if not isinstance(packed_seq_params, ZorroPackedSeqParams):
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+        self._zorro_refusals(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params, kwargs)
+        zp = packed_seq_params
+        plan, T = zp.plan, zp.plan.T
+        # [Tp, 1, H, D] -> [1, H, T, D]: the backends' layout; the padding rows (sequence parallelism) are left out
+        q, k, v = (x[:T, 0].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        out = attend(plan, zp.backend, q, k, v, self._zorro_scale)  # [1, T, Hq_l, D]
+        out = out[0].reshape(T, 1, -1)
+        if query.shape[0] > T:  # pad rows: no attention, output 0 (their hidden states never reach a real token)
+            out = torch.cat([out, out.new_zeros(query.shape[0] - T, 1, out.shape[-1])], 0)
+        zp.calls.count += 1
+        return out
+
+    def _zorro_refusals(self, query, key, attention_mask, attn_mask_type, attention_bias, zp, kwargs) -> None:
+        cfg = self.config
+        if zp.plan is None or zp.calls is None:
+            raise ValueError("packed_seq_params: a ZorroPackedSeqParams without a plan; build it with "
+                             "ZorroPackedSeqParams.for_plan(plan, backend, padded_len).")
+        if query.dim() != 4 or query.shape[1] != 1 or query.shape[0] != zp.padded_len:
+            raise ValueError(f"query: expected [padded_len={zp.padded_len}, 1, heads, head_dim] (one packed row in "
+                             f"sbhd layout), got {tuple(query.shape)}. Run the model on the plan's packed row.")
+        if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
+            raise ValueError(f"key: expected a number of heads dividing the query's ({query.shape[2]}), got "
+                             f"{key.shape[2]}.")
+        mask_type = attn_mask_type if attn_mask_type is not None else self._zorro_attn_mask_type
+        if mask_type is not None and mask_type != AttnMaskType.causal:
+            raise ValueError(f"attn_mask_type: expected AttnMaskType.causal (zorro runs causal decoders), got "
+                             f"{mask_type}. Use zorro only on causal self-attention layers.")
+        if attention_mask is not None:
+            raise ValueError("attention_mask: expected None with a zorro plan (the plan is the mask), got a tensor. "
+                             "Call the model with attention_mask=None.")
+        if attention_bias is not None:
+            raise ValueError("attention_bias: expected None with a zorro plan, got a tensor; attention biases are "
+                             "not supported.")
+        if kwargs:
+            raise ValueError(f"core attention keywords: expected none beyond megatron's, got {sorted(kwargs)}; "
+                             "zorro does not know what they change.")
+        if getattr(cfg, "context_parallel_size", 1) != 1:
+            raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}. "
+                             "Context parallelism is not supported yet; set context_parallel_size=1.")
+        if self.training and getattr(cfg, "attention_dropout", 0.0):
+            raise ValueError(f"attention_dropout: expected 0 with zorro in training, got {cfg.attention_dropout}. "
+                             "Set attention_dropout=0 (RL training runs without dropout).")
+        if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type: expected 'vanilla' with zorro, got {cfg.softmax_type!r} (sinks / "
+                             "off-by-one softmax are not wired to zorro's megatron attention yet).")
+        if getattr(cfg, "window_size", None) is not None:
+            raise ValueError(f"window_size: expected None with zorro, got {cfg.window_size!r} (sliding windows are "
+                             "not wired to zorro's megatron attention yet).")
+
+
+_ZORRO_CLASSES: dict[type, type] = {}
+
+
+def zorro_core_attention(cls: type) -> type:
+    """The zorro subclass of the core-attention class ``cls`` (one per class, cached): zorro calls take the split
+    attention, every other call is ``cls.forward``. ``cls`` already being a zorro class returns it."""
+    if issubclass(cls, ZorroCoreAttention):
+        return cls
+    sub = _ZORRO_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Zorro{cls.__name__}", (ZorroCoreAttention, cls), {"__module__": __name__,
+                                                                        "__doc__": ZorroCoreAttention.__doc__})
+        _ZORRO_CLASSES[cls] = sub
+    return sub
+
+
+def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a GPT layer spec (``get_gpt_layer_local_spec()`` / TE spec, a ``ModuleSpec`` of a
+    ``TransformerLayer``) whose self-attention core attention is the zorro subclass of the one it names. The
+    original spec is not modified. ``ValueError`` when the spec has no self-attention core attention to wrap."""
+    try:
+        attn = spec.submodules.self_attention
+        core = attn.submodules.core_attention
+    except AttributeError:
+        raise ValueError("spec: expected a TransformerLayer ModuleSpec with submodules.self_attention.submodules."
+                         f"core_attention, got {type(spec).__name__}. Pass a GPT layer spec.") from None
+    if isinstance(core, ModuleSpec):
+        new_core = dataclasses.replace(core, module=zorro_core_attention(core.module))
+    elif isinstance(core, type):
+        new_core = zorro_core_attention(core)
+    else:
+        raise ValueError(f"spec core_attention: expected a class or a ModuleSpec, got {type(core).__name__}.")
+    new_attn_sub = dataclasses.replace(attn.submodules, core_attention=new_core)
+    new_attn = dataclasses.replace(attn, submodules=new_attn_sub)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
+
+
+def install_zorro_megatron(model: torch.nn.Module) -> int:
+    """Make every ``SelfAttention.core_attention`` of an already built model a zorro core attention (a class swap
+    of each instance: parameters, buffers and state-dict names unchanged; calls without a zorro plan behave as
+    before). Returns how many were installed (idempotent); ``ValueError`` when the model has none."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SelfAttention):
+            core = mod.core_attention
+            if not isinstance(core, ZorroCoreAttention):
+                # the mixin's __init__ did not run: derive what it would have recorded from the instance
+                core.__class__ = zorro_core_attention(type(core))
+                scale = mod.config.softmax_scale
+                core._zorro_scale = float(scale) if scale is not None else 1.0 / math.sqrt(mod.config.kv_channels)
+                core._zorro_attn_mask_type = getattr(mod, "attn_mask_type", None)
+            n += 1
+    if n == 0:
+        raise ValueError(f"model: expected megatron SelfAttention layers, found none in {type(model).__name__}. "
+                         "Pass a megatron-core GPTModel (or a wrapper around one).")
+    return n
+
+
+def zorro_attention_modules(model: torch.nn.Module) -> list:
+    """The zorro core attentions of ``model`` (this pipeline stage's layers), in module order."""
+    return [m for m in model.modules() if isinstance(m, ZorroCoreAttention)]

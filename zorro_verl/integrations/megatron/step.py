@@ -1,0 +1,274 @@
+"""The zorro step on megatron-core's ``GPTModel``: run a model on a plan, return response log-probs / entropy
+(docs/DESIGN.md §4 for the transformers step it mirrors, §8 "Megatron").
+
+One step:
+
+1. the packed row ``plan.input_ids [T]`` (padded to a multiple of the tensor-parallel size under sequence
+   parallelism) runs as one ``[1, Tp]`` batch with ``packed_seq_params`` a :class:`ZorroPackedSeqParams` carrying the
+   plan to every layer's zorro core attention (:mod:`.attention`);
+2. RoPE: megatron's plain ``rope`` ignores ``position_ids`` (positions are the row index). For the call the model's
+   ``rotary_pos_emb`` returns its table indexed by the plan's positions, ``[Tp, 1, 1, D]``, so every token is rotated
+   by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row);
+3. the LM head runs only at the response-predicting rows, through ``GPTModel.forward(output_processor=...)``
+   (megatron-core >= 0.19): the post-norm hidden states (all-gathered first under sequence parallelism) are
+   selected at ``plan.logit_index`` (``plan.head_index`` for prefix trees) and given to the model's own
+   ``output_layer``;
+4. log-probs / entropy: with TP = 1 the project's code on ``[N, V]`` (:func:`~zorro_verl.logprob.logits_logprobs`);
+   with TP > 1 on each rank's vocabulary slice ``[N, V/tp]`` without gathering it
+   (:func:`~zorro_verl.integrations.megatron.vocab_parallel.vocab_parallel_logprobs`);
+5. every zorro core attention of the stage must have run exactly once (else ``ValueError``: a layer bypassed zorro).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
+from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
+from zorro_verl.logprob import (
+    DEFAULT_CHUNK,
+    LEAN_BLOCKS,
+    check_logits_optimization,
+    check_temperature_op,
+    logits_logprobs,
+)
+from zorro_verl.packing import ZorroPlan
+
+__all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "padded_length", "find_gpt_model",
+           "has_output_processor"]
+
+
+def has_output_processor() -> bool:
+    """Whether this megatron-core's ``GPTModel.forward`` takes ``output_processor`` (0.19 on; 0.16 does not)."""
+    return "output_processor" in inspect.signature(GPTModel.forward).parameters
+
+
+def find_gpt_model(model: torch.nn.Module) -> GPTModel:
+    """The ``GPTModel`` inside ``model`` (itself, or under megatron's ``.module`` wrappers: DDP, Float16Module)."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, GPTModel):
+            return m
+        m = getattr(m, "module", None)
+        if m is None:
+            break
+    raise ValueError(f"model: expected a megatron-core GPTModel or a wrapper with .module chains to one, got "
+                     f"{type(model).__name__}.")
+
+
+def _check_model(gpt: GPTModel, n_layers: int) -> None:
+    cfg = gpt.config
+    if n_layers == 0:
+        raise ValueError("model: no zorro core attention found. Build the model with zorro_layer_spec(spec) or call "
+                         "install_zorro_megatron(model) first.")
+    if gpt.position_embedding_type != "rope":
+        raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
+                         "(yarn / mrope / learned positions are not wired yet).")
+    if getattr(cfg, "multi_latent_attention", False):
+        raise ValueError("multi_latent_attention: expected False with zorro (MLA applies RoPE inside its own "
+                         "attention; not supported yet).")
+    if getattr(cfg, "mtp_num_layers", None):
+        raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
+                         "prediction runs on the ordinary row layout).")
+    if getattr(cfg, "context_parallel_size", 1) != 1:
+        raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}.")
+    for name in ("fp8", "fp4"):
+        if getattr(cfg, name, None):
+            raise ValueError(f"{name}: expected None with zorro, got {getattr(cfg, name)!r}: low-precision scaling "
+                             "statistics (amax) are taken over the micro-batch's tokens, which deduplication changes. "
+                             f"Set {name}=None.")
+    _check_moe(cfg)
+    if not has_output_processor():
+        raise ValueError("megatron-core: GPTModel.forward has no output_processor (megatron-core < 0.19); zorro's "
+                         "head needs it. Install megatron-core >= 0.19 (scripts/setup_megatron_env.sh pins 0.19.2).")
+
+
+def _check_moe(cfg) -> None:
+    """MoE routing is token-wise (a deduplicated prompt token is routed as each of its copies would be), but every
+    statistic over the micro-batch's tokens changes when prompt tokens count once instead of ``n`` times: the
+    load-balancing and z losses, the expert-bias updates, capacity-based token dropping. Exact only without them."""
+    if not getattr(cfg, "num_moe_experts", None):
+        return
+    coeff = cfg.moe_aux_loss_coeff
+    checks = [
+        ("moe_aux_loss_coeff", coeff, any(coeff) if isinstance(coeff, (list, tuple)) else bool(coeff), "0"),
+        ("moe_z_loss_coeff", cfg.moe_z_loss_coeff, bool(cfg.moe_z_loss_coeff), "None"),
+        ("moe_router_enable_expert_bias", cfg.moe_router_enable_expert_bias, cfg.moe_router_enable_expert_bias,
+         "False"),
+        ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
+         "None"),
+        ("moe_token_dropping", cfg.moe_token_dropping, cfg.moe_token_dropping, "False"),
+        ("moe_enable_routing_replay", cfg.moe_enable_routing_replay, cfg.moe_enable_routing_replay, "False"),
+        ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing, cfg.moe_router_force_load_balancing,
+         "False"),
+    ]
+    for name, got, bad, fix in checks:
+        if bad:
+            raise ValueError(f"{name}: got {got!r} on an MoE model; with zorro it must be {fix}: it depends on "
+                             "statistics over the micro-batch's tokens, which deduplication changes (prompt tokens "
+                             f"count once). Set it to {fix} (e.g. moe_router_load_balancing_type='none').")
+
+
+class _PositionedRope:
+    """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
+    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit)."""
+
+    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor):
+        self.rope, self.positions = rope, positions
+
+    def __enter__(self):
+        had = "forward" in vars(self.rope)
+        if had:
+            raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
+                             "another?); run one zorro step at a time.")
+        table_of = type(self.rope).forward.__get__(self.rope)
+        positions = self.positions
+
+        def forward(max_seq_len, *args, **kwargs):
+            return table_of(max_seq_len, *args, **kwargs)[positions]
+
+        self.rope.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.rope.forward
+        return False
+
+
+def _check_head_args(temperature, logits_optimization: str, temperature_op: str) -> tuple[str, str]:
+    mode = check_logits_optimization(logits_optimization)
+    op = check_temperature_op(temperature_op)
+    if mode == "memory":
+        raise ValueError("logits_optimization: 'memory' is not supported on megatron yet (its head is vocabulary "
+                         "parallel); use 'none' or 'compute'.")
+    if isinstance(temperature, torch.Tensor) or isinstance(temperature, bool) \
+            or not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise ValueError(f"temperature: expected a float > 0, got {temperature!r} (per-row tensors are not wired "
+                         "to the megatron step yet).")
+    return mode, op
+
+
+def padded_length(model: torch.nn.Module, plan: ZorroPlan) -> int:
+    """Tokens of the row the model runs for ``plan``: ``plan.T``, rounded up to a multiple of the tensor-parallel
+    size under sequence parallelism (the pipeline schedule's ``seq_length`` for a zorro micro-batch)."""
+    cfg = find_gpt_model(model).config
+    tp = cfg.tensor_model_parallel_size
+    return plan.T if not cfg.sequence_parallel else -(-plan.T // tp) * tp
+
+
+def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa") -> torch.Tensor:
+    """Run this pipeline stage of a zorro ``GPTModel`` on ``plan`` (inside megatron's pipeline schedule, a stage
+    after the first receives its input through ``set_input_tensor`` as usual).
+
+    Returns the stage's output: on the last stage the head's logits at the response-predicting rows
+    ``[Nh, 1, V/tp]`` (``Nh = N``, or the distinct rows of a prefix tree), for :func:`zorro_gpt_logprobs`; on other
+    stages the hidden states ``[Tp(/tp under SP), 1, H]`` that the schedule sends on (``Tp``: :func:`padded_length`).
+    Every TP rank and every stage calls with the same plan."""
+    gpt = find_gpt_model(model)
+    layers = zorro_attention_modules(gpt)
+    _check_model(gpt, len(layers))
+    # sequence parallelism scatters the row over the TP ranks: its length must divide; the pad tokens form no
+    # segment of the plan (the core attention outputs 0 there) and are never read by the head
+    Tp = padded_length(gpt, plan)
+    pad = Tp - plan.T
+    ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
+    pos = plan.position_ids if not pad else torch.cat([plan.position_ids, plan.position_ids.new_zeros(pad)])
+    keep = plan.logit_index if plan.head_index is None else plan.head_index
+    zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
+
+    def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
+        if not output_layer.sequence_parallel:
+            return scale_logits(output_layer(hidden_states[keep], weight=output_weight,
+                                             runtime_gather_output=False)[0])
+        # Sequence parallel: the rows are spread over the TP ranks. Gather them (backward: each rank keeps its slice
+        # of the gradient, which the head's own input all-reduce below has made complete), pick the kept rows and
+        # run the head as a plain column-parallel layer, as megatron's inference path does.
+        full = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                    group=output_layer.tp_group)
+        output_layer.sequence_parallel = False
+        try:
+            logits = output_layer(full[keep], weight=output_weight, runtime_gather_output=False)[0]
+        finally:
+            output_layer.sequence_parallel = True
+        return scale_logits(logits)
+
+    with _PositionedRope(gpt.rotary_pos_emb, pos):
+        out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
+                    output_processor=head)
+    if zp.calls.count != len(layers):
+        raise ValueError(f"zorro core attention: expected {len(layers)} calls (one per layer of this stage), got "
+                         f"{zp.calls.count}; a layer bypassed zorro and attended over the whole packed row.")
+    return out
+
+
+def zorro_gpt_logprobs(model: torch.nn.Module, plan: ZorroPlan, logits: torch.Tensor, *, temperature: float = 1.0,
+                       calculate_entropy: bool = False, logits_optimization: str = "none",
+                       chunk_size: int = DEFAULT_CHUNK,
+                       temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropy) of the plan's response tokens from the last stage's output of
+    :func:`zorro_gpt_forward`, ``logits [Nh, 1, V/tp]`` -> ``(log_probs [N], entropy [N] | None)``, original row
+    order, identical on every TP rank (arguments as :func:`zorro_gpt_step`)."""
+    mode, op = _check_head_args(temperature, logits_optimization, temperature_op)
+    gpt = find_gpt_model(model)
+    keep = plan.logit_index if plan.head_index is None else plan.head_index
+    if logits.dim() != 3 or logits.shape[:2] != (keep.numel(), 1):
+        raise ValueError(f"logits: expected the last stage's head output [{keep.numel()}, 1, V/tp], got "
+                         f"{tuple(logits.shape)}. Pass what zorro_gpt_forward returned on the last pipeline stage.")
+    index = plan.head_inverse
+    if gpt.config.tensor_model_parallel_size == 1:
+        return logits_logprobs(logits[:, 0], plan.target_ids, temperature=float(temperature),
+                               calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size,
+                               index=index, temperature_op=op)
+    # the rank's vocabulary slice; a prefix tree's shared rows are expanded per output here (autograd sums them back)
+    logits = logits[:, 0] if index is None else logits[index, 0]
+    group = gpt.output_layer.tp_group
+    return vocab_parallel_logprobs(logits, plan.target_ids, group=group,
+                                   vocab_start=dist.get_rank(group) * logits.shape[1], temperature=float(temperature),
+                                   calculate_entropy=calculate_entropy,
+                                   chunk_size=max(1, min(chunk_size, -(-logits.shape[0] // LEAN_BLOCKS))),
+                                   temperature_op=op)
+
+
+def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa", temperature: float = 1.0,
+                   calculate_entropy: bool = False, logits_optimization: str = "none",
+                   chunk_size: int = DEFAULT_CHUNK,
+                   temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Deduplicated forward of ``plan`` on a megatron-core ``GPTModel`` held by one pipeline stage: log-probs (and
+    entropy) of every valid response token, original row order — what
+    :func:`~zorro_verl.integrations.transformers.zorro_step` returns for a transformers model. Under pipeline
+    parallelism run :func:`zorro_gpt_forward` in megatron's schedule and :func:`zorro_gpt_logprobs` in its loss.
+
+    Args:
+        model: a ``GPTModel`` (or megatron's wrappers around one) built with :func:`zorro_layer_spec` or after
+            :func:`install_zorro_megatron`; tensor parallelism with or without sequence parallelism. Every TP rank
+            calls with the same plan.
+        plan: the micro-batch's plan (:func:`~zorro_verl.packing.build_plan`, prompt or prefix sharing).
+        backend: a registered attention backend name (:data:`~zorro_verl.attention.BACKEND_NAMES`).
+        temperature: a float > 0, applied as ``temperature_op`` says (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
+        calculate_entropy: also compute the entropy.
+        logits_optimization: ``none`` or ``compute`` (``memory``, the chunked head, is not wired to megatron's
+            vocabulary-parallel head yet: refused).
+        chunk_size: rows per block of the log-prob computation (at most ``ceil(rows / LEAN_BLOCKS)``).
+        temperature_op: where the temperature divides (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
+
+    Returns:
+        ``(log_probs [N], entropy [N] | None)`` in the logits' precision (fp32, fp64 for fp64 models), identical on
+        every TP rank; ``plan.to_padded`` gives ``[B, R]``.
+    """
+    _check_head_args(temperature, logits_optimization, temperature_op)
+    gpt = find_gpt_model(model)
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("pipeline_model_parallel_size: zorro_gpt_step runs a whole model, but this stage has "
+                         f"pre_process={gpt.pre_process}, post_process={gpt.post_process}. Under pipeline "
+                         "parallelism call zorro_gpt_forward in megatron's schedule and zorro_gpt_logprobs in its "
+                         "loss function.")
+    logits = zorro_gpt_forward(model, plan, backend=backend)
+    return zorro_gpt_logprobs(model, plan, logits, temperature=temperature, calculate_entropy=calculate_entropy,
+                              logits_optimization=logits_optimization, chunk_size=chunk_size,
+                              temperature_op=temperature_op)
