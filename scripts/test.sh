@@ -2,7 +2,8 @@
 # The whole test suite on a fresh machine: set up .venv (see setup_env.sh), run pytest and the prefix-tree
 # benchmark's CPU targets (zorro-verl bench --tree), then the verl 0.7.1
 # legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2), the OpenRLHF integration tests
-# in theirs (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the built wheel installed
+# in theirs (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the Megatron tests in
+# theirs (.venv-megatron: megatron-core 0.19.2, see test_megatron.sh), the built wheel installed
 # with verl in a fresh environment (.venv-wheel, see test_wheel.sh), then the end-to-end GRPO
 # runs (verl main_ppo + the CPU build of vLLM, zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh), and the
 # CI version of the e2e speed benchmark in the same environment (scripts/bench_e2e.sh --quick).
@@ -38,6 +39,7 @@ timed "main suite" python -m pytest -q -p no:cacheprovider tests "$@"
 timed "prefix-tree benchmark" tree_bench
 timed "verl 0.7.1 suite" bash scripts/test_verl07.sh
 timed "OpenRLHF suite (environment + tests)" bash scripts/test_openrlhf.sh
+timed "Megatron suite (environment + tests)" bash scripts/test_megatron.sh
 timed "wheel install check" bash scripts/test_wheel.sh
 timed "e2e environment" bash scripts/setup_e2e_env.sh
 timed "e2e main_ppo runs" .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
