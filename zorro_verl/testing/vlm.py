@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.testing.fp64 import _exact_normalized_router_forward, exact_fp64_hybrid, exact_fp64_norms
+from zorro_verl.testing.models import _perturb_vectors
 
 __all__ = ["VLM_KINDS", "exact_fp64_vision", "tiny_vlm_config", "tiny_vlm_model", "VlmRow", "image",
            "prompt_with_media", "vlm_batch", "ordinary_vlm_logprobs"]
@@ -25,7 +26,7 @@ PATCH_DIM = CHANNELS * TEMPORAL * PATCH * PATCH
 def tiny_vlm_config(kind: str = "qwen2_5_vl", *, hidden: int = 32, heads: int = 4, layers: int = 2,
                     vision_depth: int = 2):
     """A small vision-language config: a 2-layer language model (``qwen3_5``: linear / full attention) with 3-D
-    rotary positions (sections 2/1/1 of head dim 8... scaled to ``hidden // heads``), a ``vision_depth``-block
+    rotary positions (sections over half the head dim ``hidden // heads``: 2/1/1 at 8), a ``vision_depth``-block
     vision tower (hidden 16, patch 4, merge 2; Qwen3-VL: deepstack from block 0), vocabulary 128."""
     hd = hidden // heads
     half = hd // 2
@@ -60,8 +61,7 @@ def tiny_vlm_config(kind: str = "qwen2_5_vl", *, hidden: int = 32, heads: int = 
     if kind == "qwen3_5":
         from transformers import Qwen3_5Config
 
-        lin = dict(layer_types=["linear_attention", "full_attention"][:layers] if layers == 2 else
-                   ["linear_attention", "full_attention", "linear_attention"][:layers],
+        lin = dict(layer_types=["linear_attention", "full_attention", "linear_attention"][:layers],
                    linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                    linear_num_value_heads=4)
         rope35 = {**rope, "partial_rotary_factor": 1.0}
@@ -113,10 +113,7 @@ def tiny_vlm_model(kind: str = "qwen2_5_vl", *, dtype: torch.dtype = torch.float
         cfg.text_config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg, dtype=dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    _perturb_vectors(model)
     if dtype == torch.float64:
         exact_fp64_vision()
         exact_fp64_norms(model)
