@@ -367,7 +367,7 @@ def ray_engine_worker_class():
             rank = dist.get_rank()
             td = rank_batches(rank, use_dynamic_bsz)
             res = {"rank": rank, "has_entry_point": has_ep, "registered_by_plugin": registered_by_plugin}
-            from zorro_verl.integrations.verl.v09.engine import row_group_ids, row_lengths
+            from zorro_verl.integrations.verl.v09.batching import row_group_ids, row_lengths
 
             p, r = row_lengths(td)
             res["local_fixed_count"] = len(fixed_size_microbatches(row_group_ids(td, p), p, r, 4))

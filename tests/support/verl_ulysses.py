@@ -115,7 +115,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, sp: int) -> dict:
         ppo_loss_fn,
         response_values,
     )
-    from zorro_verl.integrations.verl.v09.engine import row_lengths
+    from zorro_verl.integrations.verl.v09.batching import row_lengths
 
     dp = world // sp
     mbs = 3
@@ -354,7 +354,7 @@ def _tree_tokens(td, rows) -> int:
     """Tokens of the prefix-tree plan (:data:`PREFIX`) the zorro engine builds for ``rows`` of ``td``."""
     import torch
 
-    from zorro_verl.integrations.verl.v09.engine import _to_verl_padded, row_lengths
+    from zorro_verl.integrations.verl.v09.batching import _to_verl_padded, row_lengths
     from zorro_verl.packing import build_plan
 
     p, r = row_lengths(td)
@@ -367,7 +367,7 @@ def _tree_tokens(td, rows) -> int:
 
 def _stock_mb_tokens(td, mbs: int) -> list:
     """Tokens of each stock micro-batch (rows in order, ``mbs`` each)."""
-    from zorro_verl.integrations.verl.v09.engine import row_lengths
+    from zorro_verl.integrations.verl.v09.batching import row_lengths
 
     p, r = row_lengths(td)
     return [int((p[i: i + mbs] + r[i: i + mbs]).sum()) for i in range(0, len(p), mbs)]
@@ -375,7 +375,7 @@ def _stock_mb_tokens(td, mbs: int) -> list:
 
 def _shard_of(td, sp: int, rank: int):
     """The :class:`UlyssesShard` the zorro engine builds for ``td`` as one micro-batch."""
-    from zorro_verl.integrations.verl.v09.engine import _to_verl_padded, row_lengths
+    from zorro_verl.integrations.verl.v09.batching import _to_verl_padded, row_lengths
     from zorro_verl.packing import build_plan
     from zorro_verl.packing.ulysses import ulysses_shard
 
@@ -390,7 +390,7 @@ def _dedup_tokens(td, rows) -> int:
     """Tokens of the packed row of ``rows``: each prompt once plus every response."""
     import torch
 
-    from zorro_verl.integrations.verl.v09.engine import row_group_ids, row_lengths
+    from zorro_verl.integrations.verl.v09.batching import row_group_ids, row_lengths
 
     p, r = row_lengths(td)
     g = row_group_ids(td, p)

@@ -58,7 +58,7 @@ def test_infer_matches_stock(engines, dynamic, rmpad, temperature, entropy):
 
 def test_microbatches_keep_groups_and_budget(engines):
     from tests.support.verl_engines import make_engine_batch
-    from zorro_verl.integrations.verl.v09.engine import row_group_ids, row_lengths
+    from zorro_verl.integrations.verl.v09.batching import row_group_ids, row_lengths
     from zorro_verl.packing.microbatch import microbatch_cost
 
     _, zorro = engines

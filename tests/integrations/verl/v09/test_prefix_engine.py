@@ -53,7 +53,7 @@ def test_infer_matches_stock(engines, dynamic):
 
 
 def test_microbatches_keep_clusters_within_budget(engines):
-    from zorro_verl.integrations.verl.v09.engine import row_lengths
+    from zorro_verl.integrations.verl.v09.batching import row_lengths
 
     _, zorro = engines
     td = _agentic_batch(use_dynamic_bsz=True, max_token_len=60)

@@ -1,0 +1,309 @@
+"""Batch handling shared by the zorro engines of verl >= 0.9 (FSDP and Megatron; docs/DESIGN.md §8): verl's jagged
+batch read as rows (prompt / response lengths, group ids), group-aware micro-batches with the same count on every
+rank, the plan of one micro-batch, the deduplicated log-probs written back in verl's nested predict-next layout, the
+all-rank agreement on the path a batch takes, and the zorro metrics.
+
+Nothing here imports a verl engine: :class:`ZorroBatchingMixin` is mixed into each engine class beside
+:class:`~zorro_verl.integrations.verl.common.ZorroActorMixin`. An engine provides ``self.zorro`` (the settings),
+``self.module`` (for vision-language batches) and :meth:`ZorroBatchingMixin._zorro_sp_size`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+
+from zorro_verl.integrations.transformers.vision import media_tokens
+from zorro_verl.integrations.verl.common import dedup_metrics
+from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
+from zorro_verl.packing import ZorroPlan, build_plan, group_ids
+from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
+from zorro_verl.packing.multimodal import batch_media, build_media_plan
+from zorro_verl.packing.tree import tree_row_costs
+
+__all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs"]
+
+logger = logging.getLogger(__name__)
+
+
+def row_lengths(td) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid prompt and response tokens per row of a jagged verl batch: ``([B] int64, [B] int64)``.
+
+    Same rule as verl's ``no_padding_2_padding``: from nested ``prompts``/``responses``, or from the padded
+    ``attention_mask`` split at ``prompts.shape[1]``. Checked against the ``input_ids`` row lengths.
+    """
+    for key in ("input_ids", "prompts", "responses"):
+        if key not in td.keys():
+            raise ValueError(f"zorro engine: the batch has no '{key}' field; zorro needs the prompt/response split "
+                             "of verl's rollout batch (prompts, responses, attention_mask, jagged input_ids).")
+    prompts, responses = td["prompts"], td["responses"]
+    if prompts.is_nested:
+        p, r = prompts.offsets().diff(), responses.offsets().diff()
+    else:
+        am = td["attention_mask"]
+        p, r = am[:, : prompts.shape[1]].sum(1), am[:, prompts.shape[1]:].sum(1)
+    seq = td["input_ids"].offsets().diff()
+    p, r = p.to(seq.device).long(), r.to(seq.device).long()
+    if not torch.equal(p + r, seq):
+        raise ValueError("zorro engine: prompt + response lengths from attention_mask do not add up to the jagged "
+                         "input_ids lengths; the batch is not in verl's [prompt | response] layout.")
+    if bool((p <= 0).any()):
+        raise ValueError("zorro engine: a row has an empty prompt; every row needs at least one prompt token.")
+    return p, r
+
+
+def row_group_ids(td, p: torch.Tensor) -> torch.Tensor:
+    """``[B] int64`` group id per row of a jagged batch (:func:`~zorro_verl.packing.group_ids` of its valid prompt
+    tokens, right-aligned in a ``[B, Pmax]`` block)."""
+    ids = td["input_ids"]
+    vals, off = ids.values(), ids.offsets()
+    B, pmax = p.numel(), int(p.max())
+    row = torch.repeat_interleave(torch.arange(B, device=vals.device), p)
+    j = torch.arange(row.numel(), device=vals.device) - torch.repeat_interleave(torch.cumsum(p, 0) - p, p)
+    prompts = torch.zeros((B, pmax), dtype=torch.long, device=vals.device)
+    mask = torch.zeros((B, pmax), dtype=torch.bool, device=vals.device)
+    col = pmax - p[row] + j
+    prompts[row, col] = vals[off[:-1][row] + j].long()
+    mask[row, col] = True
+    return group_ids(prompts, mask)
+
+
+def _standard_positions(pos: torch.Tensor) -> bool:
+    """Whether jagged ``position_ids`` count ``0, 1, 2, ...`` along each row (verl's text layout; one host read).
+    Padded position ids are not read here (only the no-padding layout runs zorro)."""
+    if not pos.is_nested:
+        return True
+    vals, off = pos.values(), pos.offsets().to(pos.values().device)
+    start = torch.repeat_interleave(off[:-1], off.diff())
+    return bool((vals.long() == torch.arange(vals.numel(), device=vals.device) - start).all())
+
+
+def _to_verl_padded(nested: torch.Tensor, p: torch.Tensor, r: torch.Tensor, pw: int, rw: int, fill: int = 0):
+    """Jagged ``[prompt | response]`` rows -> verl's left/right padded ``[B, pw + rw]`` (plus the index used)."""
+    vals, off = nested.values(), nested.offsets()
+    seq = p + r
+    B = seq.numel()
+    row = torch.repeat_interleave(torch.arange(B, device=vals.device), seq)
+    j = torch.arange(vals.shape[0], device=vals.device) - off[:-1][row]
+    pr = p[row]
+    col = torch.where(j < pr, pw - pr + j, pw + j - pr)
+    out = torch.full((B, pw + rw), fill, dtype=vals.dtype, device=vals.device)
+    out[row, col] = vals
+    return out, row, col
+
+
+def _row_media(td) -> list:
+    """Per row of a verl batch, its multimodal inputs dict (``pixel_values``, ``image_grid_thw``, ...) or None: verl
+    stores one entry per row in ``multi_modal_inputs`` (a dict, possibly wrapped in ``NonTensorData``; empty for a
+    text row)."""
+    if "multi_modal_inputs" not in td.keys():
+        return [None] * td["input_ids"].shape[0]
+    out = []
+    for entry in td["multi_modal_inputs"]:
+        entry = getattr(entry, "data", entry)
+        out.append(entry if entry else None)
+    return out
+
+
+def _positions_3d(pos: torch.Tensor, row: torch.Tensor, col: torch.Tensor, width: int) -> torch.Tensor:
+    """verl's jagged 3-D position ids (``[B, k, S_b]``, ``k`` = 4: text positions then the three rotary axes, or 3)
+    -> ``[k, B, width]`` in the padded layout of ``_to_verl_padded`` (``row``, ``col`` of each jagged token)."""
+    vals = pos.values()  # [k, total] (verl: values().unsqueeze(1) is the model's [k, 1, total])
+    if vals.dim() != 2 or vals.shape[0] not in (3, 4):
+        raise ValueError(f"position_ids: expected verl's jagged 3-D position ids with 3 or 4 rows per token, got "
+                         f"values of shape {tuple(vals.shape)}.")
+    out = vals.new_zeros((vals.shape[0], pos.shape[0], width))
+    out[:, row, col] = vals
+    return out
+
+
+def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None):
+    """The plan of one jagged micro-batch: ``(plan, media, p)`` with ``p [B] int64`` the prompt lengths. Text
+    batches: :func:`~zorro_verl.packing.build_plan` on verl's positions (checked to count ``0, 1, ...`` per row by the
+    batch checks); vision-language batches (``media_of(micro_batch, ids_pad, am, rw)`` gives their
+    :class:`~zorro_verl.packing.multimodal.BatchMedia`, None for text): images once per unique prompt and 3-D positions
+    from the rows (:func:`~zorro_verl.packing.multimodal.build_media_plan`)."""
+    p, r = row_lengths(micro_batch)
+    pw, rw = int(p.max()), int(r.max())
+    ids_pad, row, col = _to_verl_padded(micro_batch["input_ids"], p, r, pw, rw)
+    am = torch.zeros_like(ids_pad)
+    am[row, col] = 1
+    media = None if media_of is None else media_of(micro_batch, ids_pad, am, rw)
+    if media is not None:
+        plan, media = build_media_plan(ids_pad, am, rw, media, None,
+                                       _positions_3d(micro_batch["position_ids"], row, col, pw + rw), **plan_kwargs)
+    else:
+        pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0]
+        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am, **plan_kwargs)
+    return plan, media, p
+
+
+def predict_next_outputs(micro_batch, p: torch.Tensor, plan: ZorroPlan, log_probs: torch.Tensor,
+                         entropy: Optional[torch.Tensor]) -> dict:
+    """``log_probs [N]`` / ``entropy [N]`` (the plan's response tokens) in verl's nested predict-next layout: jagged
+    like ``input_ids``, row ``b``'s slice ``[p_b - 1, p_b + r_b - 1)`` holds its response log-probs (the token at
+    response column ``j`` is predicted at row position ``p_b - 1 + j``); other entries are 0 and never read."""
+    offsets = micro_batch["input_ids"].offsets()
+    idx = offsets[:-1][plan.out_row] + p[plan.out_row] - 1 + plan.out_col
+    total = int(offsets[-1])
+    out = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs.new_zeros(total).index_put((idx,), log_probs),
+                                                               offsets)}
+    if entropy is not None:
+        out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy.new_zeros(total).index_put((idx,), entropy),
+                                                                offsets)
+    return out
+
+
+class ZorroBatchingMixin:
+    """Batch-level zorro logic of a verl 0.9 engine (see module docstring)."""
+
+    def _zorro_sp_size(self) -> int:
+        """Ranks that hold the same batch and split its sequence (Ulysses SP on FSDP; 1 elsewhere): a dynamic
+        micro-batch's token budget is the per-GPU budget times this."""
+        return 1
+
+    @staticmethod
+    def _zorro_multimodal(data) -> bool:
+        """Whether ``data`` is a vision-language batch: real multimodal inputs (verl's V1 agent loop stores an empty
+        entry per sample for text-only data) or 3-D position ids."""
+        if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
+            return True
+        return "multi_modal_inputs" in data.keys() and any(_row_media(data))
+
+    def _zorro_media(self, data, ids_pad, am, rw):
+        """The :class:`~zorro_verl.packing.multimodal.BatchMedia` of a vision-language batch (content keys, keyed
+        ids), None for a text batch."""
+        if not self._zorro_multimodal(data):
+            return None
+        return batch_media(ids_pad, am, rw, _row_media(data), media_tokens(self.module))
+
+    # ------------------------------------------------------------------ model
+    def _zorro_agreed_reason(self, reason, error=None):
+        """This rank's unsupported ``reason`` (or None) and the ``error`` its checks raised (or None) made the same
+        decision on every rank: an all-reduce (MAX) of two flags, so that if any rank's batch is unsupported all
+        ranks raise (``on_unsupported=raise``) or all run the stock forward (``warn``), and if any rank's checks
+        failed all ranks raise (the zorro and stock paths issue different collectives; a rank raising or branching
+        alone would leave the others waiting). One collective per call; when the ranks raise, one more gathers the
+        first failing rank's message, which the other ranks quote."""
+        raising = error is not None or (reason is not None and self.zorro.on_unsupported == "raise")
+        flags = torch.tensor([int(reason is not None), int(raising)], device=get_device_id())
+        # the whole mesh (DP x SP): FSDP's collectives and the Ulysses exchanges span all ranks
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        any_reason, any_raising = (int(v) for v in flags.tolist())
+        if any_raising:
+            mine = (f"{type(error).__name__}: {error}" if error is not None
+                    else f"zorro: unsupported setting: {reason}" if raising else None)
+            messages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(messages, mine)
+            if error is not None:
+                raise error
+            if raising:
+                self._zorro_unsupported(reason)  # raises with the fix
+            rank, msg = next((i, m) for i, m in enumerate(messages) if m is not None)
+            raise ValueError(f"zorro engine: the batch of rank {rank} cannot run (every rank stops here, so that none "
+                             f"waits for it in a collective). Rank {rank}: {msg}")
+        if reason is None and any_reason:
+            return ("the batch of another data-parallel rank is unsupported (see that rank's message); all ranks "
+                    "take the same path")
+        return reason
+
+    def _zorro_balance_hooks_missing(self, data) -> float:
+        """1.0 (warned once per engine) when zorro's group balancing is on but the batch carries no stamp of the
+        trainer's balance hook (:mod:`.markers`): the trainer process did not install zorro's hooks, so verl's length
+        balancing scattered each prompt's rollouts over the DP ranks; else 0.0. Counted in
+        ``zorro/balance_hooks_missing``."""
+        if not self.zorro.group_balance or tu.get_non_tensor_data(data=data, key=BALANCE_MARKER_KEY, default=False):
+            return 0.0
+        if "balance_hooks_missing" not in self._zorro_warned:
+            self._zorro_warned.add("balance_hooks_missing")
+            logger.warning(
+                "zorro: this batch did not pass through zorro's group-aware balancing in the trainer (no %r stamp): "
+                "the trainer process did not install zorro's hooks (e.g. VERL_USE_EXTERNAL_PLUGINS excludes the "
+                "zorro_verl entry point and actor_rollout_ref.model.external_lib does not name "
+                "zorro_verl.integrations.verl.v09.plugin), or the trainer does not balance "
+                "(trainer.balance_batch=false). verl's length balancing then scatters each prompt's rollouts over the "
+                "DP ranks and deduplication saves little. Fix: set actor_rollout_ref.model.external_lib="
+                "zorro_verl.integrations.verl.v09.plugin (or let VERL_USE_EXTERNAL_PLUGINS load zorro_verl); or set "
+                "fsdp_config.zorro.group_balance=false if the trainer's balancing is off on purpose. Counted in "
+                "zorro/balance_hooks_missing.", BALANCE_MARKER_KEY)
+        return 1.0
+
+    @staticmethod
+    def _add_metrics(out, values: dict) -> None:
+        if out is None:
+            return
+        metrics = out.setdefault("metrics", {})
+        for k, v in values.items():
+            metrics.setdefault(k, []).append(v)
+
+    def zorro_micro_batches(self, data, local=None):
+        """Group-aware micro-batches of ``data`` (row index lists), the same count on every DP rank; ``local``: this
+        rank's own packing, :meth:`_zorro_local_micro_batches` (computed here when None)."""
+        mbs, g, p, r = self._zorro_local_micro_batches(data) if local is None else local
+        # FSDP collectives need the same number of forward/backward calls on every DP rank.
+        # Over the whole DP x SP mesh: the ranks of an SP group hold the same batch (checked) and agree anyway.
+        # The fewest rows of any rank come with it (MAX of -rows), so that every rank can tell whether all can split.
+        counts = torch.tensor([len(mbs), -len(g)], device=get_device_id())
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        count, fewest = int(counts[0]), -int(counts[1])
+        if count > fewest:
+            raise ValueError(f"zorro engine: the ranks need {count} micro-batches (the most any rank's batch needs; "
+                             f"FSDP runs the same number on every rank), but a rank holds only {fewest} rows and every "
+                             "micro-batch needs one (all ranks raise this). Give the DP ranks equal row counts (verl's "
+                             "balancing does), or raise max_token_len_per_gpu / micro_batch_size_per_gpu.")
+        if count > len(mbs):
+            mbs = split_to_count(mbs, count, g, p, r)
+        return mbs
+
+    def _zorro_local_micro_batches(self, data):
+        """This rank's group-aware micro-batches of ``data`` and the units they were packed from: ``(mbs, g, p,
+        r)``. Raises on a batch zorro cannot read or pack (no collective: run before the ranks agree)."""
+        p, r = row_lengths(data)
+        r_split = None
+        media = None
+        if self.zorro.sharing == "prefix" or self._zorro_multimodal(data):
+            ids_pad, row, col = _to_verl_padded(data["input_ids"], p, r, int(p.max()), int(r.max()))
+            am = torch.zeros_like(ids_pad)
+            am[row, col] = 1
+            # a vision-language batch groups on keyed ids: rows share only where tokens and images are equal
+            media = self._zorro_media(data, ids_pad, am, int(r.max()))
+            if media is not None:
+                ids_pad = media.keyed_ids
+        if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
+            tc = tree_row_costs(ids_pad, am, int(r.max()), self.zorro.min_shared_len)
+            g, p, r, r_split = tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
+        elif media is not None:
+            pw = int(p.max())
+            g = group_ids(ids_pad[:, :pw], am[:, :pw].bool())
+        else:
+            g = row_group_ids(data, p)
+        sp = self._zorro_sp_size()
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            # the budget of one SP group's micro-batch (as verl: per-GPU budget x sp), each prompt counted once
+            max_tok = int(tu.get(data, "max_token_len_per_gpu")) * sp
+            mbs = dynamic_microbatches(g, p, r, max_tok, split_response_lens=r_split)
+        else:
+            mbs = fixed_size_microbatches(g, p, r, int(tu.get(data, "micro_batch_size_per_gpu")))
+        return mbs, g, p, r
+
+    def _zorro_batch_metrics(self, out, data, mbs, hooks_missing: dict) -> None:
+        """The zorro metrics of one ``forward_backward_batch`` (dedup ratio, split groups, tokens run, tree depth)."""
+        ordinary, computed = mbs.ordinary_tokens, mbs.dedup_tokens
+        if self.zorro.sharing == "prefix":  # the rows' and the trees' own counts (mbs holds the packing costs)
+            ordinary = int(data["input_ids"].offsets()[-1])
+            computed, depth = self._zorro_tree_stats
+            self._add_metrics(out, {"zorro/tree_depth": float(depth)})
+        self._add_metrics(out, dedup_metrics(ordinary, computed, mbs.split_groups, 0))
+        # tokens actually run: with prompt_tokens_saved, the trainer scales verl's MFU to zorro/effective_mfu/<pass>
+        self._add_metrics(out, {"zorro/computed_tokens": float(computed), **hooks_missing})
+        self.zorro_last_micro_batches = mbs
+
+    def _zorro_count_plan(self, plan: ZorroPlan) -> None:
+        """Prefix sharing: add a micro-batch's plan to the tokens run and the deepest tree of the batch."""
+        if plan.tree is not None and getattr(self, "_zorro_tree_stats", None) is not None:
+            self._zorro_tree_stats[0] += plan.T
+            self._zorro_tree_stats[1] = max(self._zorro_tree_stats[1], plan.tree.levels)
