@@ -41,7 +41,7 @@ from zorro_verl.logprob import (
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "padded_length", "find_gpt_model",
-           "has_output_processor"]
+           "has_output_processor", "check_zorro_gpt"]
 
 
 def has_output_processor() -> bool:
@@ -62,7 +62,16 @@ def find_gpt_model(model: torch.nn.Module) -> GPTModel:
                      f"{type(model).__name__}.")
 
 
-def _check_model(gpt: GPTModel, n_layers: int) -> None:
+def check_zorro_gpt(model: torch.nn.Module, *, require_installed: bool = True) -> None:
+    """``ValueError`` naming the setting when zorro cannot run ``model`` (a ``GPTModel`` or a wrapper) exactly:
+    other position embeddings, MLA, multi-token prediction, context parallelism, fp8 / fp4, MoE statistics over the
+    micro-batch's tokens, a megatron-core without ``output_processor``; with ``require_installed`` also no zorro core
+    attention in it."""
+    gpt = find_gpt_model(model)
+    _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None)
+
+
+def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
     cfg = gpt.config
     if n_layers == 0:
         raise ValueError("model: no zorro core attention found. Build the model with zorro_layer_spec(spec) or call "

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.device import get_device_id
 
 from zorro_verl.integrations.transformers.vision import media_tokens
@@ -25,7 +26,8 @@ from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_micro
 from zorro_verl.packing.multimodal import batch_media, build_media_plan
 from zorro_verl.packing.tree import tree_row_costs
 
-__all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs"]
+__all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs",
+           "stock_batch_unsupported"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,20 @@ def _positions_3d(pos: torch.Tensor, row: torch.Tensor, col: torch.Tensor, width
     return out
 
 
+def stock_batch_unsupported(data) -> Optional[str]:
+    """Why a batch cannot run zorro in any verl 0.9 engine, or None: a padded layout, the engine's extra head outputs
+    (top-k distillation, sum of squared probabilities), forced group sizes."""
+    get = tu.get_non_tensor_data
+    if get(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
+        return "pad_mode other than no_padding"
+    for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+        if get(data=data, key=key, default=False):
+            return f"{key}=True"
+    if get(data=data, key="force_group_size", default=1) != 1:
+        return "force_group_size > 1"
+    return None
+
+
 def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None):
     """The plan of one jagged micro-batch: ``(plan, media, p)`` with ``p [B] int64`` the prompt lengths. Text
     batches: :func:`~zorro_verl.packing.build_plan` on verl's positions (checked to count ``0, 1, ...`` per row by the
@@ -137,8 +153,10 @@ def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None):
         plan, media = build_media_plan(ids_pad, am, rw, media, None,
                                        _positions_3d(micro_batch["position_ids"], row, col, pw + rw), **plan_kwargs)
     else:
-        pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0]
-        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad * am, **plan_kwargs)
+        pos_pad = None
+        if "position_ids" in micro_batch.keys():
+            pos_pad = _to_verl_padded(micro_batch["position_ids"], p, r, pw, rw)[0] * am
+        plan = build_plan(ids_pad, am, rw, position_ids=pos_pad, **plan_kwargs)
     return plan, media, p
 
 

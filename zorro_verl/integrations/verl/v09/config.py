@@ -1,10 +1,11 @@
-"""Hydra/verl engine config for the zorro FSDP engine (verl >= 0.9; docs/DESIGN.md §8). Data and validation only.
+"""Hydra/verl engine configs for the zorro engines (verl >= 0.9; docs/DESIGN.md §8). Data and validation only.
 
-verl's config dataclasses reject unknown keys, so zorro's keys live in a subclass of ``FSDPEngineConfig`` that a
-YAML node selects with ``_target_``::
+verl's config dataclasses reject unknown keys, so zorro's keys live in a subclass of verl's engine config that a
+YAML node selects with ``_target_``: ``FSDPEngineConfig`` (``strategy: fsdp / fsdp2``) and ``McoreEngineConfig``
+(``strategy: megatron``)::
 
-    actor_rollout_ref.actor.fsdp_config:
-      _target_: zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig
+    actor_rollout_ref.actor.fsdp_config:        # or actor_rollout_ref.actor.megatron (model_engine=megatron)
+      _target_: zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig   # ... .ZorroMcoreEngineConfig
       zorro: {enable: true, rollout_n: ${actor_rollout_ref.rollout.n}, ...}
 
 ``zorro`` is validated by :class:`~zorro_verl.integrations.verl.settings.ZorroSettings` when the dataclass is
@@ -18,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.workers.config import FSDPEngineConfig
+from verl.workers.config import FSDPEngineConfig, McoreEngineConfig
 
 from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.integrations.verl.v09.registration import check_engine_registered
 
-__all__ = ["ZorroFSDPEngineConfig"]
+__all__ = ["ZorroFSDPEngineConfig", "ZorroMcoreEngineConfig"]
 
 
 @dataclass
@@ -39,4 +40,19 @@ class ZorroFSDPEngineConfig(FSDPEngineConfig):
         object.__setattr__(self, "_zorro_settings", settings)
         if settings.enable:
             check_engine_registered()
+
+
+@dataclass
+class ZorroMcoreEngineConfig(McoreEngineConfig):
+    """``McoreEngineConfig`` (verl's Megatron engine) plus ``zorro``: the same keys as
+    :class:`ZorroFSDPEngineConfig`."""
+
+    zorro: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        settings = ZorroSettings.from_mapping(self.zorro)
+        object.__setattr__(self, "_zorro_settings", settings)
+        if settings.enable:
+            check_engine_registered("megatron")
 

@@ -28,7 +28,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from verl.utils import tensordict_utils as tu
-from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -53,6 +52,7 @@ from zorro_verl.integrations.verl.v09.batching import (
     predict_next_outputs,
     row_group_ids,
     row_lengths,
+    stock_batch_unsupported,
 )
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.losses import loss_unsupported
@@ -105,11 +105,9 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
-        if get(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
-            return "pad_mode other than no_padding"
-        for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
-            if get(data=data, key=key, default=False):
-                return f"{key}=True"
+        reason = stock_batch_unsupported(data)
+        if reason is not None:
+            return reason
         if (get(data=data, key="use_fused_kernels", default=False) and "temperature" in data.keys()
                 and isinstance(data["temperature"], torch.Tensor)):
             # verl's fused path asserts one float temperature per batch
@@ -118,8 +116,6 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
             t = data["temperature"]
             if isinstance(t, torch.Tensor) and t.numel() > 1 and not bool((t == t.reshape(-1)[0]).all()):
                 return "per-sample temperatures with logits_optimization=memory"
-        if get(data=data, key="force_group_size", default=1) != 1:
-            return "force_group_size > 1"
         if self._zorro_multimodal(data):
             if not is_multimodal(self.module):
                 return "multimodal inputs / 3-D position ids with a text-only model"

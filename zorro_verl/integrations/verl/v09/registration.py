@@ -5,9 +5,11 @@
 
 * when ``verl.workers.engine`` is imported, verl's stock ``FSDPEngineWithLMHead`` is swapped for
   :class:`~zorro_verl.integrations.verl.v09.engine.ZorroFSDPEngineWithLMHead` in ``EngineRegistry`` for the
-  ``fsdp``/``fsdp2`` backends (every device key it was registered for, plus ``cpu``); the zorro class is the stock
-  engine unless its engine config enables zorro, so runs without the preset are unchanged. Every other
-  language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
+  ``fsdp``/``fsdp2`` backends (every device key it was registered for, plus ``cpu``), and, where verl's Megatron
+  engine imported (megatron-core installed), ``MegatronEngineWithLMHead`` for
+  :class:`~zorro_verl.integrations.verl.v09.megatron_engine.ZorroMegatronEngineWithLMHead` (``megatron``); a
+  zorro class is the stock engine unless its engine config enables zorro, so runs without the preset are unchanged.
+  Every other language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
   zorro-enabled config instead of silently running the stock forward; so are the value-model (critic) engines
   (zorro deduplicates the actor and the reference only);
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
@@ -40,6 +42,8 @@ PLUGIN_DISABLE_ENV = "ZORRO_VERL_PLUGIN_DISABLE"
 #: The plugin module (the entry point's target; the preset also names it in ``actor_rollout_ref.model.external_lib``).
 PLUGIN_MODULE = "zorro_verl.integrations.verl.v09.plugin"
 _BACKENDS = ("fsdp", "fsdp2")
+#: The backends of each zorro engine config's ``strategy`` family, checked by :func:`check_engine_registered`.
+_STRATEGY_BACKENDS = {"fsdp": _BACKENDS, "megatron": ("megatron",)}
 _installed = False
 
 
@@ -75,16 +79,20 @@ def _register_engine(engine_package) -> None:
     # `import verl` (it resolves verl's device platform; tests install a CPU platform before that).
     from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
 
-    stock = engine_package.FSDPEngineWithLMHead
     table = engine_package.EngineRegistry._engines.setdefault("language_model", {})
-    for backend in _BACKENDS:
+    swaps = {backend: (engine_package.FSDPEngineWithLMHead, ZorroFSDPEngineWithLMHead) for backend in _BACKENDS}
+    if getattr(engine_package, "MegatronEngineWithLMHead", None) is not None:  # verl imported its Megatron engine
+        from zorro_verl.integrations.verl.v09.megatron_engine import ZorroMegatronEngineWithLMHead
+
+        swaps["megatron"] = (engine_package.MegatronEngineWithLMHead, ZorroMegatronEngineWithLMHead)
+    for backend, (stock, zorro) in swaps.items():
         slots = table.setdefault(backend, {})
         for key, cls in list(slots.items()):
             if cls is stock:
-                slots[key] = ZorroFSDPEngineWithLMHead
-        slots.setdefault("cpu", ZorroFSDPEngineWithLMHead)
+                slots[key] = zorro
+        slots.setdefault("cpu", zorro)
     for backend, slots in table.items():
-        if backend in _BACKENDS:
+        if backend in swaps:
             continue
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
@@ -101,8 +109,9 @@ def _guarded(cls, backend: str):
     def __init__(self, *args, **kwargs):
         engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
         if engine_config is not None and settings_of(engine_config).enable:
-            raise RuntimeError(f"zorro is enabled but the actor/ref strategy is {backend!r}: the zorro engine supports "
-                               "strategy fsdp or fsdp2 (actor_rollout_ref.actor.strategy=fsdp2).")
+            raise RuntimeError(f"zorro is enabled but the actor/ref strategy is {backend!r}: the zorro engines support "
+                               "strategy fsdp / fsdp2 (actor_rollout_ref.actor.strategy=fsdp2) and megatron (with "
+                               "megatron-core installed).")
         cls.__init__(self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True,
@@ -158,9 +167,9 @@ def why_not_installed() -> str:
                                      "\"import zorro_verl.integrations.verl.v09.plugin\"` shows the error")
 
 
-def check_engine_registered() -> None:
+def check_engine_registered(strategy: str = "fsdp") -> None:
     """Raise ``RuntimeError`` saying why, unless the plugin is installed in this process and verl resolves the zorro
-    engine for ``fsdp`` and ``fsdp2``.
+    engine for ``strategy``'s backends (``fsdp``: ``fsdp`` and ``fsdp2``; ``megatron``).
 
     When only ``VERL_USE_EXTERNAL_PLUGINS`` kept verl from loading the entry point, the config that enables zorro is
     the explicit opt-in: the hooks are installed here (logged once) instead of refusing."""
@@ -172,18 +181,25 @@ def check_engine_registered() -> None:
         raise RuntimeError(f"zorro is enabled in the config but its verl plugin is not loaded: {why_not_installed()}.")
     from verl.workers.engine import EngineRegistry  # the import runs the post-import hook if it has not run yet
 
-    for backend in _BACKENDS:
+    for backend in _STRATEGY_BACKENDS[strategy]:
         try:
             cls = EngineRegistry.get_engine_cls("language_model", backend)
         except (ValueError, AssertionError) as e:
             # verl asserts on an unknown model type / backend and raises ValueError for an unknown device
+            if strategy == "megatron":
+                raise RuntimeError(
+                    f"zorro is enabled in a Megatron engine config but verl's EngineRegistry has no language_model "
+                    f"engine for strategy 'megatron' on device {_engine_device()!r} ({type(e).__name__}: {e}). verl "
+                    "registers its Megatron engine only when megatron-core (and mbridge) import: install them "
+                    "(pip install megatron-core mbridge; python -c 'import verl.workers.engine.megatron' shows the "
+                    "error), or disable zorro (megatron.zorro.enable=false).") from e
             raise RuntimeError(
                 f"zorro is enabled but verl's EngineRegistry has no language_model engine for strategy {backend!r} "
                 f"on device {_engine_device()!r} ({type(e).__name__}: {e}). The zorro engine needs strategy fsdp or "
                 "fsdp2 on a device verl registers FSDP engines for (cuda, npu; cpu is added by zorro): check "
                 "actor_rollout_ref.actor.strategy, the VERL_ENGINE_DEVICE environment variable and that "
                 "verl.workers.engine imported cleanly, or disable zorro (fsdp_config.zorro.enable=false).") from e
-        if not getattr(cls, "zorro_engine", False):  # ZorroFSDPEngineWithLMHead and its subclasses
+        if not getattr(cls, "zorro_engine", False):  # the zorro engines and their subclasses
             raise RuntimeError(
                 f"zorro is enabled in the config but verl builds {cls.__module__}.{cls.__qualname__} for strategy "
                 f"{backend!r}, not the zorro engine (another plugin replaced it?). Remove the conflicting plugin or "

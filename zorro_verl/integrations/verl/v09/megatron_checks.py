@@ -1,0 +1,58 @@
+"""The refusals of zorro's Megatron engine that need no built model (docs/DESIGN.md §8 "The Megatron engine"): read
+by the engine at start and by ``zorro-verl doctor`` from a composed config. Imports neither verl nor megatron."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["megatron_setup_unsupported"]
+
+#: hf_config attributes of model families zorro's Megatron path does not run yet, with the reason.
+_HF_REFUSALS = (
+    ("vision_config", "vision-language models on the Megatron engine (zorro runs VLMs in the FSDP engine)"),
+    ("kv_lora_rank", "multi-head latent attention (MLA, DeepSeek-style) on the Megatron engine: it applies RoPE "
+                     "inside its own attention"),
+    ("linear_attention", "hybrid (linear-attention) models on the Megatron engine"),
+)
+
+
+def megatron_setup_unsupported(engine_config, model_config) -> Optional[str]:
+    """Why a Megatron engine with these configs cannot run zorro's deduplicated forward, or None (the refusals that
+    need no built model; also read by ``zorro-verl doctor`` from a composed config). ``engine_config``: verl's
+    ``McoreEngineConfig`` (or a mapping with its keys); ``model_config``: verl's ``HFModelConfig`` or None."""
+    def get(cfg, key, default=None):
+        if cfg is None:
+            return default
+        return cfg.get(key, default) if hasattr(cfg, "get") and not hasattr(cfg, key) else getattr(cfg, key, default)
+
+    cp = int(get(engine_config, "context_parallel_size", 1) or 1)
+    if cp > 1 or get(engine_config, "dynamic_context_parallel", False):
+        return (f"context parallelism (context_parallel_size={cp}, dynamic_context_parallel="
+                f"{bool(get(engine_config, 'dynamic_context_parallel', False))}): zorro's attention has no context-"
+                "parallel exchange on Megatron yet; set context_parallel_size=1")
+    vpp = get(engine_config, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None and int(vpp) > 1:
+        return (f"virtual pipeline stages (virtual_pipeline_model_parallel_size={vpp}): zorro runs megatron's "
+                "non-interleaved schedules; set it to null")
+    if get(engine_config, "use_fused_kernels", False):
+        return "use_fused_kernels=True on the Megatron engine (verl's fused head replaces the model's output path)"
+    router = get(engine_config, "router_replay", None)
+    mode = get(router, "mode", "disabled") if router is not None else "disabled"
+    if mode != "disabled":
+        return (f"router replay (router_replay.mode={mode!r}): it records and replays routes per token of the "
+                "ordinary rows; set router_replay.mode=disabled")
+    mtp = get(model_config, "mtp", None)
+    if mtp is not None and get(mtp, "enable", False):
+        return "multi-token prediction (model.mtp.enable=True): its heads run on the ordinary row layout"
+    lora = get(model_config, "lora", None)
+    if int(get(model_config, "lora_rank", 0) or 0) > 0 or (lora is not None and int(get(lora, "rank", 0) or 0) > 0):
+        return "LoRA on the Megatron engine (zorro runs LoRA in the FSDP engine)"
+    hf = get(model_config, "hf_config", None)
+    if hf is not None:
+        for attr, reason in _HF_REFUSALS:
+            if getattr(hf, attr, None) is not None:
+                return reason
+        layer_types = getattr(hf, "layer_types", None) or ()
+        if any("linear" in str(t) or "mamba" in str(t) for t in layer_types):
+            return "hybrid (linear-attention / Mamba) models on the Megatron engine"
+    return None

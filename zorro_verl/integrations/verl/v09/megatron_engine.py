@@ -1,0 +1,214 @@
+"""The zorro Megatron engine for verl >= 0.9: ``MegatronEngineWithLMHead`` with a deduplicated micro-batch forward
+(docs/DESIGN.md §8 "The Megatron engine").
+
+Data path (one ``forward_backward_batch`` call = one mini-batch of this DP rank; every TP / PP rank of the DP rank
+holds the same batch)::
+
+    jagged batch (input_ids = [prompt | response] per row, no padding)
+      -> group-aware micro-batches (fixed rows or a token budget counting each prompt once), the same count on every
+         rank (all-reduce MAX, then split), as the FSDP engine (:mod:`.batching`)
+      -> megatron's schedule (pipeline or not) over them; per micro-batch and stage, :meth:`zorro_forward_step`:
+         build_plan (every TP rank and PP stage builds the same plan from the same rows) -> zorro_gpt_forward (one
+         packed row, the plan in the layers' zorro core attention, per-token RoPE positions, the LM head at the
+         response-predicting rows; a stage before the last returns its hidden states, which the schedule sends on:
+         verl runs it with variable sequence lengths, so the deduplicated length travels) -> on the last stage
+         zorro_gpt_logprobs (vocabulary-parallel under TP) -> verl's nested predict-next layout
+      -> verl's ``postprocess_micro_batch_func`` unchanged (its loss, the ``num_micro_batch`` scaling), outputs back in
+         original row order.
+
+With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
+run exactly are refused at engine start (context parallelism, virtual pipeline stages, fused kernels, multi-token
+prediction, router replay, per-token loss, LoRA, vision-language, MLA and hybrid models; MoE auxiliary losses when the
+model is built), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
+``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's own).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.megatron_utils import unwrap_model
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+from verl.workers.engine.utils import postprocess_batch_func
+
+from zorro_verl.integrations.megatron import (
+    find_gpt_model,
+    install_zorro_megatron,
+    zorro_gpt_forward,
+    zorro_gpt_logprobs,
+)
+from zorro_verl.integrations.megatron.step import check_zorro_gpt
+from zorro_verl.integrations.verl.common import ZorroActorMixin
+from zorro_verl.integrations.verl.settings import settings_of
+from zorro_verl.integrations.verl.v09.batching import (
+    ZorroBatchingMixin,
+    micro_batch_plan,
+    predict_next_outputs,
+    stock_batch_unsupported,
+)
+from zorro_verl.integrations.verl.v09.losses import loss_unsupported
+from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
+
+__all__ = ["ZorroMegatronEngineWithLMHead", "MEGATRON_FIX_HINT"]
+
+logger = logging.getLogger(__name__)
+
+#: How a user of verl's Megatron engine switches zorro off or to ``warn`` (quoted in refusals).
+MEGATRON_FIX_HINT = ("disable zorro (actor_rollout_ref.actor.megatron.zorro.enable=false, and the ref's), or set "
+                     "megatron.zorro.on_unsupported=warn to run the stock forward for such batches")
+
+class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, MegatronEngineWithLMHead):
+    """verl's Megatron LM engine with zorro's deduplicated forward (see module docstring)."""
+
+    #: Marks the engines verl must build when zorro is enabled (checked by the config at start).
+    zorro_engine = True
+    zorro_fix_hint = MEGATRON_FIX_HINT
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, **kwargs):
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, **kwargs)
+        self._zorro_setup(settings_of(engine_config), get_device_name())
+        if not self.zorro.enable:
+            return
+        logger.warning("zorro: Megatron engine active (%s; backend=%s, logits=%s, on_unsupported=%s, tp=%d, pp=%d)",
+                       "deduplicated forward" if self._zorro_static_reason is None
+                       else f"stock forward: {self._zorro_static_reason}", self._zorro_backend,
+                       self.zorro.logits_optimization, self.zorro.on_unsupported,
+                       engine_config.tensor_model_parallel_size, engine_config.pipeline_model_parallel_size)
+
+    # ------------------------------------------------------------------ support checks
+    def _zorro_static_unsupported(self):
+        reason = megatron_setup_unsupported(self.engine_config, self.model_config)
+        if reason is None and self.zorro.logits_optimization == "memory":
+            reason = ("logits_optimization=memory on the Megatron engine (its head is vocabulary parallel); use none "
+                      "or compute")
+        return reason
+
+    def _zorro_model_unsupported(self) -> Optional[str]:
+        """Refusals that need the built model: each chunk's ``GPTModel`` (position embedding, MLA, MoE statistics,
+        megatron-core's ``output_processor``), verl's per-token loss regime."""
+        if self.tf_config is not None and getattr(self.tf_config, "calculate_per_token_loss", False):
+            return ("calculate_per_token_loss=True (megatron's per-token regime normalises the MoE router's losses by "
+                    "the micro-batch's ordinary token count)")
+        for chunk in self.module:
+            try:
+                check_zorro_gpt(find_gpt_model(chunk), require_installed=False)
+            except ValueError as e:
+                return str(e)
+        return None
+
+    def _zorro_batch_unsupported(self, data) -> Optional[str]:
+        reason = stock_batch_unsupported(data)
+        if reason is not None:
+            return reason
+        if self._zorro_multimodal(data):
+            return "multimodal inputs / 3-D position ids on the Megatron engine"
+        if tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False) \
+                or "routed_experts" in data.keys():
+            return "router replay data in the batch (routed_experts / enable_routing_replay)"
+        if "temperature" in data.keys() and isinstance(data["temperature"], torch.Tensor):
+            t = data["temperature"].reshape(-1)
+            if t.numel() > 1 and not bool((t == t[0]).all()):
+                return "per-sample temperatures on the Megatron engine (zorro's Megatron head takes one float)"
+        return None
+
+    # ------------------------------------------------------------------ model
+    def initialize(self):
+        super().initialize()
+        if not self.zorro_active:
+            return
+        reason = self._zorro_model_unsupported()
+        if reason is not None:
+            self._zorro_static_reason = reason
+            self._zorro_unsupported(reason)
+            return
+        for chunk in self.module:  # a class swap per core attention: calls without a zorro plan run the stock one
+            install_zorro_megatron(chunk)
+
+    # ------------------------------------------------------------------ batch
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if not self.zorro.enable:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
+        reason, local = self._zorro_static_reason, None
+        if reason is None:
+            # every check that can fail on one rank runs before the ranks agree (see the FSDP engine)
+            error = None
+            try:
+                reason = self._zorro_batch_unsupported(data) or loss_unsupported(loss_function, data)
+                if reason is None:
+                    local = self._zorro_local_micro_batches(data)
+            except Exception as e:  # noqa: BLE001 - raised by the agreement, on this rank and (quoted) on every other
+                error = e
+            reason = self._zorro_agreed_reason(reason, error)
+        last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        if reason is not None:
+            if self._zorro_static_reason is None:
+                self._zorro_unsupported(reason)
+            out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            if last_stage:
+                self._add_metrics(out, {"zorro/fallback_batches": 1.0, **hooks_missing})
+            return out
+
+        # as the stock engine: the loss normalisers are global (tokens over the DP group, the DP size)
+        tu.assign_non_tensor(data, sp_size=self.engine_config.context_parallel_size)
+        loss_mask = data["loss_mask"]
+        batch_num_tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(get_device_id())
+        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
+                                     group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+        mbs = self.zorro_micro_batches(data, local)
+        micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]
+        n = len(micro_batches)
+        for mb in micro_batches:
+            tu.assign_non_tensor(mb, num_micro_batch=n)
+        tu.assign_non_tensor(data, num_micro_batch=n)
+        self._zorro_tree_stats = [0, 0]  # prefix sharing: tokens run by the plans, deepest tree
+
+        postprocess = partial(self.postprocess_micro_batch_func, forward_only=forward_only,
+                              loss_function=loss_function)
+        losses_reduced = get_forward_backward_func()(
+            forward_step_func=partial(self.zorro_forward_step, postprocess_micro_batch_func=postprocess),
+            data_iterator=iter(micro_batches), model=self.module, num_microbatches=n,
+            seq_length=1, micro_batch_size=1,  # verl: shapes travel through p2p (variable_seq_lengths)
+            forward_only=forward_only)
+        if not last_stage:
+            return {}
+        out = postprocess_batch_func(output_lst=losses_reduced, indices=mbs.batches, data=data)
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            # verl restores the order only for dynamic bsz; group-aware fixed micro-batches reorder rows too
+            out["model_output"] = {k: restore_dynamic_batch(v, mbs.batches) for k, v in out["model_output"].items()}
+        self._zorro_batch_metrics(out, data, mbs, hooks_missing)
+        return out
+
+    # ------------------------------------------------------------------ micro-batch
+    def zorro_forward_step(self, batch_iter, model, postprocess_micro_batch_func):
+        """Megatron's ``forward_step_func`` for a zorro micro-batch: ``(output, loss_func)``. ``output`` is this
+        stage's hidden states, or on the last stage verl's model output (nested predict-next ``log_probs`` /
+        ``entropy``); ``loss_func`` is verl's ``postprocess_micro_batch_func`` bound to the micro-batch."""
+        batch = next(batch_iter).to(get_device_id())
+        plan, _, p = micro_batch_plan(batch, self.zorro.plan_kwargs())
+        self._zorro_count_plan(plan)
+        out = zorro_gpt_forward(model, plan, backend=self._zorro_backend)
+        loss_func = partial(postprocess_micro_batch_func, data=batch)
+        if not find_gpt_model(unwrap_model(model)).post_process:
+            return out, loss_func
+        temperature = batch["temperature"]
+        if isinstance(temperature, torch.Tensor):  # one value (checked per batch)
+            temperature = temperature.reshape(-1)[0]
+        calculate_entropy = tu.get_non_tensor_data(batch, key="calculate_entropy", default=False)
+        logp, ent = zorro_gpt_logprobs(model, plan, out, temperature=float(temperature),
+                                       calculate_entropy=calculate_entropy,
+                                       logits_optimization=self.zorro.logits_optimization,
+                                       chunk_size=self.logits_chunk_size)
+        return predict_next_outputs(batch, p, plan, logp, ent if calculate_entropy else None), loss_func
+
