@@ -42,11 +42,13 @@ ALLOWED = {
     "transformers": (CORE | {"transformers", "integrations"}, {"torch", "transformers", "peft"}),
     "integrations": ({"integrations"}, set()),
     "api": (CORE | {"transformers", "api"}, {"torch"}),
-    "verl": (CORE | {"transformers", "verl", "integrations"}, {"torch", "verl", "wrapt", "omegaconf"}),
+    # the Megatron engine subclass (v09/megatron_engine.py) imports megatron-core and the megatron layer
+    "verl": (CORE | {"transformers", "verl", "integrations", "megatron"},
+             {"torch", "verl", "wrapt", "omegaconf", "megatron"}),
     # OpenRLHF, Ray, transformers only lazily; of the verl layer only its verl-free settings and common (checked below)
     "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"},
                  {"torch", "openrlhf", "wrapt", "ray", "transformers"}),
-    # megatron-core's GPTModel (no verl, no transformers: the engine subclass will live in the verl layer)
+    # megatron-core's GPTModel (no verl, no transformers: the engine subclass lives in the verl layer)
     "megatron": (CORE | {"megatron"}, {"torch", "megatron"}),
     "root": ({"api", "packing", "root"}, set()),
     "data": (set(), set()),  # the Hydra presets: package data, no code

@@ -18,8 +18,9 @@ import torch
 
 from tests.support.multi_rank import rank_main
 
-#: (name, sequence parallel, sharing)
-CASES = [("tp2", False, "prompt"), ("tp2_sp", True, "prompt"), ("tp2_sp_prefix", True, "prefix")]
+#: (name, sequence parallel, sharing, head through an output_layer wrap as on megatron-core < 0.19)
+CASES = [("tp2", False, "prompt", False), ("tp2_sp", True, "prompt", False), ("tp2_sp_prefix", True, "prefix", False),
+         ("tp2_sp_wrap", True, "prompt", True)]
 
 
 def run_rank(rank: int, world: int, init_file: str) -> dict:
@@ -30,8 +31,12 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
     from tests.support import megatron_cpu as M
 
     M.init_megatron(rank, world, init_file)
+    from zorro_verl.integrations.megatron import step
+
+    detected = step.has_output_processor
     out = {}
-    for name, sp, sharing in CASES:
+    for name, sp, sharing, wrap in CASES:
+        step.has_output_processor = (lambda: False) if wrap else detected
         stock = M.build_gpt(zorro=False, sequence_parallel=sp, parallel_output=False)
         zorro = M.build_gpt(zorro=True, sequence_parallel=sp)
         zorro.load_state_dict(stock.state_dict())
@@ -45,6 +50,7 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
         res["T"] = plan.T
         res["sp"] = bool(zorro.config.sequence_parallel)
         out[name] = res
+    step.has_output_processor = detected
     out["vocab_parallel"] = _vocab_parallel(rank, world)
     M.init_megatron(rank, world, init_file, pipeline=world)  # the same processes, now as PP = 2 stages
     out["pp2"] = _pipeline(rank)

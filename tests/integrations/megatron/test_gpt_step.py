@@ -126,6 +126,24 @@ def test_install_after_build(megatron_tp1):
     _record("tp1_installed", M.compare(s, z[:2], M.grads(stock), M.grads(late)))
 
 
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_output_layer_wrap(megatron_tp1, monkeypatch, sharing):
+    """megatron-core < 0.19 has no ``output_processor``: detected, the model's ``output_layer`` is wrapped for the
+    call instead (here forced on 0.19's GPTModel, whose forward then runs its own head call); exact, and the
+    instance's ``forward`` is restored."""
+    from zorro_verl.integrations.megatron import step
+
+    monkeypatch.setattr(step, "has_output_processor", lambda: False)
+    stock, zorro = megatron_tp1
+    stock.zero_grad(set_to_none=True)
+    zorro.zero_grad(set_to_none=True)
+    ids, am, R = M.make_batch(shared_prefix=sharing == "prefix")
+    s = M.stock_outputs(stock, ids, am, R)
+    lp, ent, _ = M.zorro_outputs(zorro, ids, am, R, sharing=sharing)
+    _record(f"tp1_output_layer_wrap_{sharing}", M.compare(s, (lp, ent), M.grads(stock), M.grads(zorro)))
+    assert "forward" not in vars(zorro.output_layer)
+
+
 def test_refusals(megatron_tp1):
     from zorro_verl.integrations.megatron import zorro_gpt_step
     from zorro_verl.packing import build_plan
@@ -190,7 +208,7 @@ def test_two_ranks_tp_sp_pp(tmp_path):
         else:  # the first stage returns hidden states: only its gradients are compared
             pp.update(logprob=None, entropy=None)
         _record(f"pp2_stage{rank}", pp)
-        assert set(per_case) == {"tp2", "tp2_sp", "tp2_sp_prefix"}
+        assert set(per_case) == {"tp2", "tp2_sp", "tp2_sp_prefix", "tp2_sp_wrap"}
         for case, res in per_case.items():
             assert res["ranks_equal"], (rank, case)
             assert res["sp"] == case.startswith("tp2_sp")

@@ -10,9 +10,9 @@ One step:
    ``rotary_pos_emb`` returns its table indexed by the plan's positions, ``[Tp, 1, 1, D]``, so every token is rotated
    by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row);
 3. the LM head runs only at the response-predicting rows, through ``GPTModel.forward(output_processor=...)``
-   (megatron-core >= 0.19): the post-norm hidden states (all-gathered first under sequence parallelism) are
-   selected at ``plan.logit_index`` (``plan.head_index`` for prefix trees) and given to the model's own
-   ``output_layer``;
+   (megatron-core >= 0.19; feature-detected, older versions get the model's ``output_layer`` wrapped for the call):
+   the post-norm hidden states (all-gathered first under sequence parallelism) are selected at ``plan.logit_index``
+   (``plan.head_index`` for prefix trees) and given to the model's own ``output_layer``;
 4. log-probs / entropy: with TP = 1 the project's code on ``[N, V]`` (:func:`~zorro_verl.logprob.logits_logprobs`);
    with TP > 1 on each rank's vocabulary slice ``[N, V/tp]`` without gathering it
    (:func:`~zorro_verl.integrations.megatron.vocab_parallel.vocab_parallel_logprobs`);
@@ -93,9 +93,6 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
                              "statistics (amax) are taken over the micro-batch's tokens, which deduplication changes. "
                              f"Set {name}=None.")
     _check_moe(cfg)
-    if not has_output_processor():
-        raise ValueError("megatron-core: GPTModel.forward has no output_processor (megatron-core < 0.19); zorro's "
-                         "head needs it. Install megatron-core >= 0.19 (scripts/setup_megatron_env.sh pins 0.19.2).")
 
 
 def _check_moe(cfg) -> None:
@@ -150,6 +147,52 @@ class _PositionedRope:
         return False
 
 
+def _head_rows(hidden_states: torch.Tensor, output_layer, output_weight, keep: torch.Tensor, call) -> torch.Tensor:
+    """The LM head at the kept rows: ``hidden_states [Tp(/tp under SP), 1, H]`` -> logits ``[Nh, 1, V/tp]``.
+    ``call(x, weight=, runtime_gather_output=)`` runs the head layer (the layer itself, or its class's ``forward``
+    from inside a wrap of the instance's)."""
+    if not output_layer.sequence_parallel:
+        return call(hidden_states[keep], weight=output_weight, runtime_gather_output=False)[0]
+    # Sequence parallel: the rows are spread over the TP ranks. Gather them (backward: each rank keeps its slice of
+    # the gradient, which the head's own input all-reduce below has made complete), pick the kept rows and run the
+    # head as a plain column-parallel layer, as megatron's inference path does.
+    full = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                group=output_layer.tp_group)
+    output_layer.sequence_parallel = False
+    try:
+        return call(full[keep], weight=output_weight, runtime_gather_output=False)[0]
+    finally:
+        output_layer.sequence_parallel = True
+
+
+class _RowsOutputLayer:
+    """For one forward on a megatron-core without ``output_processor``: the model's ``output_layer`` (an instance
+    attribute over its class's ``forward``, removed on exit) computes the logits of the kept rows only."""
+
+    def __init__(self, gpt: GPTModel, keep: torch.Tensor):
+        self.layer = gpt.output_layer if gpt.post_process else None
+        self.keep = keep
+
+    def __enter__(self):
+        layer, keep = self.layer, self.keep
+        if layer is None:  # a stage without the head
+            return self
+        if "forward" in vars(layer):
+            raise ValueError("output_layer.forward: already replaced on this instance; run one zorro step at a time.")
+        call = type(layer).forward.__get__(layer)
+
+        def forward(input_, weight=None, runtime_gather_output=None, **_):
+            return _head_rows(input_, layer, weight, keep, call), None
+
+        layer.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        if self.layer is not None:
+            del self.layer.forward
+        return False
+
+
 def _check_head_args(temperature, logits_optimization: str, temperature_op: str) -> tuple[str, str]:
     mode = check_logits_optimization(logits_optimization)
     op = check_temperature_op(temperature_op)
@@ -191,25 +234,20 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     keep = plan.logit_index if plan.head_index is None else plan.head_index
     zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
 
-    def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
-        if not output_layer.sequence_parallel:
-            return scale_logits(output_layer(hidden_states[keep], weight=output_weight,
-                                             runtime_gather_output=False)[0])
-        # Sequence parallel: the rows are spread over the TP ranks. Gather them (backward: each rank keeps its slice
-        # of the gradient, which the head's own input all-reduce below has made complete), pick the kept rows and
-        # run the head as a plain column-parallel layer, as megatron's inference path does.
-        full = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
-                                                    group=output_layer.tp_group)
-        output_layer.sequence_parallel = False
-        try:
-            logits = output_layer(full[keep], weight=output_weight, runtime_gather_output=False)[0]
-        finally:
-            output_layer.sequence_parallel = True
-        return scale_logits(logits)
+    if has_output_processor():
+        def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
+            return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
-    with _PositionedRope(gpt.rotary_pos_emb, pos):
-        out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
-                    output_processor=head)
+        with _PositionedRope(gpt.rotary_pos_emb, pos):
+            out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
+                        output_processor=head)
+    else:
+        # megatron-core < 0.19: no output_processor; the model's own head call runs on the kept rows (its output,
+        # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back)
+        with _PositionedRope(gpt.rotary_pos_emb, pos), _RowsOutputLayer(gpt, keep):
+            out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp)
+        if gpt.post_process:
+            out = out.transpose(0, 1)
     if zp.calls.count != len(layers):
         raise ValueError(f"zorro core attention: expected {len(layers)} calls (one per layer of this stage), got "
                          f"{zp.calls.count}; a layer bypassed zorro and attended over the whole packed row.")

@@ -181,6 +181,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             data_iterator=iter(micro_batches), model=self.module, num_microbatches=n,
             seq_length=1, micro_batch_size=1,  # verl: shapes travel through p2p (variable_seq_lengths)
             forward_only=forward_only)
+        self.zorro_last_micro_batches = mbs
         if not last_stage:
             return {}
         out = postprocess_batch_func(output_lst=losses_reduced, indices=mbs.batches, data=data)

@@ -1,0 +1,156 @@
+"""One rank of the zorro-vs-stock Megatron *engine* check (tests/integrations/megatron/test_engine.py): verl 0.9.1's
+stock ``MegatronEngineWithLMHead`` (padded bshd path, megatron's own attention) and zorro's engine, fp32 on the CPU,
+on the same tiny Qwen3 checkpoint and the same GRPO batch; every layout in the same processes (importing verl's
+Megatron engine costs 12-40 s per process).
+
+Run as ``python -m tests.support.megatron_engine_ranks RANK WORLD INIT_FILE CKPT_DIR LAYOUTS OUT_JSON``; ``LAYOUTS``:
+comma-separated ``tp2`` (TP = 2 + sequence parallel), ``pp2`` (PP = 2), ``dp2`` (DP = 2, TP = PP = 1; rank 0 the first 8
+rows, rank 1 the last 4), ``tp1`` (one process). Per layout and batch mode (fixed micro-batch size, dynamic token
+budget): ``infer_batch`` log-probs / entropy and ``train_batch`` loss, grad norm, every parameter's gradient and the
+parameters after the optimizer step, zorro vs stock (on the last pipeline stage for outputs; gradients and
+parameters on every rank, each its own shards). Then the refusals and the ``warn`` fallback (:func:`_refusals`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from functools import partial
+
+import torch
+
+from tests.support.multi_rank import rank_main
+
+ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
+
+
+def _layout(name: str, world: int) -> tuple[int, int]:
+    return {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1), "tp1": (1, 1)}[name] if world > 1 or name == "tp1" \
+        else (1, 1)
+
+
+def _compare_engines(E, stock, zorro, td_of, rank: int) -> dict:
+    """infer + train on both engines; max abs diffs (None where this rank has no outputs)."""
+    from megatron.core import parallel_state as mpu
+
+    out = {}
+    last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+    res = {}
+    for name, eng in (("stock", stock), ("zorro", zorro)):
+        td = td_of()
+        with eng.eval_mode():
+            res[name] = eng.infer_batch(td, loss_function=None)
+    if last:
+        td = td_of()
+        for key in ("log_probs", "entropy"):
+            s = E.response_values(res["stock"]["model_output"][key], td)
+            z = E.response_values(res["zorro"]["model_output"][key], td)
+            out[key] = (z - s).abs().max().item()
+        out["n_tokens"] = int(s.numel())
+        m = res["zorro"].get("metrics", {})
+        out["dedup_ratio"] = _first(m.get("zorro/dedup_ratio"))
+        out["fallback"] = _first(m.get("zorro/fallback_batches"))
+    train = {}
+    for name, eng in (("stock", stock), ("zorro", zorro)):
+        with eng.train_mode(zero_grad_on_exit=False):
+            train[name] = eng.train_batch(td_of(), loss_function=E.ppo_loss_fn())
+    gs, gz = E.grads(stock), E.grads(zorro)
+    rel = {k: ((gz[k] - gs[k]).abs().max() / gs[k].abs().max().clamp_min(1e-30)).item() for k in gs}
+    out["grad_rel"] = max(rel.values())
+    out["grad_rel_worst"] = max(rel, key=rel.get)
+    out["grad_abs"] = max((gz[k] - gs[k]).abs().max().item() for k in gs)
+    ps = dict(E.gpt_of(stock).named_parameters())
+    pz = dict(E.gpt_of(zorro).named_parameters())
+    out["param_after_step"] = max((pz[k] - ps[k]).abs().max().item() for k in ps)
+    out["n_params"] = len(gs)
+    out["n_micro_batches"] = len(zorro.zorro_last_micro_batches.batches)
+    if last:
+        # verl's per-micro-batch losses; their sum is the mini-batch loss (global normalisers)
+        ls, lz = sum(train["stock"]["loss"]), sum(train["zorro"]["loss"])
+        out["loss_rel"] = abs(lz - ls) / abs(ls)
+        out["train_fallback"] = _first(train["zorro"]["metrics"].get("zorro/fallback_batches"))
+    if "grad_norm" in train["stock"].get("metrics", {}):  # the model-parallel source rank's outputs
+        gn_s = _first(train["stock"]["metrics"]["grad_norm"])
+        gn_z = _first(train["zorro"]["metrics"]["grad_norm"])
+        out["grad_norm_rel"] = abs(gn_z - gn_s) / gn_s
+    return out
+
+
+def _first(v):
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    return v
+
+
+def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import torch.distributed as dist
+
+    from tests.support import megatron_engines as E
+
+    E.setup_process()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
+        E.save_tiny_qwen3(ckpt)
+    dist.barrier()
+    out = {}
+    for layout in layouts.split(","):
+        t0 = time.time()
+        tp, pp = _layout(layout, world)
+        # DP: unequal shares (8 and 4 rows), so the ranks' own packings need different micro-batch counts
+        rows = (slice(0, 8) if rank == 0 else slice(8, 12)) if layout == "dp2" else None
+        stock = E.build_engine(ckpt, zorro=None, tp=tp, pp=pp, remove_padding=False)
+        zorro = E.build_engine(ckpt, zorro=ZORRO, tp=tp, pp=pp)
+        assert type(zorro).__name__ == "ZorroMegatronEngineWithLMHead", type(zorro)
+        for mode in ("fixed", "dynamic"):
+            out[f"{layout}/{mode}"] = _compare_engines(
+                E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic", rows=rows), rank)
+        out[f"{layout}/seconds"] = time.time() - t0
+    out["refusals"] = _refusals(E, ckpt, zorro)
+    dist.barrier()
+    return out
+
+
+def _refusals(E, ckpt: str, zorro) -> dict:
+    """With the last layout's engines: settings refused at engine start (``on_unsupported=raise``), a batch refused
+    on every rank, and the ``warn`` fallback (verl's stock forward, counted)."""
+    out = {}
+    for name, engine_kwargs, model_kwargs in (("fused", {"use_fused_kernels": True}, {}),
+                                              ("lora", {}, {"lora_rank": 8})):
+        try:
+            E.build_engine(ckpt, zorro=ZORRO, engine_kwargs=engine_kwargs, model_kwargs=model_kwargs)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    # per-row temperatures: zorro's Megatron head takes one float
+    temps = torch.linspace(0.7, 1.3, 12)
+    batch = lambda: E.make_batch(dynamic=False, temperature=temps)  # noqa: E731
+    try:
+        with zorro.eval_mode():
+            zorro.infer_batch(batch(), loss_function=None)
+        out["batch"] = None
+    except ValueError as e:
+        out["batch"] = str(e)
+    # fresh engines (the layouts' engines have taken optimizer steps)
+    stock = E.build_engine(ckpt, zorro=None, remove_padding=False)
+    warn = E.build_engine(ckpt, zorro={**ZORRO, "on_unsupported": "warn"}, remove_padding=False)
+    res = {}
+    for name, eng in (("stock", stock), ("warn", warn)):
+        with eng.eval_mode():
+            res[name] = eng.infer_batch(batch(), loss_function=None)
+    td = batch()
+    s = E.response_values(res["stock"]["model_output"]["log_probs"], td)
+    w = E.response_values(res["warn"]["model_output"]["log_probs"], td)
+    out["warn_fallback"] = _first(res["warn"]["metrics"].get("zorro/fallback_batches"))
+    out["warn_log_probs"] = (w - s).abs().max().item()
+    return out
+
+
+if __name__ == "__main__":
+    rank_main(run_rank, str, str)

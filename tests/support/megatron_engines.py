@@ -1,0 +1,259 @@
+"""verl 0.9.1's Megatron engine on the CPU, for the zorro Megatron engine tests (never shipped; each patch is
+explained in /work/shared/notes/megatron-cpu.md, ids in brackets).
+
+* CPU platform for verl [V1]; megatron-core shims [P1-P6] (:mod:`tests.support.megatron_cpu` holds P1-P3);
+* vanilla mbridge on megatron-core 0.19 and the local (non-Transformer-Engine) spec [V4-V6];
+* fp32 engine configs [V2] (verl asserts bf16 / fp16), a pad id without a tokenizer [V7];
+* the **stock reference** runs verl's padded path (``use_remove_padding=False``, bshd) with megatron's own
+  ``DotProductAttention`` (its ``[B, S]`` valid mask turned into the 4-D causal mask megatron wants [V8]): no project
+  code in it. The zorro engine runs verl's default ``use_remove_padding=True``; zorro packs its own row.
+
+:func:`make_batch` builds a GRPO-style jagged batch the way verl's actor hands it to the engine
+(``left_right_2_no_padding``), with interleaved siblings, an empty and a 1-token response.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+
+__all__ = ["setup_process", "save_tiny_qwen3", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of", "grads",
+           "VOCAB"]
+
+VOCAB = 128
+_DONE = False
+
+
+def setup_process() -> None:
+    """Every patch, once per process, before verl's engine module is imported."""
+    global _DONE
+    if _DONE:
+        return
+    from tests.support import verl_cpu_platform
+
+    verl_cpu_platform.use_cpu_platform()  # V1
+    from tests.support import megatron_cpu
+
+    megatron_cpu._cpu_shims(sequence_parallel_norms=True)  # P1-P3
+    megatron_cpu.CudaAsCpu().__enter__()  # P4 for the whole process: optimizers create device="cuda" tensors
+    _fake_streams()  # P5
+    _cpu_grad_clip()  # P6
+    torch.nn.Module.cuda = lambda self, device=None: self  # mbridge's get_model moves the model .cuda()
+    _mbridge_patches()  # V4-V6
+    _DONE = True
+
+
+def _fake_streams() -> None:
+    import contextlib
+
+    from tests.support.megatron_cpu import _NoStream
+
+    for name, f in {"current_stream": _NoStream, "default_stream": _NoStream, "Stream": _NoStream,
+                    "Event": _NoStream, "stream": lambda *a, **k: contextlib.nullcontext(),
+                    "synchronize": lambda *a, **k: None, "empty_cache": lambda *a, **k: None}.items():
+        setattr(torch.cuda, name, f)
+
+
+def _cpu_grad_clip() -> None:
+    """P6: megatron's clipping asserts ``torch.cuda.FloatTensor`` grads; the same scaling on the CPU."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if not isinstance(coeff, torch.Tensor) and coeff >= 1.0:
+            return
+        coeff = torch.as_tensor(coeff).clamp_max(1.0)
+        for p in parameters:
+            g = getattr(p, attr, None)
+            if g is not None:
+                g.detach().mul_(coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    mopt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _mbridge_patches() -> None:
+    import mbridge.core.util as mbu
+    from mbridge.core import llm_bridge
+    from mbridge.models.qwen2 import Qwen2Bridge
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    class _Dummy(enum.Enum):
+        encoder_and_decoder = 2
+
+    # V4: mbridge 0.15.1 reads ModelType.encoder_and_decoder, gone in megatron-core 0.19
+    mbu.ModelType = SimpleNamespace(encoder_or_decoder=ModelType.encoder_or_decoder,
+                                    encoder_and_decoder=_Dummy.encoder_and_decoder)
+    original = gpt_layer_specs.get_gpt_decoder_block_spec
+
+    def local_block_spec(config, use_transformer_engine=True, **kw):  # V5: mbridge hardcodes the TE spec
+        return original(config, use_transformer_engine=False, **kw)
+
+    llm_bridge.get_gpt_decoder_block_spec = local_block_spec
+    # V6: the local spec's (unfused) norm names
+    Qwen2Bridge._OTHER_MAPPING = {**getattr(Qwen2Bridge, "_OTHER_MAPPING", {}),
+                                  "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    Qwen2Bridge._MLP_MAPPING = {**Qwen2Bridge._MLP_MAPPING, "pre_mlp_layernorm.weight":
+                                ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+
+
+def save_tiny_qwen3(path: str) -> str:
+    """A tiny Qwen3 checkpoint (2 layers, hidden 64, 4 heads in 2 KV groups, head dim 16, q/k norms, untied head,
+    vocab :data:`VOCAB`) saved at ``path`` from seed 0."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _mask_hook(module, args, kwargs):
+    """V8 (bshd only): verl hands the model a ``[B, S]`` valid mask (TE style); megatron's local attention wants the
+    ``[B, 1, S, S]`` boolean mask (True = masked), built by verl's own helper."""
+    from verl.models.mcore.util import _build_npu_attn_mask
+
+    m = kwargs.get("attention_mask")
+    if m is not None and m.dim() == 2:
+        kwargs["attention_mask"] = _build_npu_attn_mask(m)
+    return args, kwargs
+
+
+def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, remove_padding: bool = True,
+                 micro_batch: int = 2, max_tokens: int = 48, engine_kwargs: dict | None = None,
+                 model_kwargs: dict | None = None):
+    """verl's Megatron LM engine for ``ckpt``, fp32, initialised: the class verl's ``EngineRegistry`` resolves for
+    ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
+    a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys.
+    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` change."""
+    from megatron.core import parallel_state as mpu
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
+
+    if mpu.model_parallel_is_initialized() and (mpu.get_tensor_model_parallel_world_size() != tp
+                                                or mpu.get_pipeline_model_parallel_world_size() != pp):
+        mpu.destroy_model_parallel()
+    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=remove_padding,
+                                 **(model_kwargs or {}))
+    object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # V7
+    kw = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
+              use_mbridge=True, vanilla_mbridge=True, use_distributed_optimizer=False,
+              use_remove_padding=remove_padding, micro_batch_size_per_gpu=micro_batch,
+              infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=max_tokens,
+              infer_max_token_len_per_gpu=max_tokens, seed=1,
+              override_transformer_config=dict(gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+                                               bias_activation_fusion=False, bias_dropout_fusion=False,
+                                               apply_rope_fusion=False, persist_layer_norm=False,
+                                               use_cpu_initialization=True),
+              **(engine_kwargs or {}))
+    if zorro is None:
+        engine_config = McoreEngineConfig(dtype="bfloat16", **kw)
+    else:
+        engine_config = ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw)
+    object.__setattr__(engine_config, "dtype", "float32")  # V2
+    # SGD: the parameters after one step differ by lr x the gradients' difference (Adam's first step is ~lr x sign)
+    optim = McoreOptimizerConfig(optimizer="sgd", lr=1e-3, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
+    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim,
+                 checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    if not remove_padding:
+        gpt_of(engine).register_forward_pre_hook(_mask_hook, with_kwargs=True)
+    return engine
+
+
+def gpt_of(engine):
+    from verl.utils.megatron_utils import unwrap_model
+
+    return unwrap_model(engine.module[0])
+
+
+def make_batch(*, dynamic: bool, seed: int = 0, rows: slice | None = None, temperature=1.0, max_tokens: int = 48,
+               micro_batch: int = 2):
+    """A jagged GRPO batch as verl's actor hands it to the engine: 3 prompts (lengths 7, 4, 6) x 4 rollouts, rows
+    interleaved (groups ``0 1 2 0 1 2 ...``), responses of 1 to 6 tokens with one empty and two 1-token responses;
+    ``rows``: a slice of the 12 rows (a data-parallel rank's share). Carries verl's non-tensor settings
+    (``use_dynamic_bsz``, budgets, temperature, entropy)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (7, 4, 6)]
+    rlens = [5, 0, 1, 6, 2, 3, 1, 4, 6, 2, 5, 3]
+    groups = [i % 3 for i in range(12)]
+    P, R = max(len(p) for p in prompts), max(rlens)
+    B = len(rlens)
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    am = torch.zeros(B, P + R, dtype=torch.long)
+    for b in range(B):
+        p, r = prompts[groups[b]], rlens[b]
+        ids[b, P - len(p):P] = p
+        am[b, P - len(p):P] = 1
+        ids[b, P:P + r] = torch.randint(1, VOCAB, (r,), generator=g)
+        am[b, P:P + r] = 1
+    sel = slice(None) if rows is None else rows
+    ids, am = ids[sel], am[sel]
+    B = ids.shape[0]
+    pos = (am.cumsum(-1) - 1).clamp_min(0)
+    fields = dict(input_ids=ids, attention_mask=am, position_ids=pos, prompts=ids[:, :P], responses=ids[:, P:],
+                  response_mask=am[:, P:].float(),
+                  old_log_probs=(torch.randn(12, R, generator=g) * 0.1 - 4)[sel],
+                  advantages=torch.randn(12, R, generator=g)[sel], ref_log_prob=torch.zeros(B, R))
+    if isinstance(temperature, torch.Tensor):
+        fields["temperature"] = temperature[sel]
+    td = left_right_2_no_padding(tu.get_tensordict(fields))
+    extra = {} if isinstance(temperature, torch.Tensor) else {"temperature": float(temperature)}
+    tu.assign_non_tensor(td, calculate_entropy=True, use_dynamic_bsz=dynamic, micro_batch_size_per_gpu=micro_batch,
+                         max_token_len_per_gpu=max_tokens, global_batch_size=B, use_fused_kernels=False, **extra)
+    return td
+
+
+def ppo_loss_fn():
+    """verl's ``ppo_loss`` bound to an actor config (token-mean), as the worker hands it to the engine."""
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                          use_dynamic_bsz=False, loss_agg_mode="token-mean")
+    return partial(ppo_loss, config=cfg)
+
+
+def grads(engine) -> dict:
+    """Each parameter's accumulated gradient after ``train_batch`` (DDP's ``main_grad``), cloned, by name."""
+    out = {}
+    for name, p in gpt_of(engine).named_parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        assert g is not None, f"{name}: no gradient"
+        out[name] = g.detach().clone()
+    return out
+
+
+def response_values(nested: torch.Tensor, td) -> torch.Tensor:
+    """The response entries of a predict-next nested output ``[B, j]`` (row ``b``'s ``[p_b - 1, p_b + r_b - 1)``),
+    concatenated: ``[N]``."""
+    from zorro_verl.integrations.verl.v09.batching import row_lengths
+
+    p, r = row_lengths(td)
+    off = nested.offsets()
+    vals = nested.values()
+    return torch.cat([vals[off[b] + p[b] - 1: off[b] + p[b] - 1 + r[b]] for b in range(len(p))])
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
