@@ -174,3 +174,18 @@ def test_megatron_cli_exit_code_and_balance_hooks_node(monkeypatch):
     assert _megatron_checks(["actor_rollout_ref.model.external_lib=null",
                              "actor_rollout_ref.actor.megatron.zorro.group_balance=false"])[
         "trainer balance hooks"].status == "ok"
+
+
+def test_readme_megatron_overrides_only_block():
+    """The README's Megatron overrides-only lines, on verl's own ppo_trainer: zorro enabled in both megatron nodes."""
+    import re
+
+    from tests.support import REPO_ROOT
+
+    text = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"<!-- zorro-megatron-overrides -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "README.md lost its Megatron overrides-only block"
+    overrides = [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
+    assert "model_engine=megatron" in overrides and len(overrides) == 5
+    checks = _megatron_checks(overrides, "ppo_trainer")
+    assert checks["zorro (actor)"].status == "ok" and checks["zorro (ref)"].status == "ok"
