@@ -20,8 +20,8 @@ trap 'rm -rf "$DIST"' EXIT
 echo "[wheel] building the wheel"
 "$ROOT/.venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$DIST" "$ROOT"
 WHEEL="$(ls "$DIST"/zorro_verl-*.whl)"
-"$ROOT/.venv/bin/python" -c 'import sys, zipfile; sys.exit("zorro_verl/configs/zorro_ppo_trainer.yaml" not in
-zipfile.ZipFile(sys.argv[1]).namelist())' "$WHEEL" \
+"$ROOT/.venv/bin/python" -c 'import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist(); sys.exit(any(
+f"zorro_verl/configs/{n}.yaml" not in names for n in ("zorro_ppo_trainer", "zorro_megatron_trainer")))' "$WHEEL" \
   || { echo "[wheel] FAIL: the wheel does not carry the presets (zorro_verl/configs/*.yaml)"; exit 1; }
 
 if [[ ! -x "$PY" ]]; then

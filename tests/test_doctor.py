@@ -91,3 +91,101 @@ def test_trainer_balance_hooks_line(monkeypatch):
     assert line(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"]) is None
     with pytest.raises(ValueError, match="config_name: expected one of"):
         run_checks([], torch.device("cpu"), check_plugin=False, config_name="other")
+
+
+MEGATRON_TARGET = "zorro_verl.integrations.verl.v09.config.ZorroMcoreEngineConfig"
+
+
+def _megatron_checks(overrides, config_name="zorro_megatron_trainer"):
+    from zorro_verl.doctor import run_checks
+
+    return {c.name: c for c in run_checks(overrides, torch.device("cpu"), check_plugin=False, config_name=config_name)}
+
+
+def test_megatron_preset_composes_and_zorro_lines_pass():
+    """The Megatron preset composes (verl's ppo_trainer with model_engine=megatron) and the doctor reads the zorro
+    node of actor and reference from their ``megatron`` node; the megatron-core line follows this environment."""
+    import importlib.util
+
+    checks = _megatron_checks([])
+    for role in ("actor", "ref"):
+        c = checks[f"zorro ({role})"]
+        assert c.status == "ok" and "megatron TP 1" in c.detail, c
+    assert checks["trainer balance hooks"].status == "ok"
+    mcore = checks["megatron-core"]
+    if importlib.util.find_spec("megatron") is None:  # this venv: the run would not start, the fix is named
+        assert mcore.status == "FAIL" and "bash scripts/setup_megatron_env.sh" in mcore.detail, mcore
+        assert "megatron-core==0.19.2 --ignore-requires-python --no-deps" in mcore.detail
+    else:
+        assert mcore.status in ("ok", "note"), mcore
+    assert "megatron-core" not in _megatron_checks([], "zorro_ppo_trainer")  # an FSDP config: no such line
+
+
+@pytest.mark.parametrize("override, words", [
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context parallelism"),
+    ("actor_rollout_ref.model.lora_rank=8", "LoRA on the Megatron engine"),
+    ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "virtual pipeline"),
+    ("actor_rollout_ref.model.use_fused_kernels=true", "use_fused_kernels"),
+    ("actor_rollout_ref.actor.megatron.zorro.logits_optimization=memory", "logits_optimization=memory"),
+])
+def test_megatron_refusals_fail_and_say_why(override, words):
+    """What the zorro Megatron engine refuses at start FAILs in the doctor, for the actor and (it reads the actor's
+    parallel layout and the shared model config) the reference."""
+    checks = _megatron_checks([override])
+    for role in ("actor", "ref"):
+        c = checks[f"zorro ({role})"]
+        assert c.status == "FAIL" and words in c.detail, c
+    warn = _megatron_checks([override, "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])
+    assert warn["zorro (actor)"].status == "note" and "zorro/fallback_batches" in warn["zorro (actor)"].detail
+
+
+def test_megatron_disabled_and_overrides_only_launch():
+    checks = _megatron_checks(["actor_rollout_ref.actor.megatron.zorro.enable=false"])
+    assert checks["zorro (actor)"].status == "note" and "disabled" in checks["zorro (actor)"].detail
+    assert checks["zorro (ref)"].status == "note"  # the ref's enable follows the actor's
+    assert "trainer balance hooks" not in checks
+    # verl's own config with model_engine=megatron and the zorro node added by overrides only
+    overrides = ["model_engine=megatron", f"actor_rollout_ref.actor.megatron._target_={MEGATRON_TARGET}",
+                 "+actor_rollout_ref.actor.megatron.zorro.enable=true",
+                 f"actor_rollout_ref.ref.megatron._target_={MEGATRON_TARGET}",
+                 "+actor_rollout_ref.ref.megatron.zorro.enable=true"]
+    checks = _megatron_checks(overrides, "ppo_trainer")
+    assert checks["zorro (actor)"].status == "ok" and checks["zorro (ref)"].status == "ok"
+    assert "megatron-core" in checks
+    assert _megatron_checks(overrides + ["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+                            "ppo_trainer")["zorro (actor)"].status == "FAIL"
+    # without the zorro node, verl's Megatron config runs the stock engine
+    assert _megatron_checks(["model_engine=megatron"], "ppo_trainer")["zorro (actor)"].status == "note"
+    # the FSDP preset's zorro node under a Megatron strategy: named, not silently disabled
+    c = _megatron_checks(["actor_rollout_ref.actor.strategy=megatron"], "zorro_ppo_trainer")["zorro (actor)"]
+    assert c.status == "FAIL" and "zorro_megatron_trainer" in c.detail
+
+
+def test_megatron_cli_exit_code_and_balance_hooks_node(monkeypatch):
+    """The CLI accepts the Megatron preset; the balance-hooks line reads the actor's megatron node."""
+    import importlib.util
+
+    out = _doctor("--config-name", "zorro_megatron_trainer", "--device", "cpu")
+    assert " ok " in _line(out.stdout, "zorro (actor)"), out.stdout + out.stderr
+    assert out.returncode == (1 if importlib.util.find_spec("megatron") is None else 0), out.stdout
+    monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
+    hooks = _megatron_checks(["actor_rollout_ref.model.external_lib=null"])["trainer balance hooks"]
+    assert hooks.status == "note" and "actor_rollout_ref.model.external_lib" in hooks.detail
+    assert _megatron_checks(["actor_rollout_ref.model.external_lib=null",
+                             "actor_rollout_ref.actor.megatron.zorro.group_balance=false"])[
+        "trainer balance hooks"].status == "ok"
+
+
+def test_readme_megatron_overrides_only_block():
+    """The README's Megatron overrides-only lines, on verl's own ppo_trainer: zorro enabled in both megatron nodes."""
+    import re
+
+    from tests.support import REPO_ROOT
+
+    text = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"<!-- zorro-megatron-overrides -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "README.md lost its Megatron overrides-only block"
+    overrides = [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
+    assert "model_engine=megatron" in overrides and len(overrides) == 5
+    checks = _megatron_checks(overrides, "ppo_trainer")
+    assert checks["zorro (actor)"].status == "ok" and checks["zorro (ref)"].status == "ok"

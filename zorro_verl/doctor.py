@@ -2,9 +2,11 @@
 
 Prints a short table — the versions that matter, whether ``import verl`` loads the zorro plugin, which attention
 backend zorro would pick on this machine and why, whether the fast hybrid-model kernels are present — and, for the
-user's config (the zorro preset, or with ``--config-name ppo_trainer`` verl's own config for an overrides-only launch,
-plus ``key=value`` overrides, as on verl's command line), what a zorro-enabled run would refuse at start, and whether
-the trainer process would install zorro's group-aware balancing hooks. Exit code 1 when such a run would fail at
+user's config (a zorro preset — ``zorro_ppo_trainer`` for FSDP, ``zorro_megatron_trainer`` for verl's Megatron
+engine — or with ``--config-name ppo_trainer`` verl's own config for an overrides-only launch, plus ``key=value``
+overrides, as on verl's command line), what a zorro-enabled run would refuse at start, whether megatron-core is
+installed when the config runs verl's Megatron engine, and whether the trainer process would install zorro's
+group-aware balancing hooks. Exit code 1 when such a run would fail at
 start, else 0.
 
 Each line is ``ok`` (fine), ``note`` (works, but slower or unusual) or ``FAIL`` (a zorro-enabled run stops).
@@ -79,7 +81,7 @@ def _verl_checks() -> list[Check]:
         out.append(Check("verl version", "FAIL", f"verl {v}: the zorro engine plugin needs verl 0.9.x (verl 0.7 uses "
                                                  "the legacy actor: configs/zorro_legacy.yaml)"))
     else:
-        out.append(Check("verl version", "ok", f"verl {v}: the zorro FSDP engine plugin applies"))
+        out.append(Check("verl version", "ok", f"verl {v}: the zorro engine plugin applies (FSDP, Megatron)"))
     try:
         from packaging.requirements import Requirement
 
@@ -137,8 +139,48 @@ def _backend_checks(device: torch.device) -> list[Check]:
     return out
 
 
-#: ``--config-name`` choices: the zorro preset, or verl's own config (the overrides-only launch).
-CONFIG_NAMES = ("zorro_ppo_trainer", "ppo_trainer")
+#: ``--config-name`` choices: the zorro presets (FSDP, Megatron), or verl's own config (the overrides-only launch;
+#: ``model_engine=megatron`` selects its Megatron engine).
+CONFIG_NAMES = ("zorro_ppo_trainer", "zorro_megatron_trainer", "ppo_trainer")
+
+#: How to get megatron-core (and verl's bridge) into an environment (quoted when a Megatron config lacks it).
+MEGATRON_INSTALL_HINT = ("bash scripts/setup_megatron_env.sh (builds .venv-megatron), or pip install "
+                         "megatron-core==0.19.2 --ignore-requires-python --no-deps, then mbridge==0.15.1 einops")
+
+
+def _engine_node_key(strategy) -> str:
+    """The key of a role's engine config node (where its ``zorro`` mapping lives) for verl's ``strategy``."""
+    return "megatron" if strategy == "megatron" else "fsdp_config"
+
+
+def _role_engine(cfg, role: str):
+    """``(strategy, node key, engine node)`` of ``actor_rollout_ref.<role>``: ``fsdp_config`` for fsdp / fsdp2,
+    ``megatron`` for verl's Megatron engine (``model_engine=megatron``)."""
+    node = cfg.actor_rollout_ref[role]
+    strategy = node.get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
+    key = _engine_node_key(strategy)
+    return strategy, key, node.get(key, {}) or {}
+
+
+def _megatron_core_check() -> Check:
+    """Is megatron-core installed (verl registers its Megatron engine only when it imports)? Also says whether
+    mbridge (verl's bridge between HF checkpoints and megatron-core models) is there."""
+    def found(name):
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    name = "megatron-core"
+    mbridge = _version(("mbridge",)) if found("mbridge") else None
+    if not found("megatron.core"):
+        return Check(name, "FAIL", "not installed: the config runs verl's Megatron engine (strategy megatron), which "
+                                   f"verl registers only when megatron-core imports. Fix: {MEGATRON_INSTALL_HINT}")
+    v = _version(("megatron-core", "megatron_core")) or "version unknown"
+    if mbridge is None:
+        return Check(name, "note", f"{v}; mbridge not installed (verl builds megatron models from HF checkpoints "
+                                   "through it): pip install mbridge==0.15.1 einops")
+    return Check(name, "ok", f"{v}, mbridge {mbridge}: verl's Megatron engine can load")
 
 
 def _config_checks(overrides: list[str], device: torch.device, config_name: str = "zorro_ppo_trainer") -> list[Check]:
@@ -166,14 +208,26 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
     except Exception as e:  # noqa: BLE001 - any Hydra error is the user's config problem; report it
         return [Check("config", "FAIL", f"{config_name} does not compose with {overrides}: {e}")]
     out = []
+    megatron = any(_role_engine(cfg, role)[0] == "megatron" for role in ("actor", "ref"))
+    if megatron:
+        out.append(_megatron_core_check())
     for role in ("actor", "ref"):
-        node = cfg.actor_rollout_ref[role].get("fsdp_config", {}) or {}
+        strategy, key, engine_node = _role_engine(cfg, role)
         try:
-            s = ZorroSettings.from_mapping(node.get("zorro", {}) or {})
+            s = ZorroSettings.from_mapping(engine_node.get("zorro", {}) or {})
         except ValueError as e:
             out.append(Check(f"zorro ({role})", "FAIL", str(e)))
             continue
         if not s.enable:
+            other = _zorro_enabled_elsewhere(cfg, role, key)
+            if other is not None:  # zorro configured in the node of another engine than the one that runs
+                out.append(Check(f"zorro ({role})", "FAIL", f"strategy {strategy!r} reads actor_rollout_ref.{role}."
+                                 f"{key}, but zorro is enabled in actor_rollout_ref.{role}.{other}: "
+                                 + ("use the zorro_megatron_trainer preset (or model_engine=megatron with "
+                                    f"actor_rollout_ref.{role}.megatron.zorro)" if key == "megatron" else
+                                    "the zorro engine supports fsdp / fsdp2 (zorro_ppo_trainer) and megatron "
+                                    "(zorro_megatron_trainer)")))
+                continue
             out.append(Check(f"zorro ({role})", "note", "disabled (enable=false): verl's stock engine runs"))
             continue
         problems, notes = [], []
@@ -183,10 +237,12 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
             problems.append(str(e))
             backend = "?"
         node = cfg.actor_rollout_ref[role]
-        strategy = node.get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
-        if strategy not in ("fsdp", "fsdp2"):
-            problems.append(f"strategy {strategy!r}: the zorro engine supports fsdp / fsdp2")
-        reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1), ulysses_supported=True)
+        if strategy not in ("fsdp", "fsdp2", "megatron"):
+            problems.append(f"strategy {strategy!r}: the zorro engines support fsdp / fsdp2 and megatron")
+        if strategy == "megatron":
+            reason = _megatron_unsupported(cfg, node, engine_node, s)
+        else:
+            reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1), ulysses_supported=True)
         if role == "actor" and reason is None:  # the actor's loss settings (the ref runs no loss)
             padded = {"response_mask": torch.zeros(1, 1)}  # the V0 trainer's [B, R] response mask
             reason = loss_unsupported(functools.partial(_no_loss, config=node),
@@ -197,8 +253,12 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
                                                                       "counted in zorro/fallback_batches)"))
         detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
                   f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
+        if strategy == "megatron":
+            detail += (f"; megatron TP {engine_node.get('tensor_model_parallel_size', 1)} (sequence parallel "
+                       f"{engine_node.get('sequence_parallel', False)}), PP "
+                       f"{engine_node.get('pipeline_model_parallel_size', 1)}")
         lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
-        if lora_rank > 0:  # supported: say so, with what the run will do for the reference
+        if lora_rank > 0 and strategy != "megatron":  # supported: say so, with what the run will do for the reference
             detail += (f"; LoRA rank {lora_rank} supported (the reference: the actor with its adapter disabled)"
                        if role != "ref" else f"; LoRA rank {lora_rank}: the reference runs in the actor, adapter "
                        "disabled")
@@ -206,6 +266,37 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
         out.append(Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail))
     hooks = _balance_hooks_check(cfg)
     return out + ([hooks] if hooks is not None else [])
+
+
+def _zorro_enabled_elsewhere(cfg, role: str, key: str):
+    """The other engine node of ``role`` (``fsdp_config`` / ``megatron``) when zorro is enabled there, else None."""
+    from zorro_verl.integrations.verl.settings import ZorroSettings
+
+    other = "fsdp_config" if key == "megatron" else "megatron"
+    node = cfg.actor_rollout_ref[role].get(other, {}) or {}
+    try:
+        return other if ZorroSettings.from_mapping(node.get("zorro", {}) or {}).enable else None
+    except ValueError:
+        return None
+
+
+def _megatron_unsupported(cfg, role_node, engine_node, settings):
+    """What the zorro Megatron engine refuses at start that a composed config shows (the model's own refusals —
+    VLM, MLA, hybrid, MoE auxiliary losses — need its hf_config / the built model and are not checked here)."""
+    from omegaconf import OmegaConf
+
+    from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
+
+    model = cfg.actor_rollout_ref.model
+    engine = (OmegaConf.to_container(engine_node, resolve=True) if OmegaConf.is_config(engine_node)
+              else dict(engine_node))
+    # verl's worker copies the role's use_fused_kernels into the engine config (EngineConfig.use_fused_kernels)
+    engine["use_fused_kernels"] = bool(role_node.get("use_fused_kernels", model.get("use_fused_kernels", False)))
+    reason = megatron_setup_unsupported(engine, model)
+    if reason is None and settings.logits_optimization == "memory":
+        reason = ("logits_optimization=memory on the Megatron engine (its head is vocabulary parallel); use none or "
+                  "compute")
+    return reason
 
 
 def _balance_hooks_check(cfg) -> Check | None:
@@ -219,7 +310,7 @@ def _balance_hooks_check(cfg) -> Check | None:
 
     name = "trainer balance hooks"
     try:
-        node = cfg.actor_rollout_ref.actor.get("fsdp_config", {}) or {}
+        _, key, node = _role_engine(cfg, "actor")
         s = ZorroSettings.from_mapping(node.get("zorro", {}) or {})
     except ValueError:
         return None
@@ -230,7 +321,7 @@ def _balance_hooks_check(cfg) -> Check | None:
     if not cfg.trainer.get("use_v1", True) and not cfg.trainer.get("balance_batch", True):
         return Check(name, "note", "trainer.balance_batch=false: the trainer never balances, so the engine warns that "
                                    "the batches carry no stamp of zorro's balancing (zorro/balance_hooks_missing); set "
-                                   "actor_rollout_ref.actor.fsdp_config.zorro.group_balance=false if that is intended")
+                                   f"actor_rollout_ref.actor.{key}.zorro.group_balance=false if that is intended")
     libs = cfg.actor_rollout_ref.model.get("external_lib", None)
     libs = [] if libs is None else [libs] if isinstance(libs, str) else list(libs)
     skipped = entry_point_skipped()
@@ -279,10 +370,11 @@ def format_report(checks: list[Check]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="zorro-verl doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="verl command-line overrides, composed with the zorro preset (zorro_ppo_trainer)")
+                   help="verl command-line overrides, composed with the config named by --config-name")
     p.add_argument("--config-name", default="zorro_ppo_trainer", choices=CONFIG_NAMES,
-                   help="the config the overrides apply to: the zorro preset (default), or verl's own ppo_trainer for "
-                        "an overrides-only launch")
+                   help="the config the overrides apply to: the zorro FSDP preset (default), the zorro Megatron preset "
+                        "(zorro_megatron_trainer), or verl's own ppo_trainer for an overrides-only launch "
+                        "(model_engine=megatron for its Megatron engine)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

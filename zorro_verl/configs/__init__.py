@@ -1,2 +1,3 @@
 """The Hydra presets of zorro_verl, shipped as package data: `--config-path=pkg://zorro_verl.configs`
-`--config-name=zorro_ppo_trainer` (verl >= 0.9) or `zorro_legacy` (verl 0.7). Documented in configs/README.md."""
+`--config-name=zorro_ppo_trainer` (verl >= 0.9, FSDP), `zorro_megatron_trainer` (verl >= 0.9, Megatron) or
+`zorro_legacy` (verl 0.7). Documented in configs/README.md."""

@@ -1,5 +1,6 @@
-"""Where the Hydra presets (``zorro_ppo_trainer``, ``zorro_legacy``) live: package data in ``zorro_verl/configs``,
-reachable from verl's command line as ``--config-path=pkg://zorro_verl.configs``. Imports no verl."""
+"""Where the Hydra presets (``zorro_ppo_trainer``, ``zorro_megatron_trainer``, ``zorro_legacy``) live: package data
+in ``zorro_verl/configs``, reachable from verl's command line as ``--config-path=pkg://zorro_verl.configs``. Imports
+no verl."""
 
 from __future__ import annotations
 

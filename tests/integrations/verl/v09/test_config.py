@@ -43,6 +43,46 @@ def test_preset_builds_zorro_engine_configs():
     assert zorro_settings_of(omega_conf_to_dataclass(off.actor_rollout_ref.ref.fsdp_config)).enable is False
 
 
+def _compose_megatron(overrides=()):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base=None):
+        return compose(config_name="zorro_megatron_trainer", overrides=list(overrides))
+
+
+def test_megatron_preset_builds_zorro_mcore_engine_configs():
+    """The Megatron preset is verl's ppo_trainer with model_engine=megatron: strategy megatron for actor and ref,
+    their `megatron` nodes select ZorroMcoreEngineConfig with the zorro keys (the ref's follow the actor's), verl's
+    other Megatron keys unchanged. Disabled, it builds in any environment; enabled, it needs verl's Megatron engine
+    (megatron-core) and says so at construction when it is missing."""
+    import importlib.util
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from zorro_verl.integrations.verl.settings import settings_of as zorro_settings_of
+    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
+
+    cfg = _compose_megatron(["actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.megatron.zorro.sharing=prefix"])
+    assert cfg.model_engine == "megatron"
+    assert cfg.actor_rollout_ref.model.external_lib == "zorro_verl.integrations.verl.v09.plugin"
+    for role in ("actor", "ref"):
+        node = cfg.actor_rollout_ref[role]
+        assert node.strategy == "megatron" and "fsdp_config" not in node
+        assert node.megatron._target_ == "zorro_verl.integrations.verl.v09.config.ZorroMcoreEngineConfig"
+        z = node.megatron.zorro
+        assert (z.enable, z.rollout_n, z.sharing, z.group_balance) == (True, 5, "prefix", True)
+        assert node.megatron.context_parallel_size == 1 and node.megatron.sequence_parallel is True
+    off = _compose_megatron(["actor_rollout_ref.actor.megatron.zorro.enable=false"])
+    for role in ("actor", "ref"):
+        built = omega_conf_to_dataclass(off.actor_rollout_ref[role].megatron)
+        assert isinstance(built, ZorroMcoreEngineConfig) and zorro_settings_of(built).enable is False
+    if importlib.util.find_spec("megatron") is None:
+        with pytest.raises(Exception, match="megatron-core"):
+            omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)
+    else:
+        assert zorro_settings_of(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)).enable
+
+
 @pytest.mark.parametrize("override, key", [
     ("actor_rollout_ref.actor.fsdp_config.zorro.logits_optimization=fast", "logits_optimization"),
     ("+actor_rollout_ref.actor.fsdp_config.zorro.bogus=1", "bogus"),
@@ -223,3 +263,9 @@ def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "_target_: zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig" in out.stdout
     assert "external_lib: zorro_verl.integrations.verl.v09.plugin" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={PRESET_SEARCH_PATH}",
+                          "--config-name=zorro_megatron_trainer", "--cfg", "job"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "_target_: zorro_verl.integrations.verl.v09.config.ZorroMcoreEngineConfig" in out.stdout
+    assert "strategy: megatron" in out.stdout
