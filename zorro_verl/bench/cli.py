@@ -4,7 +4,9 @@ Settings come from a preset (:data:`zorro_verl.bench.presets.PRESETS`; ``--quick
 neither: ``cpu-quick``'s settings, whatever the device) and single flags override its fields. ``--ops`` runs the
 op-level attention benchmark instead of the model-level one, ``--tree`` the prefix-tree benchmark and ``--vlm`` the
 vision-language one (its own settings: :data:`zorro_verl.bench.vlm.VLM_PRESETS`, ``--preset gpu`` picks the GPU
-ones). Exit code 1 if a target check fails.
+ones). ``--megatron`` runs zorro on megatron-core's ``GPTModel`` (:mod:`zorro_verl.bench.megatron`; megatron-core
+installed, and on the CPU a repository checkout on ``PYTHONPATH`` for its CPU shims). Exit code 1 if a target check
+fails.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --vlm: a named scenario (img256, 2img64, noshare, img1024) or B rows, G prompts, I image "
                         "tokens per image (a square), T text tokens, R response tokens, K images per prompt; "
                         "repeatable, replaces the preset's")
+    p.add_argument("--megatron", action="store_true",
+                   help="run the Megatron benchmark (megatron-core's GPTModel, local spec: megatron's ordinary forward "
+                        "vs zorro, fp32 and bf16, with its targets) instead of the model-level one; needs "
+                        "megatron-core, and on the CPU the repository checkout on PYTHONPATH (its CPU shims): "
+                        "PYTHONPATH=<repo> .venv-megatron/bin/python -m zorro_verl.bench --megatron")
+    p.add_argument("--megatron-scenario", action="append", default=None, metavar="NAME|B,G,P,R_MIN,R_MAX",
+                   help="with --megatron: a named scenario (grpo, noshare) or B rows, G prompts of 7P/8..P tokens, "
+                        "responses of R_MIN..R_MAX tokens; repeatable, replaces the default pair")
     p.add_argument("--ops", action="store_true",
                    help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "
                         "instead of the model-level one; backends: --backends or every available one")
@@ -182,6 +192,64 @@ def _main_vlm(args: argparse.Namespace, modes: tuple, t0: float) -> int:
     return 1 if any(c.startswith("FAIL") for c in checks) else 0
 
 
+def _main_megatron(args: argparse.Namespace, modes: tuple, t0: float) -> int:
+    """``--megatron``: its own settings (shape ``quick``, fp32 + bf16, CPU, 1 thread, CPU clock); ``--device``,
+    ``--dtype`` (one dtype instead of both), ``--model``, ``--clock``, ``--threads``, ``--backends`` (the first) and
+    ``--megatron-scenario`` override them. Targets apply to the fp32 rows on the CPU."""
+    from zorro_verl.bench.megatron import (
+        MEGATRON_DTYPES,
+        MEGATRON_SCENARIOS,
+        MEGATRON_SHAPES,
+        check_megatron_targets,
+        format_megatron_table,
+        megatron_setup,
+        parse_megatron_scenario,
+        run_megatron_bench,
+    )
+
+    bad = [flag for flag, on in (("--tree", args.tree), ("--ops", args.ops), ("--vlm", args.vlm),
+                                 ("--scenario", args.scenario), ("--lora", args.lora), ("--plot", args.plot),
+                                 ("--plan-check", args.plan_check), ("--preset", args.preset), ("--quick", args.quick),
+                                 ("--grad-ckpt", args.grad_ckpt)) if on]
+    if bad:
+        raise ValueError(f"--megatron: {bad} belong to the other benchmarks (scenarios of a --megatron run: "
+                         "--megatron-scenario).")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}.")
+    model = args.model or "quick"
+    if model not in MEGATRON_SHAPES:
+        raise ValueError(f"--model: a --megatron run expects one of {sorted(MEGATRON_SHAPES)}, got {model!r}.")
+    device = args.device or "cpu"
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but torch.cuda.is_available() is False; use --device cpu.")
+    if not cuda:
+        torch.set_num_threads(args.threads or 1)
+    scenarios = tuple(parse_megatron_scenario(t) for t in args.megatron_scenario) if args.megatron_scenario \
+        else MEGATRON_SCENARIOS
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"--megatron: megatron-core is not installed in this environment ({e}); "
+                           "scripts/setup_megatron_env.sh builds .venv-megatron.") from None
+    rows = run_megatron_bench(scenarios, setup=megatron_setup(device), modes=modes,
+                              dtypes=(DTYPES[args.dtype],) if args.dtype else MEGATRON_DTYPES, model_shape=model,
+                              device=device, warmup=args.warmup, reps=args.reps,
+                              clock=args.clock or ("wall" if cuda else "cpu"),
+                              backend=args.backends.split(",")[0].strip() if args.backends else "sdpa")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print()
+    print(format_megatron_table(rows))
+    checks = check_megatron_targets(rows) if not cuda else []
+    for line in checks:
+        print(line)
+    print(f"total {time.perf_counter() - t0:.0f} s; Megatron GPTModel benchmark (model {model}); device: "
+          f"{rows[0]['device'] if rows else device}")
+    return 1 if any(c.startswith("FAIL") for c in checks) else 0
+
+
 def settings(argv: list[str]) -> Preset:
     """The settings a command line resolves to (:func:`resolve` of its parsed arguments)."""
     return resolve(_parser().parse_args(argv))
@@ -191,10 +259,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.vlm_scenario and not args.vlm:
         raise ValueError("--vlm-scenario: a scenario of the vision-language benchmark; add --vlm.")
-    if args.vlm:
+    if args.megatron_scenario and not args.megatron:
+        raise ValueError("--megatron-scenario: a scenario of the Megatron benchmark; add --megatron.")
+    if args.vlm or args.megatron:
         modes = tuple(m.strip() for m in args.modes.split(","))
         if not set(modes) <= {"fwd", "fwd_bwd"}:
             raise ValueError(f"--modes: expected a comma list of fwd, fwd_bwd, got {args.modes!r}.")
+        if args.megatron:
+            return _main_megatron(args, modes, time.perf_counter())
         return _main_vlm(args, modes, time.perf_counter())
     s = resolve(args)
     cuda = torch.device(s.device).type == "cuda"
