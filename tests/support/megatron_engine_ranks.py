@@ -8,7 +8,9 @@ comma-separated ``tp2`` (TP = 2 + sequence parallel), ``pp2`` (PP = 2), ``dp2`` 
 rows, rank 1 the last 4), ``tp1`` (one process). Per layout and batch mode (fixed micro-batch size, dynamic token
 budget): ``infer_batch`` log-probs / entropy and ``train_batch`` loss, grad norm, every parameter's gradient and the
 parameters after the optimizer step, zorro vs stock (on the last pipeline stage for outputs; gradients and
-parameters on every rank, each its own shards). Then the refusals and the ``warn`` fallback (:func:`_refusals`).
+parameters on every rank, each its own shards). Then the refusals and the ``warn`` fallback (:func:`_refusals`), and
+``sharing=prefix`` on prompts with a common start and Qwen2 / Llama checkpoints (:data:`FAMILIES`), all under
+TP = 2 + SP.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 from tests.support.multi_rank import rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
+#: besides Qwen3 (every layout): Qwen2 (q/k/v biases, no q/k norms) and Llama checkpoints, TP = 2 + SP
+FAMILIES = ("qwen2", "llama")
 
 
 def _layout(name: str, world: int) -> tuple[int, int]:
@@ -97,7 +101,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
-        E.save_tiny_qwen3(ckpt)
+        E.save_tiny_checkpoint(ckpt)
     dist.barrier()
     out = {}
     for layout in layouts.split(","):
@@ -113,6 +117,19 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> 
                 E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic", rows=rows), rank)
         out[f"{layout}/seconds"] = time.time() - t0
     out["refusals"] = _refusals(E, ckpt, zorro)
+    # sharing=prefix (the prefix tree), TP = 2 + SP, dynamic token budget
+    stock = E.build_engine(ckpt, zorro=None, tp=world, remove_padding=False)
+    zorro = E.build_engine(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, tp=world)
+    out["prefix/dynamic"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=True, shared_prefix=True),
+                                             rank)
+    for family in FAMILIES:  # the other dense families verl's Megatron engine builds, TP = 2 + SP, fixed sizes
+        path = f"{ckpt}_{family}"
+        if rank == 0:
+            E.save_tiny_checkpoint(path, family)
+        dist.barrier()
+        stock = E.build_engine(path, zorro=None, tp=world, remove_padding=False)
+        zorro = E.build_engine(path, zorro=ZORRO, tp=world)
+        out[f"{family}/fixed"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=False), rank)
     dist.barrier()
     return out
 

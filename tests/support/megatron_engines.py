@@ -1,5 +1,5 @@
 """verl 0.9.1's Megatron engine on the CPU, for the zorro Megatron engine tests (never shipped; each patch is
-explained in /work/shared/notes/megatron-cpu.md, ids in brackets).
+explained in docs/DESIGN.md §8 "Megatron on the CPU"; ids in brackets as in the code).
 
 * CPU platform for verl [V1]; megatron-core shims [P1-P6] (:mod:`tests.support.megatron_cpu` holds P1-P3);
 * vanilla mbridge on megatron-core 0.19 and the local (non-Transformer-Engine) spec [V4-V6];
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["setup_process", "save_tiny_qwen3", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of", "grads",
+__all__ = ["setup_process", "save_tiny_checkpoint", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of", "grads",
            "VOCAB"]
 
 VOCAB = 128
@@ -83,6 +83,7 @@ def _cpu_grad_clip() -> None:
 def _mbridge_patches() -> None:
     import mbridge.core.util as mbu
     from mbridge.core import llm_bridge
+    from mbridge.models.llama import LLaMABridge
     from mbridge.models.qwen2 import Qwen2Bridge
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import gpt_layer_specs
@@ -99,24 +100,28 @@ def _mbridge_patches() -> None:
         return original(config, use_transformer_engine=False, **kw)
 
     llm_bridge.get_gpt_decoder_block_spec = local_block_spec
-    # V6: the local spec's (unfused) norm names
-    Qwen2Bridge._OTHER_MAPPING = {**getattr(Qwen2Bridge, "_OTHER_MAPPING", {}),
-                                  "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
-    Qwen2Bridge._MLP_MAPPING = {**Qwen2Bridge._MLP_MAPPING, "pre_mlp_layernorm.weight":
-                                ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+    # V6: the local spec's (unfused) norm names (Qwen3's bridge is Qwen2's subclass)
+    for bridge in (Qwen2Bridge, LLaMABridge):
+        bridge._OTHER_MAPPING = {**getattr(bridge, "_OTHER_MAPPING", {}),
+                                 "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+        bridge._MLP_MAPPING = {**bridge._MLP_MAPPING, "pre_mlp_layernorm.weight":
+                               ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
 
 
-def save_tiny_qwen3(path: str) -> str:
-    """A tiny Qwen3 checkpoint (2 layers, hidden 64, 4 heads in 2 KV groups, head dim 16, q/k norms, untied head,
-    vocab :data:`VOCAB`) saved at ``path`` from seed 0."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def save_tiny_checkpoint(path: str, family: str = "qwen3") -> str:
+    """A tiny checkpoint of ``family`` (``qwen3``: q/k norms; ``qwen2``: q/k/v biases; ``llama``) saved at ``path``
+    from seed 0: 2 layers, hidden 64, 4 heads in 2 KV groups, head dim 16, untied head, vocab :data:`VOCAB`."""
+    import transformers
 
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
-    cfg.architectures = ["Qwen3ForCausalLM"]
+    cls_cfg, cls_model = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+    kw = {"head_dim": 16} if family != "qwen2" else {}
+    cfg = getattr(transformers, cls_cfg)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, **kw)
+    cfg.architectures = [cls_model]
     torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    getattr(transformers, cls_model)(cfg).save_pretrained(path)
     return path
 
 
@@ -184,16 +189,19 @@ def gpt_of(engine):
 
 
 def make_batch(*, dynamic: bool, seed: int = 0, rows: slice | None = None, temperature=1.0, max_tokens: int = 48,
-               micro_batch: int = 2):
+               micro_batch: int = 2, shared_prefix: bool = False):
     """A jagged GRPO batch as verl's actor hands it to the engine: 3 prompts (lengths 7, 4, 6) x 4 rollouts, rows
     interleaved (groups ``0 1 2 0 1 2 ...``), responses of 1 to 6 tokens with one empty and two 1-token responses;
-    ``rows``: a slice of the 12 rows (a data-parallel rank's share). Carries verl's non-tensor settings
+    ``rows``: a slice of the 12 rows (a data-parallel rank's share); ``shared_prefix``: prompts 2 and 3 start with
+    prompt 1's first 3 tokens. Carries verl's non-tensor settings
     (``use_dynamic_bsz``, budgets, temperature, entropy)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (7, 4, 6)]
+    if shared_prefix:  # the three prompts start alike (a system prompt): a prefix tree of depth 2
+        prompts = [prompts[0], torch.cat([prompts[0][:3], prompts[1]]), torch.cat([prompts[0][:3], prompts[2]])]
     rlens = [5, 0, 1, 6, 2, 3, 1, 4, 6, 2, 5, 3]
     groups = [i % 3 for i in range(12)]
     P, R = max(len(p) for p in prompts), max(rlens)

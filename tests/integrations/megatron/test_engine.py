@@ -7,8 +7,9 @@ through verl's vanilla mbridge and get the same GRPO batch (3 prompts x 4 rollou
 and two 1-token responses), in one 2-process gloo group (tests/support/megatron_engine_ranks.py) as TP = 2 +
 sequence parallel, PP = 2 and DP = 2 (TP = 1), each with fixed micro-batch size and a dynamic token budget:
 ``infer_batch`` log-probs / entropy, ``train_batch`` loss and grad norm, every parameter's gradient (each rank its
-shards / stage) and the parameters after the optimizer step (SGD). Then the start-time refusals, a batch refused on
-every rank, and the ``warn`` fallback equal to the stock engine.
+shards / stage) and the parameters after the optimizer step (SGD); Qwen2 and Llama checkpoints under TP = 2 + SP
+(fixed sizes), and ``sharing=prefix`` (prompts with a common start, dynamic budget). Then the start-time refusals,
+a batch refused on every rank, and the ``warn`` fallback equal to the stock engine.
 
 Tolerances (fp32): values 2e-6 absolute (log-probs ~-5: a few ulp; the stock path and zorro's both compute the
 log-softmax in fp32, megatron's cross-entropy casting to fp32 either way); loss and grad norm 1e-6 relative;
@@ -66,6 +67,17 @@ def test_zorro_engine_equals_stock(engine_results, layout, mode):
     assert len({res[f"{layout}/{mode}"]["n_micro_batches"] for res in engine_results}) == 1
     # the batch's 38 response tokens: on the last stage (PP), on both TP ranks, split over the DP ranks
     assert tokens == {"tp2": [38, 38], "pp2": [38], "dp2": tokens}[layout] and sum(tokens) in (38, 76)
+
+
+@pytest.mark.parametrize("case", ["qwen2/fixed", "llama/fixed", "prefix/dynamic"])
+def test_other_families_and_prefix_tree_tp2_sp(engine_results, case):
+    for rank, res in enumerate(engine_results):
+        r = res[case]
+        assert r["grad_rel"] <= TOL_GRAD and r["param_after_step"] <= TOL_PARAM, (rank, r)
+        assert r["log_probs"] <= TOL_VALUE and r["entropy"] <= TOL_VALUE and r["loss_rel"] <= TOL_SCALAR_REL, r
+        assert r["n_tokens"] == 38 and r["fallback"] == 0.0 and r["dedup_ratio"] > 1.2
+        print(f"zorro vs stock Megatron engine (fp32) {case} tp2+sp rank {rank}: log_probs {r['log_probs']:.2g}, "
+              f"grad_rel {r['grad_rel']:.2g}, loss_rel {r['loss_rel']:.2g}")
 
 
 def test_refusals_and_warn_fallback(engine_results):

@@ -1,0 +1,44 @@
+"""The Megatron engine's start-time refusals that need no model (``megatron_setup_unsupported``): each names the
+setting and how to fix it; verl's defaults pass. Pure data: runs without megatron-core (the engine calls the same
+function at start; tests/integrations/megatron/test_engine.py checks it there with fused kernels and LoRA)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
+
+DEFAULT_ENGINE = {"context_parallel_size": 1, "dynamic_context_parallel": False,
+                  "virtual_pipeline_model_parallel_size": None, "use_fused_kernels": False,
+                  "router_replay": {"mode": "disabled"}, "tensor_model_parallel_size": 2,
+                  "pipeline_model_parallel_size": 2}
+DEFAULT_MODEL = {"lora_rank": 0, "mtp": {"enable": False}}
+
+
+def test_verl_defaults_pass():
+    assert megatron_setup_unsupported(DEFAULT_ENGINE, DEFAULT_MODEL) is None
+    hf = SimpleNamespace(model_type="qwen3", layer_types=["full_attention"] * 2)
+    assert megatron_setup_unsupported(DEFAULT_ENGINE, {**DEFAULT_MODEL, "hf_config": hf}) is None
+
+
+@pytest.mark.parametrize("engine, model, says", [
+    ({"context_parallel_size": 2}, {}, "context_parallel_size=1"),
+    ({"dynamic_context_parallel": True}, {}, "context parallelism"),
+    ({"virtual_pipeline_model_parallel_size": 2}, {}, "virtual pipeline"),
+    ({"use_fused_kernels": True}, {}, "use_fused_kernels"),
+    ({"router_replay": {"mode": "R3"}}, {}, "router_replay.mode=disabled"),
+    ({}, {"mtp": {"enable": True}}, "multi-token prediction"),
+    ({}, {"lora_rank": 16}, "LoRA"),
+    ({}, {"hf_config": SimpleNamespace(vision_config={})}, "vision-language"),
+    ({}, {"hf_config": SimpleNamespace(kv_lora_rank=512)}, "MLA"),
+    ({}, {"hf_config": SimpleNamespace(layer_types=["linear_attention", "full_attention"])}, "hybrid"),
+])
+def test_refusals_name_the_setting(engine, model, says):
+    reason = megatron_setup_unsupported({**DEFAULT_ENGINE, **engine}, {**DEFAULT_MODEL, **model})
+    assert reason is not None and says in reason, reason
+
+
+def test_attribute_configs():
+    """verl's dataclass configs (attributes, not mappings) are read the same way."""
+    engine = SimpleNamespace(**{**DEFAULT_ENGINE, "router_replay": SimpleNamespace(mode="R2")})
+    assert "router replay" in megatron_setup_unsupported(engine, SimpleNamespace(**DEFAULT_MODEL))
