@@ -374,3 +374,21 @@ def test_v1_tree_costs_nest_multi_output_sessions():
     assert g[:3] == [0, 0, 0] and g[3:5] == [1, 1] and g[5] not in g[:5]
     assert p[:5] == [10, 10, 10, 8, 8]
     assert r[:5] == [0, 0, 15, 4, 3]  # the longest output of a session pays it; the others are inside it
+
+
+def test_trainer_settings_follow_the_actor_engine_node():
+    """The trainer's balancing reads the zorro node of the actor's engine: ``megatron`` for strategy megatron (the
+    Megatron preset), ``fsdp_config`` otherwise; a zorro node in the other engine's place does not count."""
+    from omegaconf import OmegaConf
+
+    from zorro_verl.integrations.verl.v09.balance import trainer_zorro_settings
+
+    node = {"zorro": {"enable": True, "rollout_n": 4, "group_balance": True}}
+    mega = OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron": node,
+                                                             "fsdp_config": {}}}})
+    fsdp = OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "fsdp2", "fsdp_config": node,
+                                                             "megatron": {}}}})
+    wrong = OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "megatron", "fsdp_config": node}}})
+    assert trainer_zorro_settings(mega).enable and trainer_zorro_settings(mega).rollout_n == 4
+    assert trainer_zorro_settings(fsdp).enable
+    assert not trainer_zorro_settings(wrong).enable

@@ -129,8 +129,10 @@ def v1_tree_costs(keys: list, tags: list) -> tuple[list, list, list]:
 
 
 def trainer_zorro_settings(config) -> ZorroSettings:
-    """The actor's zorro settings from the trainer config (disabled when the node has no ``zorro`` key)."""
-    node = config.actor_rollout_ref.actor.get("fsdp_config", {}) or {}
+    """The actor's zorro settings from the trainer config: its engine node's ``zorro`` (``megatron`` for strategy
+    ``megatron``, else ``fsdp_config``); disabled when the node has no ``zorro`` key."""
+    actor = config.actor_rollout_ref.actor
+    node = actor.get("megatron" if actor.get("strategy", None) == "megatron" else "fsdp_config", {}) or {}
     return ZorroSettings.from_mapping(node.get("zorro", {}) or {})
 
 

@@ -246,8 +246,8 @@ class ZorroBatchingMixin:
                 "(trainer.balance_batch=false). verl's length balancing then scatters each prompt's rollouts over the "
                 "DP ranks and deduplication saves little. Fix: set actor_rollout_ref.model.external_lib="
                 "zorro_verl.integrations.verl.v09.plugin (or let VERL_USE_EXTERNAL_PLUGINS load zorro_verl); or set "
-                "fsdp_config.zorro.group_balance=false if the trainer's balancing is off on purpose. Counted in "
-                "zorro/balance_hooks_missing.", BALANCE_MARKER_KEY)
+                "fsdp_config.zorro.group_balance=false (megatron.zorro.group_balance on the Megatron engine) if the "
+                "trainer's balancing is off on purpose. Counted in zorro/balance_hooks_missing.", BALANCE_MARKER_KEY)
         return 1.0
 
     @staticmethod
