@@ -140,7 +140,7 @@ def test_refused_modes_do_depend_on_regrouping(setup, layout, kw, monkeypatch):
     """Why they are refused: with the check switched off, zorro's regrouping changes these losses (clip_cov draws
     at random, so it is left out here)."""
     from tests.support.verl_engines import ppo_loss_fn
-    from zorro_verl.integrations.verl.v09 import engine as engine_module
+    from zorro_verl.integrations.verl.v09 import batching as engine_module
 
     (stock, zorro, _), tds = setup
     td = tds["nested3"]

@@ -20,6 +20,7 @@ from verl.utils.device import get_device_id
 
 from zorro_verl.integrations.transformers.vision import media_tokens
 from zorro_verl.integrations.verl.common import dedup_metrics
+from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
 from zorro_verl.packing import ZorroPlan, build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
@@ -178,6 +179,27 @@ def predict_next_outputs(micro_batch, p: torch.Tensor, plan: ZorroPlan, log_prob
 
 class ZorroBatchingMixin:
     """Batch-level zorro logic of a verl 0.9 engine (see module docstring)."""
+
+    def _zorro_decide(self, data, loss_function) -> tuple:
+        """Which path this batch takes, agreed by every rank: ``(reason, local, hooks_missing)`` — the unsupported
+        reason (None: zorro runs), this rank's own micro-batching (:meth:`_zorro_local_micro_batches`, when zorro
+        runs) and the ``zorro/balance_hooks_missing`` metric. Every check that can fail on one rank runs before the
+        ranks agree (a rank raising or branching alone would leave its peers waiting in the next collective): the
+        unsupported settings, the batch's layout and its micro-batching. The loss settings travel with each call
+        (the bound actor config)."""
+        hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
+        reason, local = self._zorro_static_reason, None
+        if reason is None:
+            error = None
+            try:
+                reason = self._zorro_batch_unsupported(data) or loss_unsupported(loss_function, data)
+                if reason is None:
+                    local = self._zorro_local_micro_batches(data)
+            except Exception as e:  # noqa: BLE001 - raised by the agreement, on this rank and (quoted) on every other
+                error = e
+            # The two paths issue different collectives: every rank of the mesh must take the same one.
+            reason = self._zorro_agreed_reason(reason, error)
+        return reason, local, hooks_missing
 
     def _zorro_sp_size(self) -> int:
         """Ranks that hold the same batch and split its sequence (Ulysses SP on FSDP; 1 elsewhere): a dynamic

@@ -55,7 +55,6 @@ from zorro_verl.integrations.verl.v09.batching import (
     stock_batch_unsupported,
 )
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
-from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 from zorro_verl.integrations.verl.v09.vlm import restore_verl_methods, run_idle_tower, use_transformers_methods
 from zorro_verl.logprob import linear_head_params
 from zorro_verl.packing.ulysses import ulysses_shard
@@ -193,21 +192,7 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
-        reason, local = self._zorro_static_reason, None
-        if reason is None:
-            # Every check that can fail on one rank runs before the ranks agree (a rank raising or branching alone
-            # would leave its peers waiting in the next collective): the unsupported settings, the batch's layout
-            # and its micro-batching. The loss settings travel with each call (the bound actor config).
-            error = None
-            try:
-                reason = self._zorro_batch_unsupported(data) or loss_unsupported(loss_function, data)
-                if reason is None:
-                    local = self._zorro_local_micro_batches(data)
-            except Exception as e:  # noqa: BLE001 - raised by the agreement, on this rank and (quoted) on every other
-                error = e
-            # The two paths issue different collectives: every rank of the DP x SP mesh must take the same one.
-            reason = self._zorro_agreed_reason(reason, error)
+        reason, local, hooks_missing = self._zorro_decide(data, loss_function)
         if reason is None and self.ulysses_sequence_parallel_size > 1:
             self._check_sp_batches_agree(data)
         if reason is not None:

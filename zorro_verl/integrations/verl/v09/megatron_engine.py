@@ -54,7 +54,6 @@ from zorro_verl.integrations.verl.v09.batching import (
     predict_next_outputs,
     stock_batch_unsupported,
 )
-from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
 
 __all__ = ["ZorroMegatronEngineWithLMHead", "MEGATRON_FIX_HINT"]
@@ -136,18 +135,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
-        reason, local = self._zorro_static_reason, None
-        if reason is None:
-            # every check that can fail on one rank runs before the ranks agree (see the FSDP engine)
-            error = None
-            try:
-                reason = self._zorro_batch_unsupported(data) or loss_unsupported(loss_function, data)
-                if reason is None:
-                    local = self._zorro_local_micro_batches(data)
-            except Exception as e:  # noqa: BLE001 - raised by the agreement, on this rank and (quoted) on every other
-                error = e
-            reason = self._zorro_agreed_reason(reason, error)
+        reason, local, hooks_missing = self._zorro_decide(data, loss_function)
         last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
         if reason is not None:
             if self._zorro_static_reason is None:
