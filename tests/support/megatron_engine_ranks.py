@@ -81,6 +81,31 @@ def _compare_engines(E, stock, zorro, td_of, rank: int) -> dict:
     return out
 
 
+def _bf16(E, ckpt: str, world: int) -> dict:
+    """bf16 engines (megatron's Float16Module around the model, as users train), TP = 2 + SP, by the relative rule:
+    zorro's and stock's bf16 log-probs and gradients vs a fresh fp32 stock engine's (relative Frobenius norms)."""
+    engines = {"ref": E.build_engine(ckpt, zorro=None, tp=world, remove_padding=False),
+               "stock": E.build_engine(ckpt, zorro=None, tp=world, remove_padding=False, dtype="bfloat16"),
+               "zorro": E.build_engine(ckpt, zorro=ZORRO, tp=world, dtype="bfloat16")}
+    lp, g = {}, {}
+    for name, eng in engines.items():
+        with eng.eval_mode():
+            res = eng.infer_batch(E.make_batch(dynamic=False), loss_function=None)
+        lp[name] = E.response_values(res["model_output"]["log_probs"], E.make_batch(dynamic=False)).double()
+        with eng.train_mode(zero_grad_on_exit=False):
+            eng.train_batch(E.make_batch(dynamic=False), loss_function=E.ppo_loss_fn())
+        g[name] = {k: v.double() for k, v in E.grads(eng).items()}
+
+    def rel(x, ref):
+        return ((x - ref).norm() / ref.norm()).item()
+
+    out = {"param_dtype": str(next(E.gpt_of(engines["zorro"]).parameters()).dtype)}
+    for name in ("stock", "zorro"):
+        out[f"{name}_log_probs"] = rel(lp[name], lp["ref"])
+        out[f"{name}_grads"] = max(rel(g[name][k], g["ref"][k]) for k in g["ref"])
+    return out
+
+
 def _first(v):
     if isinstance(v, (list, tuple)):
         v = v[0] if v else None
@@ -122,6 +147,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> 
     zorro = E.build_engine(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, tp=world)
     out["prefix/dynamic"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=True, shared_prefix=True),
                                              rank)
+    out["bf16"] = _bf16(E, ckpt, world)
     for family in FAMILIES:  # the other dense families verl's Megatron engine builds, TP = 2 + SP, fixed sizes
         path = f"{ckpt}_{family}"
         if rank == 0:

@@ -1,7 +1,7 @@
 """verl 0.9.1's Megatron engine on the CPU, for the zorro Megatron engine tests (never shipped; each patch is
 explained in docs/DESIGN.md §8 "Megatron on the CPU"; ids in brackets as in the code).
 
-* CPU platform for verl [V1]; megatron-core shims [P1-P6] (:mod:`tests.support.megatron_cpu` holds P1-P3);
+* CPU platform for verl [V1]; megatron-core shims [P1-P6, P9] (:mod:`tests.support.megatron_cpu` holds P1-P3);
 * vanilla mbridge on megatron-core 0.19 and the local (non-Transformer-Engine) spec [V4-V6];
 * fp32 engine configs [V2] (verl asserts bf16 / fp16), a pad id without a tokenizer [V7];
 * the **stock reference** runs verl's padded path (``use_remove_padding=False``, bshd) with megatron's own
@@ -21,6 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.support.megatron_cpu import CudaAsCpu
+
 __all__ = ["setup_process", "save_tiny_checkpoint", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of", "grads",
            "VOCAB"]
 
@@ -39,12 +41,23 @@ def setup_process() -> None:
     from tests.support import megatron_cpu
 
     megatron_cpu._cpu_shims(sequence_parallel_norms=True)  # P1-P3
-    megatron_cpu.CudaAsCpu().__enter__()  # P4 for the whole process: optimizers create device="cuda" tensors
+    _CudaTypeNames().__enter__()  # P4 for the whole process: optimizers create device="cuda" tensors (+ P9)
     _fake_streams()  # P5
     _cpu_grad_clip()  # P6
     torch.nn.Module.cuda = lambda self, device=None: self  # mbridge's get_model moves the model .cuda()
     _mbridge_patches()  # V4-V6
     _DONE = True
+
+
+class _CudaTypeNames(CudaAsCpu):
+    """P4, and P9: megatron's mixed-precision optimizer sorts parameters by ``param.type()`` names
+    (``torch.cuda.BFloat16Tensor`` ...); a CPU tensor's name is given with ``cuda`` in it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _fake_streams() -> None:
@@ -138,8 +151,9 @@ def _mask_hook(module, args, kwargs):
 
 def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, remove_padding: bool = True,
                  micro_batch: int = 2, max_tokens: int = 48, engine_kwargs: dict | None = None,
-                 model_kwargs: dict | None = None):
-    """verl's Megatron LM engine for ``ckpt``, fp32, initialised: the class verl's ``EngineRegistry`` resolves for
+                 model_kwargs: dict | None = None, dtype: str = "float32"):
+    """verl's Megatron LM engine for ``ckpt``, ``dtype`` (fp32 by default; ``bfloat16``: megatron's Float16Module),
+    initialised: the class verl's ``EngineRegistry`` resolves for
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
     a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys.
     Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` change."""
@@ -170,7 +184,7 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
         engine_config = McoreEngineConfig(dtype="bfloat16", **kw)
     else:
         engine_config = ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw)
-    object.__setattr__(engine_config, "dtype", "float32")  # V2
+    object.__setattr__(engine_config, "dtype", dtype)  # V2 (fp32: verl asserts bf16 / fp16)
     # SGD: the parameters after one step differ by lr x the gradients' difference (Adam's first step is ~lr x sign)
     optim = McoreOptimizerConfig(optimizer="sgd", lr=1e-3, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
