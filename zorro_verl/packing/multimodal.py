@@ -134,7 +134,7 @@ def _row_inputs(b: int, inputs) -> Mapping:
 
 
 def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], response_width: int,
-                media: Sequence[Optional[Mapping]], tokens: MediaTokens) -> BatchMedia:
+                media: Sequence[Optional[Mapping]], tokens: MediaTokens, memo: Optional[dict] = None) -> BatchMedia:
     """Items and keyed ids of a batch in verl's ``[B, S]`` layout (``input_ids [B, S]`` int, ``attention_mask
     [B, S]`` or None, prompts ``[:, :S-R]``).
 
@@ -142,6 +142,10 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
     or ``{}`` for a text row). Each row's placeholders of a kind are assigned to its items in order, ``t*h*w /
     merge**2`` each; they must all lie in the prompt and their count must match the grids (ValueError naming the
     row otherwise). One host read of the placeholder positions per batch.
+
+    ``memo``: content keys already computed, by pixel storage view (a caller hashing the same tensors twice — a
+    batch, then its micro-batches — passes one dict to both calls). Valid only while those tensors are alive: a freed
+    tensor's address can be reused; start a new dict for every batch.
     """
     B, S = input_ids.shape
     if len(media) != B:
@@ -150,7 +154,7 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     keyed = input_ids.long().clone()
     items: list = [[] for _ in range(B)]
-    memo: dict = {}
+    memo = {} if memo is None else memo
     merge2 = tokens.spatial_merge_size ** 2
     for kind, (pix_field, grid_field) in MEDIA_FIELDS.items():
         tid = tokens.token_id(kind)

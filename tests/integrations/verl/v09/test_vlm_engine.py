@@ -16,10 +16,13 @@ Tolerances (fp32, docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; los
 <= 1e-5 (gradient clipping disabled, so the engine's gradients are the loss's).
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from tests.support.verl_vlm import FAMILIES  # import before any engine: it captures transformers' own forwards
+from zorro_verl.packing import multimodal
 from zorro_verl.testing.vlm import exact_fp64_vision
 
 # The fp64 oracle keeps the vision towers' rotary embedding in fp64 (transformers computes it in fp32 whatever the
@@ -211,7 +214,13 @@ def _zorro_errors(case, variant, strategy, sharing="prompt") -> dict:
     owner = next(m for m in eng.module.modules() if hasattr(m, "visual"))
     hook = owner.visual.register_forward_hook(
         lambda m, args, kwargs, out: encoded.append(int(kwargs.get("grid_thw", args[-1]).shape[0])), with_kwargs=True)
-    out = infer(eng, td)
+    hashed = []  # pixel hashes of the inference pass (one per distinct item of the batch: grouping and plans share)
+    real = multimodal.hashlib
+    multimodal.hashlib = SimpleNamespace(blake2b=lambda **kw: hashed.append(1) or real.blake2b(**kw))
+    try:
+        out = infer(eng, td)
+    finally:
+        multimodal.hashlib = real
     with eng.train_mode(zero_grad_on_exit=False):
         tr = eng.train_batch(td.clone(), loss_function=ppo_loss_fn())
     hook.remove()
@@ -239,7 +248,24 @@ def _zorro_errors(case, variant, strategy, sharing="prompt") -> dict:
                         float(tr["metrics"]["grad_norm"]))
     res["fallback"] = sum(tr["metrics"].get("zorro/fallback_batches", [0]))
     res["encoded"] = encoded
+    res["hashed"], res["items"] = len(hashed), _distinct_items(td)
     return res
+
+
+def _distinct_items(td) -> int:
+    """Distinct media items of a batch as the content keys' memo tells them apart (storage view, grid)."""
+    seen = set()
+    for entry in td["multi_modal_inputs"]:
+        mm = getattr(entry, "data", entry) or {}
+        if mm.get("pixel_values") is None:
+            continue
+        p0 = 0
+        for g in mm["image_grid_thw"].long():
+            n = int(g.prod())
+            px = mm["pixel_values"][p0:p0 + n]
+            seen.add((px.data_ptr(), tuple(px.shape), tuple(px.stride()), tuple(g.tolist())))
+            p0 += n
+    return len(seen)
 
 
 ZORRO_WORST: dict = {}
@@ -271,5 +297,7 @@ def test_zorro_engine_matches_hf_per_row(vlm_case, family, strategy, variant, sh
     # 4 prompts x 3 rollouts, 4 images in the batch per prompt set (1 + 1 + 2 + 0) x 3 = 12 in the ordinary forward;
     # zorro encodes each micro-batch's unique ones (an image-free micro-batch runs the tower on one dummy image)
     assert sum(res["encoded"]) < 2 * 12, res
+    # each distinct image hashed once per batch (the grouping's content keys reused by the micro-batches' plans)
+    assert 0 < res["hashed"] == res["items"], res
     key = (family, variant, sharing)
     ZORRO_WORST[key] = max(ZORRO_WORST.get(key, 0.0), res["log_probs"], res["grad_rel"])

@@ -188,6 +188,7 @@ class ZorroBatchingMixin:
         unsupported settings, the batch's layout and its micro-batching. The loss settings travel with each call
         (the bound actor config)."""
         hooks_missing = {"zorro/balance_hooks_missing": self._zorro_balance_hooks_missing(data)}
+        self._zorro_media_memo = {}  # pixels hashed once per batch (_zorro_media)
         reason, local = self._zorro_static_reason, None
         if reason is None:
             error = None
@@ -219,7 +220,10 @@ class ZorroBatchingMixin:
         ids), None for a text batch."""
         if not self._zorro_multimodal(data):
             return None
-        return batch_media(ids_pad, am, rw, _row_media(data), media_tokens(self.module))
+        # the batch's content keys, shared by its grouping and its micro-batches' plans (reset per batch by
+        # _zorro_decide: the rows' tensors stay alive through one forward_backward_batch)
+        return batch_media(ids_pad, am, rw, _row_media(data), media_tokens(self.module),
+                           memo=getattr(self, "_zorro_media_memo", None))
 
     # ------------------------------------------------------------------ model
     def _zorro_agreed_reason(self, reason, error=None):
