@@ -43,6 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from zorro_verl.bench.flops import flop_model
+from zorro_verl.bench.report import logprob_check, markdown_table
 from zorro_verl.bench.runner import common_fields, setup_run
 from zorro_verl.bench.timing import Clock, time_interleaved
 
@@ -394,9 +395,7 @@ def check_megatron_targets(rows: list[dict], targets: Optional[dict] = None) -> 
         if (r["scenario"], r["dtype"]) not in seen:
             seen.add((r["scenario"], r["dtype"]))
             if fp32:
-                ok = r["logprob_max_abs_diff"] <= t["logprob_abs"]
-                out.append(f"{'PASS' if ok else 'FAIL'} {r['scenario']}: log-probs max |zorro - ordinary| "
-                           f"{r['logprob_max_abs_diff']:.1e} <= {t['logprob_abs']:.0e} (fp32)")
+                out.append(logprob_check(r, t["logprob_abs"])[1])
             else:
                 out.append(f"INFO {r['scenario']}: log-probs max |zorro - ordinary| {r['logprob_max_abs_diff']:.1e} "
                            f"({dt}: different kernels round differently)")
@@ -405,13 +404,11 @@ def check_megatron_targets(rows: list[dict], targets: Optional[dict] = None) -> 
 
 def format_megatron_table(rows: list[dict]) -> str:
     """A markdown table of the rows (the form docs/BENCHMARKS.md quotes)."""
-    head = ("| dtype | scenario | B | n | P | R | mode | ordinary ms | zorro ms | of which plan ms | speedup | ideal | "
-            "efficiency | peak MiB ordinary / zorro |")
-    lines = [head, "|" + "---|" * 14]
-    for r in rows:
-        lines.append(
-            f"| {r['dtype'].replace('torch.', '')} | {r['scenario']} | {r['B']} | {r['n']} | {r['P_min']}..{r['P']} | "
-            f"{r['R_min']}..{r['R_max']} | {r['mode']} | {r['ordinary_ms']:.0f} | {r['zorro_ms']:.0f} | "
-            f"{r['plan_ms']:.1f} | x{r['speedup_paired']:.2f} | {r['ideal_speedup']:.2f} | "
-            f"**{r['efficiency_paired']:.2f}** | {r['ordinary_peak_mb']:.0f} / {r['zorro_peak_mb']:.0f} |")
-    return "\n".join(lines)
+    head = ["dtype", "scenario", "B", "n", "P", "R", "mode", "ordinary ms", "zorro ms", "of which plan ms",
+            "speedup", "ideal", "efficiency", "peak MiB ordinary / zorro"]
+    return markdown_table(head, [
+        [r["dtype"].replace("torch.", ""), r["scenario"], r["B"], r["n"], f"{r['P_min']}..{r['P']}",
+         f"{r['R_min']}..{r['R_max']}", r["mode"], f"{r['ordinary_ms']:.0f}", f"{r['zorro_ms']:.0f}",
+         f"{r['plan_ms']:.1f}", f"x{r['speedup_paired']:.2f}", f"{r['ideal_speedup']:.2f}",
+         f"**{r['efficiency_paired']:.2f}**", f"{r['ordinary_peak_mb']:.0f} / {r['zorro_peak_mb']:.0f}"]
+        for r in rows])

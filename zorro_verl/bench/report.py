@@ -75,6 +75,21 @@ def cpu_model() -> str:
     return name
 
 
+def markdown_table(head: list[str], rows: list[list]) -> str:
+    """A markdown table (the form docs/BENCHMARKS.md quotes): ``head`` the column names, ``rows`` the cells."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def logprob_check(r: dict, tol: float) -> tuple[bool, str]:
+    """The fp32 exactness line of a benchmark row: ``(ok, "PASS|FAIL <scenario>: log-probs max |zorro - ordinary|
+    ...")`` from its ``logprob_max_abs_diff``."""
+    ok = r["logprob_max_abs_diff"] <= tol
+    return ok, (f"{'PASS' if ok else 'FAIL'} {r['scenario']}: log-probs max |zorro - ordinary| "
+                f"{r['logprob_max_abs_diff']:.1e} <= {tol:.0e} (fp32)")
+
+
 def check_targets(rows: list[dict], targets: Optional[Targets]) -> list[str]:
     """The preset's targets on the rows given; returns a line per check ('PASS ...' / 'FAIL ...').
 

@@ -26,6 +26,7 @@ import torch
 
 from zorro_verl.bench.flops import flop_model, tree_flop_model
 from zorro_verl.bench.models import build_model
+from zorro_verl.bench.report import markdown_table
 from zorro_verl.bench.runner import Runner, common_fields, setup_run
 from zorro_verl.bench.timing import Clock, time_interleaved
 
@@ -178,14 +179,11 @@ def check_tree_targets(rows: list[dict], targets: dict = TREE_TARGETS) -> list[s
 
 def format_tree_table(rows: list[dict]) -> str:
     """A markdown table of the rows (the form docs/BENCHMARKS.md quotes)."""
-    head = ("| scenario | mode | B | depth | tokens ordinary / prompt / prefix | a2a ms | prompt ms (x, ideal) | "
-            "prefix ms (x, ideal, eff) | prefix/prompt |")
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        lines.append(
-            f"| {r['scenario']} | {r['mode']} | {r['B']} | {r['tree_depth']} | {r['ordinary_tokens']} / "
-            f"{r['prompt_tokens']} / {r['prefix_tokens']} | {r['a2a_ms']:.0f} | {r['prompt_ms']:.0f} "
-            f"(x{r['prompt_speedup_paired']:.2f}, {r['prompt_ideal']:.2f}) | {r['prefix_ms']:.0f} "
-            f"(x{r['prefix_speedup_paired']:.2f}, {r['prefix_ideal']:.2f}, {r['prefix_efficiency_paired']:.2f}) | "
-            f"{r['prefix_vs_prompt']:.3f} |")
-    return "\n".join(lines)
+    head = ["scenario", "mode", "B", "depth", "tokens ordinary / prompt / prefix", "a2a ms", "prompt ms (x, ideal)",
+            "prefix ms (x, ideal, eff)", "prefix/prompt"]
+    return markdown_table(head, [
+        [r["scenario"], r["mode"], r["B"], r["tree_depth"],
+         f"{r['ordinary_tokens']} / {r['prompt_tokens']} / {r['prefix_tokens']}", f"{r['a2a_ms']:.0f}",
+         f"{r['prompt_ms']:.0f} (x{r['prompt_speedup_paired']:.2f}, {r['prompt_ideal']:.2f})",
+         f"{r['prefix_ms']:.0f} (x{r['prefix_speedup_paired']:.2f}, {r['prefix_ideal']:.2f}, "
+         f"{r['prefix_efficiency_paired']:.2f})", f"{r['prefix_vs_prompt']:.3f}"] for r in rows])

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from zorro_verl.bench.flops import vlm_flop_model
+from zorro_verl.bench.report import logprob_check, markdown_table
 from zorro_verl.bench.runner import Runner, common_fields, setup_run
 from zorro_verl.bench.timing import Clock, time_interleaved
 
@@ -348,22 +349,19 @@ def check_vlm_targets(rows: list[dict], targets: Optional[dict] = None) -> list[
                        f"{100 * r['plan_fraction']:.1f} % of zorro's step)")
         if r["dtype"] == str(torch.float32) and r["scenario"] not in seen:
             seen.add(r["scenario"])
-            ok = r["logprob_max_abs_diff"] <= t["logprob_abs"]
-            out.append(f"{'PASS' if ok else 'FAIL'} {r['scenario']}: log-probs max |zorro - ordinary| "
-                       f"{r['logprob_max_abs_diff']:.1e} <= {t['logprob_abs']:.0e} (fp32)")
+            out.append(logprob_check(r, t["logprob_abs"])[1])
     return out
 
 
 def format_vlm_table(rows: list[dict]) -> str:
     """A markdown table of the rows (the form docs/BENCHMARKS.md quotes)."""
-    head = ("| scenario | B | n | prompt (image + text) | R | mode | ordinary ms | zorro ms | of which plan ms | "
-            "speedup | ideal | efficiency | images encoded ordinary / zorro |")
-    lines = [head, "|" + "---|" * 13]
+    head = ["scenario", "B", "n", "prompt (image + text)", "R", "mode", "ordinary ms", "zorro ms", "of which plan ms",
+            "speedup", "ideal", "efficiency", "images encoded ordinary / zorro"]
+    cells = []
     for r in rows:
         img = f"{r['images_per_prompt']}x{r['image_tokens']}" if r["images_per_prompt"] > 1 else str(r["image_tokens"])
-        lines.append(
-            f"| {r['scenario']} | {r['B']} | {r['n']} | {img} + {r['text_tokens']} | {r['R']} | {r['mode']} | "
-            f"{r['ordinary_ms']:.0f} | {r['zorro_ms']:.0f} | {r['plan_ms']:.0f} | x{r['speedup_paired']:.2f} | "
-            f"{r['ideal_speedup']:.2f} | "
-            f"**{r['efficiency_paired']:.2f}** | {r['images_ordinary']} / {r['images_zorro']} |")
-    return "\n".join(lines)
+        cells.append([r["scenario"], r["B"], r["n"], f"{img} + {r['text_tokens']}", r["R"], r["mode"],
+                      f"{r['ordinary_ms']:.0f}", f"{r['zorro_ms']:.0f}", f"{r['plan_ms']:.0f}",
+                      f"x{r['speedup_paired']:.2f}", f"{r['ideal_speedup']:.2f}", f"**{r['efficiency_paired']:.2f}**",
+                      f"{r['images_ordinary']} / {r['images_zorro']}"])
+    return markdown_table(head, cells)
