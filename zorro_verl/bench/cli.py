@@ -167,6 +167,19 @@ def resolve_vlm(args: argparse.Namespace):
     return s
 
 
+def _finish(rows: list[dict], json_path, table: str, checks: list[str], what: str, device, t0: float) -> int:
+    """Write the rows (``--json``), print the table, the target lines and the total; exit code 1 on a ``FAIL``."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    print()
+    print(table)
+    for line in checks:
+        print(line)
+    print(f"total {time.perf_counter() - t0:.0f} s; {what}; device: {rows[0]['device'] if rows else device}")
+    return 1 if any(c.startswith("FAIL") for c in checks) else 0
+
+
 def _main_vlm(args: argparse.Namespace, modes: tuple, t0: float) -> int:
     from zorro_verl.bench.vlm import check_vlm_targets, format_vlm_table, run_vlm_bench
 
@@ -179,17 +192,8 @@ def _main_vlm(args: argparse.Namespace, modes: tuple, t0: float) -> int:
     rows = run_vlm_bench(s.scenarios, modes=modes, model_shape=s.model, dtype=DTYPES[s.dtype], device=s.device,
                          warmup=args.warmup, reps=args.reps, clock=s.clock, grad_ckpt=s.grad_ckpt,
                          backend=args.backends.split(",")[0].strip() if args.backends else "sdpa")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print()
-    print(format_vlm_table(rows))
-    checks = check_vlm_targets(rows) if s.targets else []
-    for line in checks:
-        print(line)
-    print(f"total {time.perf_counter() - t0:.0f} s; vision-language benchmark ({s.name}, model {s.model}); device: "
-          f"{rows[0]['device'] if rows else s.device}")
-    return 1 if any(c.startswith("FAIL") for c in checks) else 0
+    return _finish(rows, args.json, format_vlm_table(rows), check_vlm_targets(rows) if s.targets else [],
+                   f"vision-language benchmark ({s.name}, model {s.model})", s.device, t0)
 
 
 def _main_megatron(args: argparse.Namespace, modes: tuple, t0: float) -> int:
@@ -237,17 +241,8 @@ def _main_megatron(args: argparse.Namespace, modes: tuple, t0: float) -> int:
                               device=device, warmup=args.warmup, reps=args.reps,
                               clock=args.clock or ("wall" if cuda else "cpu"),
                               backend=args.backends.split(",")[0].strip() if args.backends else "sdpa")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print()
-    print(format_megatron_table(rows))
-    checks = check_megatron_targets(rows) if not cuda else []
-    for line in checks:
-        print(line)
-    print(f"total {time.perf_counter() - t0:.0f} s; Megatron GPTModel benchmark (model {model}); device: "
-          f"{rows[0]['device'] if rows else device}")
-    return 1 if any(c.startswith("FAIL") for c in checks) else 0
+    return _finish(rows, args.json, format_megatron_table(rows), check_megatron_targets(rows) if not cuda else [],
+                   f"Megatron GPTModel benchmark (model {model})", device, t0)
 
 
 def settings(argv: list[str]) -> Preset:
@@ -289,17 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = run_tree_bench(modes=modes, model_shape=s.model, dtype=DTYPES[s.dtype], device=s.device,
                               warmup=args.warmup, reps=args.reps, clock=s.clock,
                               backend=s.backends[0] if args.backends else "sdpa")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        print()
-        print(format_tree_table(rows))
         checks = check_tree_targets(rows) if torch.device(s.device).type == "cpu" else []
-        for line in checks:
-            print(line)
-        print(f"total {time.perf_counter() - t0:.0f} s; prefix-tree benchmark; device: "
-              f"{rows[0]['device'] if rows else s.device}")
-        return 1 if any(c.startswith("FAIL") for c in checks) else 0
+        return _finish(rows, args.json, format_tree_table(rows), checks, "prefix-tree benchmark", s.device, t0)
     if args.ops:
         from zorro_verl.bench.ops import run_ops
 
