@@ -148,17 +148,14 @@ MEGATRON_INSTALL_HINT = ("bash scripts/setup_megatron_env.sh (builds .venv-megat
                          "megatron-core==0.19.2 --ignore-requires-python --no-deps, then mbridge==0.15.1 einops")
 
 
-def _engine_node_key(strategy) -> str:
-    """The key of a role's engine config node (where its ``zorro`` mapping lives) for verl's ``strategy``."""
-    return "megatron" if strategy == "megatron" else "fsdp_config"
-
-
 def _role_engine(cfg, role: str):
     """``(strategy, node key, engine node)`` of ``actor_rollout_ref.<role>``: ``fsdp_config`` for fsdp / fsdp2,
     ``megatron`` for verl's Megatron engine (``model_engine=megatron``)."""
+    from zorro_verl.integrations.verl.settings import engine_node_key
+
     node = cfg.actor_rollout_ref[role]
     strategy = node.get("strategy", cfg.actor_rollout_ref.actor.get("strategy"))
-    key = _engine_node_key(strategy)
+    key = engine_node_key(strategy)
     return strategy, key, node.get(key, {}) or {}
 
 
@@ -292,11 +289,7 @@ def _megatron_unsupported(cfg, role_node, engine_node, settings):
               else dict(engine_node))
     # verl's worker copies the role's use_fused_kernels into the engine config (EngineConfig.use_fused_kernels)
     engine["use_fused_kernels"] = bool(role_node.get("use_fused_kernels", model.get("use_fused_kernels", False)))
-    reason = megatron_setup_unsupported(engine, model)
-    if reason is None and settings.logits_optimization == "memory":
-        reason = ("logits_optimization=memory on the Megatron engine (its head is vocabulary parallel); use none or "
-                  "compute")
-    return reason
+    return megatron_setup_unsupported(engine, model, settings.logits_optimization)
 
 
 def _balance_hooks_check(cfg) -> Check | None:

@@ -39,7 +39,7 @@ from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, SHARING_MODES
 
 __all__ = ["ZorroSettings", "settings_of", "SETTING_KEYS", "ATTENTION_BACKEND_CHOICES", "ON_UNSUPPORTED",
            "GROUP_BALANCE_MODES",
-           "resolve_attention_backend"]
+           "resolve_attention_backend", "engine_node_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,12 @@ def resolve_attention_backend(choice: str, device_type: str) -> str:
         raise ValueError(f"zorro.attention_backend: {choice!r} cannot run forward and backward on device "
                          f"{device_type!r} here ({get_backend(choice).summary}). Use 'auto' or 'sdpa'.")
     return choice
+
+
+def engine_node_key(strategy) -> str:
+    """The key of a verl role's engine config node, where its ``zorro`` mapping lives, for the role's ``strategy``:
+    ``megatron`` for verl's Megatron engine, ``fsdp_config`` otherwise."""
+    return "megatron" if strategy == "megatron" else "fsdp_config"
 
 
 def settings_of(engine_config) -> ZorroSettings:

@@ -38,6 +38,12 @@ def test_refusals_name_the_setting(engine, model, says):
     assert reason is not None and says in reason, reason
 
 
+def test_memory_logits_mode_refused():
+    reason = megatron_setup_unsupported(DEFAULT_ENGINE, DEFAULT_MODEL, logits_optimization="memory")
+    assert reason is not None and "logits_optimization=memory" in reason
+    assert megatron_setup_unsupported(DEFAULT_ENGINE, DEFAULT_MODEL, logits_optimization="compute") is None
+
+
 def test_attribute_configs():
     """verl's dataclass configs (attributes, not mappings) are read the same way."""
     engine = SimpleNamespace(**{**DEFAULT_ENGINE, "router_replay": SimpleNamespace(mode="R2")})

@@ -28,7 +28,7 @@ from collections import Counter
 
 import torch
 
-from zorro_verl.integrations.verl.settings import ZorroSettings
+from zorro_verl.integrations.verl.settings import ZorroSettings, engine_node_key
 from zorro_verl.integrations.verl.v09.markers import mark_balanced
 from zorro_verl.packing import group_ids
 from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks, regroup_within_slots
@@ -132,7 +132,7 @@ def trainer_zorro_settings(config) -> ZorroSettings:
     """The actor's zorro settings from the trainer config: its engine node's ``zorro`` (``megatron`` for strategy
     ``megatron``, else ``fsdp_config``); disabled when the node has no ``zorro`` key."""
     actor = config.actor_rollout_ref.actor
-    node = actor.get("megatron" if actor.get("strategy", None) == "megatron" else "fsdp_config", {}) or {}
+    node = actor.get(engine_node_key(actor.get("strategy", None)), {}) or {}
     return ZorroSettings.from_mapping(node.get("zorro", {}) or {})
 
 

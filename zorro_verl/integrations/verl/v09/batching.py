@@ -28,7 +28,7 @@ from zorro_verl.packing.multimodal import batch_media, build_media_plan
 from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs",
-           "stock_batch_unsupported"]
+           "common_batch_unsupported"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def _positions_3d(pos: torch.Tensor, row: torch.Tensor, col: torch.Tensor, width
     return out
 
 
-def stock_batch_unsupported(data) -> Optional[str]:
+def common_batch_unsupported(data) -> Optional[str]:
     """Why a batch cannot run zorro in any verl 0.9 engine, or None: a padded layout, the engine's extra head outputs
     (top-k distillation, sum of squared probabilities), forced group sizes."""
     get = tu.get_non_tensor_data
@@ -201,6 +201,17 @@ class ZorroBatchingMixin:
             # The two paths issue different collectives: every rank of the mesh must take the same one.
             reason = self._zorro_agreed_reason(reason, error)
         return reason, local, hooks_missing
+
+    def _zorro_loss_normalisers(self, data, sp_size: int) -> None:
+        """What the stock engines set on a batch before micro-batching, so that verl's loss normalises globally:
+        ``sp_size``, ``batch_num_tokens`` (the loss tokens all-reduced over the DP group) and ``dp_size``."""
+        tu.assign_non_tensor(data, sp_size=sp_size)
+        loss_mask = data["loss_mask"]
+        batch_num_tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(get_device_id())
+        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
+                                     group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
     def _zorro_sp_size(self) -> int:
         """Ranks that hold the same batch and split its sequence (Ulysses SP on FSDP; 1 elsewhere): a dynamic

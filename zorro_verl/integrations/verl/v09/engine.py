@@ -48,11 +48,11 @@ from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.batching import (
     ZorroBatchingMixin,
     _standard_positions,
+    common_batch_unsupported,
     micro_batch_plan,
     predict_next_outputs,
     row_group_ids,
     row_lengths,
-    stock_batch_unsupported,
 )
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.vlm import restore_verl_methods, run_idle_tower, use_transformers_methods
@@ -104,7 +104,7 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
-        reason = stock_batch_unsupported(data)
+        reason = common_batch_unsupported(data)
         if reason is not None:
             return reason
         if (get(data=data, key="use_fused_kernels", default=False) and "temperature" in data.keys()
@@ -203,13 +203,8 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
             self._add_metrics(out, {"zorro/fallback_batches": 1.0, **hooks_missing})
             return out
 
-        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        self._zorro_loss_normalisers(data, self.ulysses_sequence_parallel_size)  # as the stock engine
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
-        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
-                                     group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
-        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
         mbs = self.zorro_micro_batches(data, local)
         micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]

@@ -16,10 +16,11 @@ _HF_REFUSALS = (
 )
 
 
-def megatron_setup_unsupported(engine_config, model_config) -> Optional[str]:
+def megatron_setup_unsupported(engine_config, model_config, logits_optimization: str = "none") -> Optional[str]:
     """Why a Megatron engine with these configs cannot run zorro's deduplicated forward, or None (the refusals that
     need no built model; also read by ``zorro-verl doctor`` from a composed config). ``engine_config``: verl's
-    ``McoreEngineConfig`` (or a mapping with its keys); ``model_config``: verl's ``HFModelConfig`` or None."""
+    ``McoreEngineConfig`` (or a mapping with its keys); ``model_config``: verl's ``HFModelConfig`` or None;
+    ``logits_optimization``: the zorro setting (``memory`` is refused on Megatron)."""
     def get(cfg, key, default=None):
         if cfg is None:
             return default
@@ -47,6 +48,9 @@ def megatron_setup_unsupported(engine_config, model_config) -> Optional[str]:
     lora = get(model_config, "lora", None)
     if int(get(model_config, "lora_rank", 0) or 0) > 0 or (lora is not None and int(get(lora, "rank", 0) or 0) > 0):
         return "LoRA on the Megatron engine (zorro runs LoRA in the FSDP engine)"
+    if logits_optimization == "memory":
+        return ("logits_optimization=memory on the Megatron engine (its head is vocabulary parallel); use none or "
+                "compute")
     hf = get(model_config, "hf_config", None)
     if hf is not None:
         for attr, reason in _HF_REFUSALS:

@@ -34,7 +34,6 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
-from verl.utils.megatron_utils import unwrap_model
 from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func
@@ -50,9 +49,9 @@ from zorro_verl.integrations.verl.common import ZorroActorMixin
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.batching import (
     ZorroBatchingMixin,
+    common_batch_unsupported,
     micro_batch_plan,
     predict_next_outputs,
-    stock_batch_unsupported,
 )
 from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
 
@@ -63,6 +62,7 @@ logger = logging.getLogger(__name__)
 #: How a user of verl's Megatron engine switches zorro off or to ``warn`` (quoted in refusals).
 MEGATRON_FIX_HINT = ("disable zorro (actor_rollout_ref.actor.megatron.zorro.enable=false, and the ref's), or set "
                      "megatron.zorro.on_unsupported=warn to run the stock forward for such batches")
+
 
 class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, MegatronEngineWithLMHead):
     """verl's Megatron LM engine with zorro's deduplicated forward (see module docstring)."""
@@ -84,11 +84,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self):
-        reason = megatron_setup_unsupported(self.engine_config, self.model_config)
-        if reason is None and self.zorro.logits_optimization == "memory":
-            reason = ("logits_optimization=memory on the Megatron engine (its head is vocabulary parallel); use none "
-                      "or compute")
-        return reason
+        return megatron_setup_unsupported(self.engine_config, self.model_config, self.zorro.logits_optimization)
 
     def _zorro_model_unsupported(self) -> Optional[str]:
         """Refusals that need the built model: each chunk's ``GPTModel`` (position embedding, MLA, MoE statistics,
@@ -104,7 +100,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         return None
 
     def _zorro_batch_unsupported(self, data) -> Optional[str]:
-        reason = stock_batch_unsupported(data)
+        reason = common_batch_unsupported(data)
         if reason is not None:
             return reason
         if self._zorro_multimodal(data):
@@ -145,14 +141,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
                 self._add_metrics(out, {"zorro/fallback_batches": 1.0, **hooks_missing})
             return out
 
-        # as the stock engine: the loss normalisers are global (tokens over the DP group, the DP size)
-        tu.assign_non_tensor(data, sp_size=self.engine_config.context_parallel_size)
-        loss_mask = data["loss_mask"]
-        batch_num_tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(get_device_id())
-        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
-                                     group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
-        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+        self._zorro_loss_normalisers(data, self.engine_config.context_parallel_size)  # as the stock engine
 
         mbs = self.zorro_micro_batches(data, local)
         micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]
@@ -169,8 +158,8 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             data_iterator=iter(micro_batches), model=self.module, num_microbatches=n,
             seq_length=1, micro_batch_size=1,  # verl: shapes travel through p2p (variable_seq_lengths)
             forward_only=forward_only)
-        self.zorro_last_micro_batches = mbs
         if not last_stage:
+            self.zorro_last_micro_batches = mbs  # (the last stage's metrics record it too)
             return {}
         out = postprocess_batch_func(output_lst=losses_reduced, indices=mbs.batches, data=data)
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
@@ -189,7 +178,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         self._zorro_count_plan(plan)
         out = zorro_gpt_forward(model, plan, backend=self._zorro_backend)
         loss_func = partial(postprocess_micro_batch_func, data=batch)
-        if not find_gpt_model(unwrap_model(model)).post_process:
+        if not find_gpt_model(model).post_process:
             return out, loss_func
         temperature = batch["temperature"]
         if isinstance(temperature, torch.Tensor):  # one value (checked per batch)
