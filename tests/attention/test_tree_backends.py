@@ -118,3 +118,25 @@ def test_tree_flex_forward_with_window():
         ref = dense_attention_oracle(plan, q, k, v, 0.3, window=window)
         out = attend(plan, "flex", q, k, v, 0.3, AttentionFeatures(window=window))
         assert (out - ref).abs().max().item() <= TOL
+
+
+def _mixed_rows():
+    """Short questions and long responses behind a shared system prompt: the dense backends split the non-root
+    nodes into several blocks (``plan.tree.child_buckets``)."""
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda n: torch.randint(1, 50, (n,), generator=g).tolist()  # noqa: E731
+    system = rnd(40)
+    rows = []
+    for q in range(3):
+        prompt = system + rnd(3 + q)
+        rows += [(prompt, rnd(L)) for L in (150, 120 + q, 7)]
+    return rows
+
+
+def test_blocks_of_mixed_lengths():
+    plan = _tree_plan(_mixed_rows())
+    assert len(plan.tree.child_buckets) >= 2, plan.tree.child_buckets
+    _check_all(plan)
+    for feat in (dict(window=9), dict(window=60, sinks=True, softcap=0.8)):
+        for backend in FEATURE_BACKENDS:
+            check_features(plan, backend, feat)

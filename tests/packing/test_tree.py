@@ -147,3 +147,46 @@ def test_dynamic_budget_on_tree_costs(case, extra):
         assert T <= cost <= budget
         if all(len(owners[tc["cluster"][x]]) == 1 for x in mb):
             assert cost == T
+
+
+def _block_cost(lens, ancs, part, call):
+    return sum(len(b) * max(lens[j] for j in b) * (max(ancs[j] for j in b) + max(lens[j] for j in b)) + call
+               for b in part)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 30)), min_size=1, max_size=9), st.integers(0, 400))
+def test_child_buckets_is_the_best_split_of_the_sorted_nodes(nodes, call):
+    """The dense backends' blocks of non-root nodes: every node in exactly one block, each block's (count, longest
+    node, longest chain) true, and the cost (padded pairs + ``call`` per block) the minimum over every split of the
+    length-sorted nodes into at most 4 runs, found by brute force."""
+    import itertools
+
+    from zorro_verl.packing.tree import child_buckets
+
+    lens, ancs = [n[0] for n in nodes], [n[1] for n in nodes]
+    order, buckets = child_buckets(lens, ancs, call_pairs=call)
+    assert sorted(order) == list(range(len(lens))) and sum(b[0] for b in buckets) == len(lens)
+    assert 1 <= len(buckets) <= 4
+    part, off = [], 0
+    for n, lq, a in buckets:
+        blk = order[off:off + n]
+        off += n
+        assert lq == max(lens[j] for j in blk) and a == max(ancs[j] for j in blk)
+        part.append(blk)
+    srt = sorted(range(len(lens)), key=lambda j: (lens[j], ancs[j]))
+    cut_ok = [i for i in range(1, len(srt)) if lens[srt[i]] != lens[srt[i - 1]]]  # cuts between equal lengths
+    best = min(_block_cost(lens, ancs, [srt[a:b] for a, b in zip((0,) + cs, cs + (len(srt),))], call)
+               for k in range(4) for cs in itertools.combinations(cut_ok, k))
+    assert _block_cost(lens, ancs, part, call) == best
+
+
+def test_child_buckets_separates_short_questions_from_long_responses():
+    """The shape of a GRPO batch behind a shared system prompt: short question nodes under the system prompt, long
+    responses under each question. One block would pad every question to a response's length."""
+    from zorro_verl.packing.tree import child_buckets
+
+    lens, ancs = [30] * 8 + [64] * 64, [320] * 8 + [350] * 64
+    order, buckets = child_buckets(lens, ancs)
+    assert buckets == ((8, 30, 320), (64, 64, 350)) and sorted(order[:8]) == list(range(8))
+    assert child_buckets([], []) == ([], ())

@@ -87,11 +87,15 @@ def reference_index(plan: ZorroPlan) -> dict:
 
     * ``p_src``, ``r_src``, ``kv_src``: the packed row each slot reads (pads: 0); ``p_dst``, ``r_dst``, ``kv_dst``:
       the same with pads -> ``T`` (their gradients are dropped); ``p_pad``, ``r_pad``: the pad flags;
-    * ``response_mask [B, 1, Rmax, Pmax + Rmax] bool``: key ``j < P_g`` of the prompt slot, or own key ``k <= q``;
+    * ``prompt_dims``: ``(G, Pmax)``; ``response_blocks``: per dense call of the response side ``(n, Lq, Lk)``
+      (here one, ``(B, Rmax, Pmax + Rmax)``; none when no row has a response token), and ``response_masks``: per
+      call ``[n, 1, Lq, Lk] bool`` — key ``j < P_g`` of the prompt slot, or own key ``k <= q``;
     * ``out_index [T]``: position of each packed token in ``cat(prompt slots, response query slots)``.
 
     A prefix-tree plan (``plan.tree``) gets the same index set over its nodes: roots take the prompt blocks, every
-    other node a response block whose keys are ``[its ancestor chain ; itself]`` (``dims`` gives the block sizes).
+    other node a response block whose keys are ``[its ancestor chain ; itself]``, the nodes split into the blocks of
+    ``plan.tree.child_buckets`` (nodes of similar length together, each block padded to its own longest node and
+    chain).
     """
     if plan.tree is not None:
         return plan.memo.get("reference", lambda: _tree_index(plan))
@@ -112,9 +116,11 @@ def reference_index(plan: ZorroPlan) -> dict:
                                   torch.cat([p_valid.flatten(), r_valid.flatten()]), slots)
         kv_src = torch.cat([pi[plan.row_group], ri], 1).flatten()  # [B*(Pmax+Rmax)]
         kv_valid = torch.cat([p_valid[plan.row_group], r_valid], 1).flatten()
+        has_r = B * Rm > 0
         return {
             **_slots(T, pi, ri, p_valid, r_valid, kv_src, kv_valid),
-            "response_mask": torch.cat([key_prompt, key_own], dim=2)[:, None],  # [B, 1, Rmax, Pmax+Rmax]
+            "prompt_dims": (G, Pm), "response_blocks": ((B, Rm, Pm + Rm),) if has_r else (),
+            "response_masks": (torch.cat([key_prompt, key_own], dim=2)[:, None],) if has_r else (),  # [B,1,Rm,Pm+Rm]
             "out_index": out_index,
         }
 
@@ -133,52 +139,65 @@ def _slots(T: int, pi, ri, p_valid, r_valid, kv_src, kv_valid) -> dict:
 
 
 def _tree_index(plan: ZorroPlan) -> dict:
-    """:func:`reference_index` of a tree plan: prompt blocks = roots ``[nR, Lr]``, response blocks = the other
-    nodes ``[C, Lc]`` with keys ``[C, A + Lc]`` = ``[ancestor chain (A = longest chain) ; itself]``."""
+    """:func:`reference_index` of a tree plan: prompt blocks = roots ``[nR, Lr]``; the other nodes in the blocks of
+    ``tree.child_buckets``: per block of ``n`` nodes, queries ``[n, Lc]`` and keys ``[n, A + Lc]`` = ``[ancestor chain
+    (A = the block's longest chain) ; itself]`` (``Lc`` = the block's longest node)."""
     from zorro_verl.packing.tree import tree_chains
 
     tree, ch = plan.tree, tree_chains(plan)
     dev, T = plan.device, plan.T
-    nR, C, Lr, Lc, A = tree.num_roots, tree.num_children, tree.max_root_len, tree.max_child_len, tree.max_anc_len
+    nR, Lr = tree.num_roots, tree.max_root_len
     ar_p = torch.arange(Lr, device=dev)
-    ar_r = torch.arange(Lc, device=dev)
     p_valid = ar_p[None, :] < tree.node_len[tree.roots][:, None]  # [nR, Lr]
-    r_valid = ar_r[None, :] < tree.node_len[tree.children][:, None]  # [C, Lc]
     pi = torch.where(p_valid, tree.node_start[tree.roots][:, None] + ar_p[None, :], 0)
-    ri = torch.where(r_valid, tree.node_start[tree.children][:, None] + ar_r[None, :], 0)
-    slots = torch.arange(nR * Lr + C * Lc, device=dev)
-    out_index = scatter_valid(T, torch.cat([pi.flatten(), ri.flatten()]),
-                              torch.cat([p_valid.flatten(), r_valid.flatten()]), slots)
-    kv_src = torch.cat([ch["chain"], ri], 1).flatten()  # [C*(A+Lc)]
-    kv_valid = torch.cat([ch["chain_valid"], r_valid], 1).flatten()
-    key_own = (ar_r[None, :] <= ar_r[:, None])[None].expand(C, Lc, Lc)  # [C, Lc(q), Lc(k)]
-    key_chain = ch["chain_valid"][:, None, :].expand(C, Lc, A)
+    ri, r_valid, kv_src, kv_valid, masks, blocks = [], [], [], [], [], []
+    off = 0
+    for n, Lc, A in tree.child_buckets:
+        at = tree.child_order[off:off + n]  # [n] positions into tree.children
+        off += n
+        kids = tree.children[at]
+        ar_r = torch.arange(Lc, device=dev)
+        rv = ar_r[None, :] < tree.node_len[kids][:, None]  # [n, Lc]
+        rix = torch.where(rv, tree.node_start[kids][:, None] + ar_r[None, :], 0)
+        chain, chain_valid = ch["chain"][at, :A], ch["chain_valid"][at, :A]  # [n, A]
+        ri.append(rix.flatten())
+        r_valid.append(rv.flatten())
+        kv_src.append(torch.cat([chain, rix], 1).flatten())  # [n*(A+Lc)]
+        kv_valid.append(torch.cat([chain_valid, rv], 1).flatten())
+        key_own = (ar_r[None, :] <= ar_r[:, None])[None].expand(n, Lc, Lc)  # [n, Lc(q), Lc(k)]
+        masks.append(torch.cat([chain_valid[:, None, :].expand(n, Lc, A), key_own], dim=2)[:, None])  # [n,1,Lc,A+Lc]
+        blocks.append((n, Lc, A + Lc))
+    cat = lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=dev)  # noqa: E731
+    ri, r_valid = cat(ri, torch.long), cat(r_valid, torch.bool)
+    kv_src, kv_valid = cat(kv_src, torch.long), cat(kv_valid, torch.bool)
+    slots = torch.arange(nR * Lr + ri.numel(), device=dev)
+    out_index = scatter_valid(T, torch.cat([pi.flatten(), ri]), torch.cat([p_valid.flatten(), r_valid]), slots)
     return {
         **_slots(T, pi, ri, p_valid, r_valid, kv_src, kv_valid),
-        "response_mask": torch.cat([key_chain, key_own], dim=2)[:, None],  # [C, 1, Lc, A+Lc]
-        "out_index": out_index, "dims": (nR, Lr, C, Lc, A + Lc),
+        "prompt_dims": (nR, Lr), "response_blocks": tuple(blocks), "response_masks": tuple(masks),
+        "out_index": out_index,
     }
 
 
-def reference_window_masks(plan: ZorroPlan, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_window_masks(plan: ZorroPlan, window: int) -> tuple[torch.Tensor, tuple]:
     """The reference blocks' masks of a sliding-window layer (memoised per window): ``(prompt [G, 1, Pmax, Pmax],
-    response [B, 1, Rmax, Pmax + Rmax])`` bool = the split-attention rule and ``pos_q - pos_k < window`` on each
-    slot's original position (``plan.position_ids``; pad slots read token 0, position 0, and still see a key)."""
+    response masks)`` bool, one ``[n, 1, Lq, Lk]`` per ``response_blocks`` call, = the split-attention rule and
+    ``pos_q - pos_k < window`` on each slot's original position (``plan.position_ids``; pad slots read token 0,
+    position 0, and still see a key)."""
 
     def build():
         lay = reference_index(plan)
-        G, B, Pm, Rm = plan.G, plan.B, plan.max_prompt_len, plan.max_response_len
-        Km = Pm + Rm
-        if "dims" in lay:  # a tree plan: roots / other nodes against [ancestor chain ; itself]
-            G, Pm, B, Rm, Km = lay["dims"]
-        pos = plan.position_ids
+        (G, Pm), pos = lay["prompt_dims"], plan.position_ids
         pp = pos[lay["p_src"]].view(G, Pm)  # [G, Pmax]
-        qr = pos[lay["r_src"]].view(B, Rm)  # [B, Rmax]
-        kr = pos[lay["kv_src"]].view(B, Km)  # [B, Pmax + Rmax]
         causal = torch.ones(Pm, Pm, dtype=torch.bool, device=plan.device).tril()
         prompt = causal & window_visible(pp[:, :, None], pp[:, None, :], window)
-        resp = lay["response_mask"][:, 0] & window_visible(qr[:, :, None], kr[:, None, :], window)
-        return prompt[:, None], resp[:, None]
+        resp, qo, ko = [], 0, 0
+        for (n, Lq, Lk), mask in zip(lay["response_blocks"], lay["response_masks"]):
+            qr = pos[lay["r_src"][qo:qo + n * Lq]].view(n, Lq)
+            kr = pos[lay["kv_src"][ko:ko + n * Lk]].view(n, Lk)
+            qo, ko = qo + n * Lq, ko + n * Lk
+            resp.append((mask[:, 0] & window_visible(qr[:, :, None], kr[:, None, :], window))[:, None])
+        return prompt[:, None], tuple(resp)
 
     return plan.memo.get(("reference", "window", window), build)
 
@@ -188,27 +207,28 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
     """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
     ``features``: a window becomes part of both calls' masks; sinks / soft-capping run the explicit math."""
     lay = reference_index(plan)
-    p_mask, r_mask = (None, lay["response_mask"]) if features.window is None else \
+    p_mask, r_masks = (None, lay["response_masks"]) if features.window is None else \
         reference_window_masks(plan, features.window)
-    G, B, T, Pm, Rm = plan.G, plan.B, plan.T, plan.max_prompt_len, plan.max_response_len
-    Km = Pm + Rm  # keys of a response block
-    if "dims" in lay:  # a tree plan: roots / other nodes (see _tree_index)
-        G, Pm, B, Rm, Km = lay["dims"]
+    T, (G, Pm), blocks = plan.T, lay["prompt_dims"], lay["response_blocks"]
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[3]
     rows = lambda x: _tokens_first(x).reshape(T, -1)  # noqa: E731  [1, H, T, D] -> [T, H*D] (a view if possible)
     p_src, p_dst, r_src, r_dst = lay["p_src"], lay["p_dst"], lay["r_src"], lay["r_dst"]
 
-    qp, qr = _ToBlocks.apply(rows(query), p_src, r_src, p_dst, r_dst)  # [G*Pmax, Hq*D], [B*Rmax, Hq*D]
-    kp, kr = _ToBlocks.apply(rows(key), p_src, lay["kv_src"], p_dst, lay["kv_dst"])  # [.., Hkv*D]: r [B*(Pm+Rm)]
+    qp, qr = _ToBlocks.apply(rows(query), p_src, r_src, p_dst, r_dst)  # [G*Pmax, Hq*D], [sum n*Lq, Hq*D]
+    kp, kr = _ToBlocks.apply(rows(key), p_src, lay["kv_src"], p_dst, lay["kv_dst"])  # [.., Hkv*D]: r [sum n*Lk]
     vp, vr = _ToBlocks.apply(rows(value), p_src, lay["kv_src"], p_dst, lay["kv_dst"])
     blk = lambda x, n, L, H: x.view(n, L, H, D).transpose(1, 2)  # noqa: E731  [n*L, H*D] -> [n, H, L, D]
     out_p = dense_attention(blk(qp, G, Pm, Hq), blk(kp, G, Pm, Hkv), blk(vp, G, Pm, Hkv), scaling,
                             mask=p_mask, causal=p_mask is None, math=math, features=features)  # [G, Hq, Pmax, D]
     out_p = out_p.transpose(1, 2).reshape(G * Pm, Hq * D)
-    if B * Rm > 0:
-        out_r = dense_attention(blk(qr, B, Rm, Hq), blk(kr, B, Km, Hkv), blk(vr, B, Km, Hkv), scaling,
-                                mask=r_mask, math=math, features=features)  # [B, Hq, Rmax, D]
-        out_r = out_r.transpose(1, 2).reshape(B * Rm, Hq * D)
+    if blocks:  # one dense call per block: [n, Hq, Lq, D] vs [n, Hkv, Lk, D]
+        split = lambda x, sizes: x.split(sizes) if len(sizes) > 1 else (x,)  # noqa: E731
+        qs = split(qr, [n * Lq for n, Lq, _ in blocks])
+        ks, vs = split(kr, [n * Lk for n, _, Lk in blocks]), split(vr, [n * Lk for n, _, Lk in blocks])
+        outs = [dense_attention(blk(q, n, Lq, Hq), blk(k, n, Lk, Hkv), blk(v, n, Lk, Hkv), scaling, mask=m,
+                                math=math, features=features).transpose(1, 2).reshape(n * Lq, Hq * D)
+                for (n, Lq, Lk), q, k, v, m in zip(blocks, qs, ks, vs, r_masks)]
+        out_r = outs[0] if len(outs) == 1 else torch.cat(outs)
     else:  # no response token anywhere (tree: no non-root node): the response blocks are empty
         out_r = qr
     out = _FromBlocks.apply(out_p, out_r, lay["out_index"], p_src, r_src, lay["p_pad"], lay["r_pad"])  # [T, Hq*D]

@@ -41,6 +41,7 @@ from zorro_verl.packing.tree import (
     PrefixTree,
     check_min_shared_len,
     check_sharing,
+    child_buckets,
     path_index,
     sorted_sequences,
     trie_nodes,
@@ -500,11 +501,12 @@ def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
                              max((nlen[i] for i in ids), default=0), max((sub[i] - nlen[i] for i in ids), default=0)))
     roots_h = [i for i in range(M) if parent[i] < 0]
     kids_h = [i for i in range(M) if parent[i] >= 0]
+    order_h, buckets = child_buckets([nlen[i] for i in kids_h], [pos0[i] for i in kids_h])
     # one host -> device copy of every node table, split on the device
     flat = torch.tensor(start + nlen + pos0 + parent + depth + sub + [n[4] for n in nodes] + roots_h + kids_h
-                        + end_node + [a for row in anc for a in row], dtype=torch.long).to(dev)
-    (node_start, node_len, node_pos0, node_parent, node_depth, node_subl, rep_seq, roots, kids, end_t,
-     anc_t) = torch.split(flat, [M] * 7 + [len(roots_h), len(kids_h), U, M * levels])
+                        + order_h + end_node + [a for row in anc for a in row], dtype=torch.long).to(dev)
+    (node_start, node_len, node_pos0, node_parent, node_depth, node_subl, rep_seq, roots, kids, child_order, end_t,
+     anc_t) = torch.split(flat, [M] * 7 + [len(roots_h), len(kids_h), len(kids_h), U, M * levels])
     node_anc = anc_t.view(M, levels)
     node_rep_row = first[rep_seq]
     row_node = end_t[inv]  # [B]
@@ -519,9 +521,10 @@ def build_tree_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
         kv_total=sum(pos0[i] + nlen[i] for i in kids_h), level_counts=tuple(level_counts),
         level_sizes=tuple((sum(1 for i in range(M) if depth[i] == lv),
                            max(nlen[i] for i in range(M) if depth[i] == lv)) for lv in range(levels)),
+        child_buckets=buckets,
         node_start=node_start, node_len=node_len, node_pos0=node_pos0, node_parent=node_parent,
         node_depth=node_depth, node_sub_end=node_start + node_subl, node_anc=node_anc, node_rep_row=node_rep_row,
-        roots=roots, children=kids, row_node=row_node, token_node=token_node,
+        roots=roots, children=kids, child_order=child_order, row_node=row_node, token_node=token_node,
     )
 
     # ---- packed tokens: each node is read from one row passing through it (the verl layout is contiguous over a

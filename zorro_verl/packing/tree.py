@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["PrefixTree", "DEFAULT_MIN_SHARED_LEN", "SHARING_MODES", "check_sharing",
-           "check_min_shared_len", "path_index", "sorted_sequences", "trie_nodes"]
+           "check_min_shared_len", "path_index", "sorted_sequences", "trie_nodes", "child_buckets"]
 
 #: Values of ``sharing``: ``prompt`` (rows with identical prompts share them) and ``prefix`` (the prefix tree).
 SHARING_MODES = ("prompt", "prefix")
@@ -76,13 +76,16 @@ class PrefixTree:
     of a non-root node), ``max_path_len`` (its ``pos0 + len``), ``kv_total`` (``sum`` of ``pos0 + len`` over non-root
     nodes: the keys of a per-node ``[ancestors ; itself]`` gather), ``level_counts`` (per depth ``d``: ``(nodes with
     descendants, their tokens, their descendants' tokens, the longest such node, the largest such subtree below a
-    node)``), ``level_sizes`` (per depth ``d``: ``(nodes, the longest node)``).
+    node)``), ``level_sizes`` (per depth ``d``: ``(nodes, the longest node)``), ``child_buckets`` (the dense
+    backends' blocks of non-root nodes: per block ``(nodes, longest node, longest ancestor chain)``, see
+    :func:`child_buckets`).
 
     Tensors (int64, the batch's device): ``node_start [M]`` (packed offset), ``node_len [M]``, ``node_pos0 [M]``
     (position of its first token = tokens of its ancestors), ``node_parent [M]`` (-1 for roots), ``node_depth [M]``,
     ``node_sub_end [M]`` (packed end of its subtree), ``node_anc [M, levels]`` (its ancestor at each depth,
     itself at its own depth, -1 below), ``node_rep_row [M]`` (a row passing through it), ``roots [num_roots]``,
-    ``children [num_children]`` (node ids, packed order), ``row_node [B]`` (the node holding each row's last token),
+    ``children [num_children]`` (node ids, packed order), ``child_order [num_children]`` (positions into
+    ``children``, block by block of ``child_buckets``), ``row_node [B]`` (the node holding each row's last token),
     ``token_node [T]``.
     """
 
@@ -99,6 +102,7 @@ class PrefixTree:
     kv_total: int
     level_counts: tuple
     level_sizes: tuple
+    child_buckets: tuple
     node_start: torch.Tensor
     node_len: torch.Tensor
     node_pos0: torch.Tensor
@@ -109,6 +113,7 @@ class PrefixTree:
     node_rep_row: torch.Tensor
     roots: torch.Tensor
     children: torch.Tensor
+    child_order: torch.Tensor
     row_node: torch.Tensor
     token_node: torch.Tensor
 
@@ -127,6 +132,66 @@ def path_index(tree: PrefixTree, nodes: torch.Tensor, depth: torch.Tensor) -> to
 
 
 # ---------------------------------------------------------------------------------------------------- building
+#: :func:`child_buckets`: at most this many blocks, each costing this many (query, key) pairs more than its pairs
+#: (a dense call's fixed cost on 2 CPU cores is about that many pairs' worth of work).
+MAX_CHILD_BUCKETS = 4
+BUCKET_CALL_PAIRS = 32768
+_BUCKET_CANDIDATES = 32
+
+
+def child_buckets(lens: list, ancs: list, max_buckets: int = MAX_CHILD_BUCKETS,
+                  call_pairs: int = BUCKET_CALL_PAIRS) -> tuple[list, tuple]:
+    """Split a tree's non-root nodes into the padded blocks of the dense backends (host ints, no device work).
+
+    A dense backend pads every node of a block to the block's longest node (queries) and its keys to the longest
+    ancestor chain plus that length: a block of ``n`` nodes costs ``n * Lq * (A + Lq)`` (query, key) pairs. One
+    block over a batch whose non-root nodes are a few short questions and many long responses pads each question
+    to a response's length; blocks of similar lengths do not. Nodes are sorted by length and cut into at most
+    ``max_buckets`` runs minimising ``sum of pairs + call_pairs per block`` (dynamic programming over at most
+    :data:`_BUCKET_CANDIDATES` cut points where the length changes).
+
+    ``lens [C]``, ``ancs [C]``: each non-root node's length and ancestor-chain length (``node_pos0``). Returns
+    ``(order, buckets)``: ``order [C]`` positions into the inputs, bucket by bucket; ``buckets``: per block
+    ``(nodes, longest node, longest chain)``. Empty inputs give ``([], ())``."""
+    C = len(lens)
+    if C == 0:
+        return [], ()
+    order = sorted(range(C), key=lambda j: (lens[j], ancs[j]))
+    cuts = [i for i in range(1, C) if lens[order[i]] != lens[order[i - 1]]]
+    if len(cuts) > _BUCKET_CANDIDATES - 1:  # evenly spaced among the length changes
+        step = len(cuts) / (_BUCKET_CANDIDATES - 1)
+        cuts = sorted({cuts[int(k * step)] for k in range(_BUCKET_CANDIDATES - 1)})
+    pts = [0] + cuts + [C]
+    K = len(pts) - 1
+    seg_anc = [max(ancs[order[i]] for i in range(pts[k], pts[k + 1])) for k in range(K)]  # per elementary run
+
+    def cost(a: int, b: int, anc: int) -> int:  # runs a..b-1 as one block; anc = their longest chain
+        lq = lens[order[pts[b] - 1]]
+        return (pts[b] - pts[a]) * lq * (anc + lq) + call_pairs
+
+    inf = float("inf")
+    best = [[inf] * (K + 1) for _ in range(max_buckets + 1)]  # best[m][b]: runs 0..b-1 in m blocks
+    back = [[0] * (K + 1) for _ in range(max_buckets + 1)]
+    best[0][0] = 0
+    for m in range(1, max_buckets + 1):
+        for b in range(1, K + 1):
+            anc = 0
+            for a in range(b - 1, -1, -1):  # block = runs a..b-1, grown leftwards
+                anc = max(anc, seg_anc[a])
+                c = best[m - 1][a] + cost(a, b, anc)
+                if c < best[m][b]:
+                    best[m][b], back[m][b] = c, a
+    m = min(range(1, max_buckets + 1), key=lambda k: best[k][K])
+    bounds, b = [], K
+    while m > 0:
+        a = back[m][b]
+        bounds.append((pts[a], pts[b]))
+        b, m = a, m - 1
+    buckets = tuple((e - s, lens[order[e - 1]], max(ancs[order[i]] for i in range(s, e)))
+                    for s, e in reversed(bounds))
+    return order, buckets
+
+
 def sorted_sequences(input_ids: torch.Tensor, am: torch.Tensor, Pw: int):
     """Rows as left-aligned sequences, sorted. ``input_ids [B, S]``, ``am [B, S] bool`` ->
     ``(inverse [B] (row -> sorted unique sequence), lengths [U], lcp [U-1] (of sorted neighbours), first_row [U])``,
