@@ -311,6 +311,35 @@ def test_bench_overrides(tmp_path, gpu):
     assert strip(runs["stock"]) == strip(runs["zorro"]) == strip(runs["zorro_prefix"])
 
 
+def test_cpu_sizing(monkeypatch, capsys, tmp_path):
+    """The CPU runs' compute dtype and depth (tests/e2e/bench.py: size_for_cpu): bf16 where this CPU's bf16 matmul
+    keeps up with fp32; else fp32 with layers scaled by the fp32 rate against the Xeon's bf16 rate (REF_RATE), at
+    least MIN_LAYERS; an explicit dtype or --layers is kept as given. The probe is a real matmul timing."""
+    from tests.e2e import bench
+
+    assert e2e.matmul_rate(torch.float32, 1, seconds=0.05) > 0
+    rates = {}
+    monkeypatch.setattr(e2e, "matmul_rate", lambda dtype, threads: rates[dtype])
+    size = lambda quick, layers=None, compute="auto": bench.size_for_cpu(bench.CPU, compute, quick, layers, 2)  # noqa: E731
+    rates.update({torch.bfloat16: 650.0, torch.float32: 300.0})  # bf16 units (AMX): as sized
+    s = size(quick=True)
+    assert (s.compute, s.dims["num_hidden_layers"]) == ("bf16", 8)
+    assert size(quick=False).dims["num_hidden_layers"] == bench.FULL_LAYERS
+    rates.update({torch.bfloat16: 15.0, torch.float32: 125.0})  # AVX2 only: fp32, depth scaled to the rate
+    s = size(quick=False)
+    assert (s.compute, s.dims["num_hidden_layers"]) == ("fp32", round(24 * 125.0 / bench.REF_RATE))
+    assert size(quick=True).dims["num_hidden_layers"] == bench.MIN_LAYERS
+    assert "no native bf16" in capsys.readouterr().out
+    s = size(quick=True, layers=8)
+    assert (s.compute, s.dims["num_hidden_layers"]) == ("fp32", 8)
+    s = size(quick=False, compute="bf16")  # forced: no probe, the full depth
+    assert (s.compute, s.dims["num_hidden_layers"]) == ("bf16", 24)
+    assets = {"train": "t", "model": "m", "reward": "r", "num_prompts": 2, "prompt_lengths": [5]}
+    for compute in ("bf16", "fp32"):  # the training worker computes in it (verl's mixed precision)
+        o = bench.overrides("stock", assets, tmp_path, 3, size(quick=True, compute=compute))
+        assert any(f"param_dtype:{compute}," in x for x in o)
+
+
 def test_after_import_runs_every_hook(tmp_path, monkeypatch):
     """tests/support/verl_cpu_e2e.py's post-import hooks: several patches of one module all run, in registration
     order, once each, right after its first import (and at once when it is already imported)."""

@@ -2,7 +2,8 @@
 rollouts, phase by phase (run by scripts/bench_e2e.sh; the GPU sibling is scripts/gpu_e2e.sh --bench).
 
 Runs (each a subprocess of the real entry point, V1 trainer, one training worker, FSDP1 = verl's default strategy,
-bf16 compute with fp32 master weights, reference model + KL loss, dynamic batch size, 2 mini-batches per step, on the
+bf16 compute with fp32 master weights (fp32 compute and fewer layers on a CPU without bf16 units: size_for_cpu),
+reference model + KL loss, dynamic batch size, 2 mini-batches per step, on the
 benchmark assets of tests/e2e/assets.py: 16 prompts per step, each one ~320-token shared system instruction + a
 question, ``rollout.n`` = 8, responses up to 64 tokens; :data:`CPU`, or :func:`gpu_setup` with ``--gpu``):
 
@@ -29,6 +30,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from tests.e2e.assets import BENCH_MODEL, BENCH_SYSTEM_TOKENS, build_bench_assets
 from tests.e2e.runner import (
@@ -63,6 +66,7 @@ class Setup:
     dims: dict
     attn: str
     gpu: bool = False
+    compute: str = "bf16"  # the training worker's compute dtype (verl's mixed_precision.param_dtype)
 
 
 #: Qwen/Qwen3-0.6B and -1.7B's dimensions (config.json) with the benchmark tokenizer's vocabulary.
@@ -78,6 +82,15 @@ CPU = Setup("cpu", prompts=16, mini=8, system_tokens=BENCH_SYSTEM_TOKENS, respon
 #: dispatch, the transfer queue: ~0.5 s on 2 cores) is the same for both runs, so the phases' efficiency measures
 #: zorro only once the model's compute dwarfs it (docs/BENCHMARKS.md, "Where the time goes").
 FULL_LAYERS = 24
+#: bf16 matmul GFLOP/s of the 2-core Xeon the runs' layers (24, the CI version 8) were sized on (its bf16 forward ran
+#: the model's matmuls at ~600 GFLOP/s, docs/BENCHMARKS.md). A CPU without bf16 units computes in fp32 and gets
+#: ``layers * fp32 rate / REF_RATE`` of them, so that a step takes about as long there and verl's fixed
+#: cost per phase weighs the same against the compute.
+REF_RATE = 600.0
+#: ... but at least this many: with one layer the worker's peak is that layer's transient buffers (zorro's reference
+#: attention gathers each response's prompt keys; stock's per-row kernel copies nothing), not the per-layer
+#: activations a deep model keeps, which is what the memory target compares.
+MIN_LAYERS = 2
 
 
 def gpu_setup(model: str) -> Setup:
@@ -90,7 +103,7 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
               strategy: str = "fsdp") -> list[str]:
     """Hydra overrides of run ``name`` (:data:`RUNS`) on ``setup``."""
     spec = RUNS[name]
-    o = base_overrides(assets, out_dir=work / name, steps=steps, n=N, dtype="fp32", param_dtype="bf16",
+    o = base_overrides(assets, out_dir=work / name, steps=steps, n=N, dtype="fp32", param_dtype=setup.compute,
                        strategy=strategy, lr=1e-5)
     if setup.gpu:
         o += ["trainer.n_gpus_per_node=1", "trainer.nnodes=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
@@ -148,12 +161,32 @@ def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: in
     return tables, missed
 
 
+def size_for_cpu(setup: Setup, compute: str, quick: bool, layers: int | None, threads: int) -> Setup:
+    """The CPU setup with its compute dtype (``auto``: bf16 where this CPU's bf16 matmul is at least as fast as its
+    fp32 one, else fp32 — a CPU without bf16 units runs bf16 several times slower, and no one trains in it there)
+    and layers (``layers``, else 24, the CI version 8 — fewer on an fp32 fallback, see :data:`REF_RATE`)."""
+    from zorro_verl.bench.e2e import matmul_rate
+
+    n = layers or (BENCH_MODEL["num_hidden_layers"] if quick else FULL_LAYERS)
+    if compute == "auto":
+        bf16, fp32 = matmul_rate(torch.bfloat16, threads), matmul_rate(torch.float32, threads)
+        compute = "bf16" if bf16 >= fp32 else "fp32"
+        print(f"[bench-e2e] matmul on this CPU: bf16 {bf16:.0f} GFLOP/s, fp32 {fp32:.0f} GFLOP/s -> {compute} compute"
+              + ("" if compute == "bf16" else " (no native bf16 here)"), flush=True)
+        if compute == "fp32" and not layers:
+            full = n
+            n = max(MIN_LAYERS, min(n, round(n * fp32 / REF_RATE)))
+            print(f"[bench-e2e] sized to this CPU: {n} layers ({full} at {REF_RATE:.0f} GFLOP/s)", flush=True)
+    return replace(setup, compute=compute, dims={**setup.dims, "num_hidden_layers": n})
+
+
 def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
     d = setup.dims
     where = ("1 GPU, stock attention flash-attn varlen" if setup.gpu else
              "stock attention: per-row causal sdpa (cpu_varlen, flash varlen's CPU equivalent), stock log-probs "
              "block-wise (flash cross-entropy's CPU equivalent)")
-    return (f"verl 0.9.1 main_ppo, V1 trainer, 1 training worker (FSDP1, fp32 weights, bf16 compute); "
+    return (f"verl 0.9.1 main_ppo, V1 trainer, 1 training worker (FSDP1, fp32 weights, "
+            f"{setup.compute} compute); "
             f"{setup.prompts} prompts x n={N} per step, prompts {min(assets['prompt_lengths'])}-"
             f"{max(assets['prompt_lengths'])} tokens (one shared system instruction + a question), responses <= "
             f"{setup.response} tokens, {setup.prompts // setup.mini} mini-batches per step, dynamic batch size "
@@ -175,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help=f"CPU: the model's decoder layers (default {FULL_LAYERS}, --quick "
                          f"{BENCH_MODEL['num_hidden_layers']})")
+    ap.add_argument("--compute", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="CPU: the training worker's compute dtype (auto: bf16 unless this CPU's bf16 matmul is "
+                         "slower than its fp32 one; then fp32, with fewer layers unless --layers is given)")
     ap.add_argument("--timeout", type=int, default=2400, help="time limit of one run, seconds")
     ap.add_argument("--docs", action="store_true", help="write the table and plot into docs/BENCHMARKS.md")
     ap.add_argument("--gpu", choices=sorted(QWEN3), default=None,
@@ -193,8 +229,7 @@ def main(argv=None) -> int:
 
     setup = gpu_setup(a.gpu) if a.gpu else CPU
     if not a.gpu:
-        layers = a.layers or (BENCH_MODEL["num_hidden_layers"] if a.quick else FULL_LAYERS)
-        setup = replace(setup, dims={**setup.dims, "num_hidden_layers": layers})
+        setup = size_for_cpu(setup, a.compute, a.quick, a.layers, a.threads)
     elif a.layers:
         raise SystemExit("--layers: the GPU runs use the named model's dimensions; drop --layers or --gpu")
     steps = a.steps or (2 if a.quick else 4)
@@ -205,7 +240,8 @@ def main(argv=None) -> int:
                          f"{list(RUNS)[1:]}, got {names}")
     work = Path(a.out or tempfile.mkdtemp(prefix="zorro_bench_e2e_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    assets = build_bench_assets(work / "assets", dtype="bfloat16", system_tokens=setup.system_tokens,
+    assets = build_bench_assets(work / "assets", dtype="bfloat16" if setup.compute == "bf16" else "float32",
+                                system_tokens=setup.system_tokens,
                                 dims=setup.dims)
     rec = work / "rollouts.jsonl"
     results, failed = {}, []

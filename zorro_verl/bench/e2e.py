@@ -33,7 +33,7 @@ from zorro_verl.packing import DEFAULT_MIN_SHARED_LEN
 
 __all__ = ["PHASES", "ACTOR_PHASES", "AS_MEASURED", "TARGETS", "QUICK_TARGETS", "StepRows", "read_recording",
            "stock_flops", "zorro_flops", "phase_ideals", "phase_table", "amdahl_speedup", "check_targets",
-           "format_markdown", "svg_plot", "machine", "write_docs_section", "DOCS_BEGIN", "DOCS_END"]
+           "format_markdown", "svg_plot", "machine", "matmul_rate", "write_docs_section", "DOCS_BEGIN", "DOCS_END"]
 
 #: verl's ``timing_s/<phase>`` keys reported, in the table's order (``step`` = the whole training step).
 PHASES = ("gen", "old_log_prob", "ref", "update_actor", "step")
@@ -313,6 +313,28 @@ def machine(gpu: bool = False) -> str:
     if gpu and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (host: {machine()})"
     return f"{cpu_model()}, {os.cpu_count()} cores"
+
+
+def matmul_rate(dtype: torch.dtype, threads: int, seconds: float = 0.3) -> float:
+    """GFLOP/s of this CPU on the benchmark model's MLP matmul (``[4096, 512] x [512, 1536]``) in ``dtype`` with
+    ``threads`` intra-op threads, the best of repeated calls for about ``seconds``. CPUs without native bf16 units
+    (AVX2 only: no AVX-512 BF16 / AMX) run bf16 matmuls several times slower than fp32 ones."""
+    import time
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(4096, 512).to(dtype)
+        w = torch.randn(1536, 512).to(dtype)
+        torch.nn.functional.linear(a, w)
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, w)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(old)
+    return 2 * 4096 * 512 * 1536 / best / 1e9
 
 
 #: docs/BENCHMARKS.md's e2e section lies between these two lines (rewritten by ``--docs``).
