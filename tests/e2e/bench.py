@@ -275,8 +275,12 @@ def main(argv=None) -> int:
             if bad:
                 missed.append(f"{name}: zorro fell back to the stock path ({sorted(set(bad))})")
     where = e2e.machine(gpu=setup.gpu)
-    meta = {"command": "bash scripts/" + (f"gpu_e2e.sh --bench {a.gpu}" if a.gpu else
-                                          "bench_e2e.sh" + (" --quick" if a.quick else "")),
+    # the command line that reproduces the run (the arguments that change what is measured)
+    args = "".join(flag for flag, on in ((" --quick", a.quick), (f" --layers {a.layers}", a.layers),
+                                         (f" --compute {a.compute}", a.compute != "auto"),
+                                         (f" --steps {a.steps}", a.steps), (f" --warmup {a.warmup}", a.warmup != 1))
+                   if on)
+    meta = {"command": "bash scripts/" + (f"gpu_e2e.sh --bench {a.gpu}" if a.gpu else "bench_e2e.sh" + args),
             "machine": where, "git sha": git_sha(), "settings": describe(setup, assets, steps, a.warmup),
             "targets": (f"actor phases with ideal >= {targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
                         "step: >= Amdahl's law with those phase floors; training worker peak RSS: zorro <= stock"
