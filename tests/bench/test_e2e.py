@@ -340,6 +340,18 @@ def test_cpu_sizing(monkeypatch, capsys, tmp_path):
         assert any(f"param_dtype:{compute}," in x for x in o)
 
 
+def test_report_command_line():
+    """The report's command reproduces the run: the arguments that change what is measured, none that do not."""
+    from tests.e2e import bench
+
+    cmd = lambda *argv: bench.command_line(bench.parser().parse_args(list(argv)))  # noqa: E731
+    assert cmd() == cmd("--docs", "--out", "/tmp/x", "--threads", "2") == "bash scripts/bench_e2e.sh"
+    assert cmd("--layers", "3", "--docs") == "bash scripts/bench_e2e.sh --layers 3"
+    assert cmd("--quick", "--compute", "fp32", "--steps", "3", "--warmup", "2") == \
+        "bash scripts/bench_e2e.sh --quick --compute fp32 --steps 3 --warmup 2"
+    assert cmd("--gpu", "qwen3-0.6b") == "bash scripts/gpu_e2e.sh --bench qwen3-0.6b"
+
+
 def test_after_import_runs_every_hook(tmp_path, monkeypatch):
     """tests/support/verl_cpu_e2e.py's post-import hooks: several patches of one module all run, in registration
     order, once each, right after its first import (and at once when it is already imported)."""

@@ -180,6 +180,39 @@ def size_for_cpu(setup: Setup, compute: str, quick: bool, layers: int | None, th
     return replace(setup, compute=compute, dims={**setup.dims, "num_hidden_layers": n})
 
 
+def command_line(a: argparse.Namespace) -> str:
+    """The command that reproduces a run: the script and the arguments that change what is measured."""
+    if a.gpu:
+        return f"bash scripts/gpu_e2e.sh --bench {a.gpu}"
+    args = "".join(flag for flag, on in ((" --quick", a.quick), (f" --layers {a.layers}", a.layers),
+                                         (f" --compute {a.compute}", a.compute != "auto"),
+                                         (f" --steps {a.steps}", a.steps), (f" --warmup {a.warmup}", a.warmup != 1))
+                   if on)
+    return "bash scripts/bench_e2e.sh" + args
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="work dir (default: a new temporary one)")
+    ap.add_argument("--quick", action="store_true", help="the CI version: 2 measured steps, efficiency bound 0.6")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps after --warmup (default 4, --quick 2)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--threads", type=int, default=2, help="CPU: OMP threads of every process (the machine's cores)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"CPU: the model's decoder layers (default {FULL_LAYERS}, --quick "
+                         f"{BENCH_MODEL['num_hidden_layers']})")
+    ap.add_argument("--compute", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="CPU: the training worker's compute dtype (auto: bf16 unless this CPU's bf16 matmul is "
+                         "slower than its fp32 one; then fp32, with fewer layers unless --layers is given)")
+    ap.add_argument("--timeout", type=int, default=2400, help="time limit of one run, seconds")
+    ap.add_argument("--docs", action="store_true", help="write the table and plot into docs/BENCHMARKS.md")
+    ap.add_argument("--gpu", choices=sorted(QWEN3), default=None,
+                    help="run on one CUDA GPU with this model's dimensions (scripts/gpu_e2e.sh --bench)")
+    return ap
+
+
 def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
     d = setup.dims
     where = ("1 GPU, stock attention flash-attn varlen" if setup.gpu else
@@ -198,24 +231,7 @@ def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="work dir (default: a new temporary one)")
-    ap.add_argument("--quick", action="store_true", help="the CI version: 2 measured steps, efficiency bound 0.6")
-    ap.add_argument("--steps", type=int, default=None, help="measured steps after --warmup (default 4, --quick 2)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--threads", type=int, default=2, help="CPU: OMP threads of every process (the machine's cores)")
-    ap.add_argument("--layers", type=int, default=None,
-                    help=f"CPU: the model's decoder layers (default {FULL_LAYERS}, --quick "
-                         f"{BENCH_MODEL['num_hidden_layers']})")
-    ap.add_argument("--compute", choices=["auto", "bf16", "fp32"], default="auto",
-                    help="CPU: the training worker's compute dtype (auto: bf16 unless this CPU's bf16 matmul is "
-                         "slower than its fp32 one; then fp32, with fewer layers unless --layers is given)")
-    ap.add_argument("--timeout", type=int, default=2400, help="time limit of one run, seconds")
-    ap.add_argument("--docs", action="store_true", help="write the table and plot into docs/BENCHMARKS.md")
-    ap.add_argument("--gpu", choices=sorted(QWEN3), default=None,
-                    help="run on one CUDA GPU with this model's dimensions (scripts/gpu_e2e.sh --bench)")
-    a = ap.parse_args(argv)
+    a = parser().parse_args(argv)
     from tests.e2e.gpu_pair import gpu_env
     from tests.support.verl_cpu_e2e import (
         POLL_INTERVAL_ENV,
@@ -275,12 +291,7 @@ def main(argv=None) -> int:
             if bad:
                 missed.append(f"{name}: zorro fell back to the stock path ({sorted(set(bad))})")
     where = e2e.machine(gpu=setup.gpu)
-    # the command line that reproduces the run (the arguments that change what is measured)
-    args = "".join(flag for flag, on in ((" --quick", a.quick), (f" --layers {a.layers}", a.layers),
-                                         (f" --compute {a.compute}", a.compute != "auto"),
-                                         (f" --steps {a.steps}", a.steps), (f" --warmup {a.warmup}", a.warmup != 1))
-                   if on)
-    meta = {"command": "bash scripts/" + (f"gpu_e2e.sh --bench {a.gpu}" if a.gpu else "bench_e2e.sh" + args),
+    meta = {"command": command_line(a),
             "machine": where, "git sha": git_sha(), "settings": describe(setup, assets, steps, a.warmup),
             "targets": (f"actor phases with ideal >= {targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
                         "step: >= Amdahl's law with those phase floors; training worker peak RSS: zorro <= stock"
