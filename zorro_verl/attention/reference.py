@@ -204,7 +204,9 @@ def reference_window_masks(plan: ZorroPlan, window: int) -> tuple[torch.Tensor, 
 
 def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float, math: str = "sdpa", features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
-    """Split attention, two padded dense calls. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+    """Split attention in padded dense calls: the prompt blocks, then each response block (one; a tree plan's
+    non-root nodes: one per block of ``child_buckets``). ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` ->
+    ``[1, T, Hq, D]``.
     ``features``: a window becomes part of both calls' masks; sinks / soft-capping run the explicit math."""
     lay = reference_index(plan)
     p_mask, r_masks = (None, lay["response_masks"]) if features.window is None else \
