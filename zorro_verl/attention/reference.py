@@ -224,9 +224,8 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
                             mask=p_mask, causal=p_mask is None, math=math, features=features)  # [G, Hq, Pmax, D]
     out_p = out_p.transpose(1, 2).reshape(G * Pm, Hq * D)
     if blocks:  # one dense call per block: [n, Hq, Lq, D] vs [n, Hkv, Lk, D]
-        split = lambda x, sizes: x.split(sizes) if len(sizes) > 1 else (x,)  # noqa: E731
-        qs = split(qr, [n * Lq for n, Lq, _ in blocks])
-        ks, vs = split(kr, [n * Lk for n, _, Lk in blocks]), split(vr, [n * Lk for n, _, Lk in blocks])
+        kv_sizes = [n * Lk for n, _, Lk in blocks]
+        qs, ks, vs = qr.split([n * Lq for n, Lq, _ in blocks]), kr.split(kv_sizes), vr.split(kv_sizes)
         outs = [dense_attention(blk(q, n, Lq, Hq), blk(k, n, Lk, Hkv), blk(v, n, Lk, Hkv), scaling, mask=m,
                                 math=math, features=features).transpose(1, 2).reshape(n * Lq, Hq * D)
                 for (n, Lq, Lk), q, k, v, m in zip(blocks, qs, ks, vs, r_masks)]
