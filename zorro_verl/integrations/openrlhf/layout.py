@@ -27,7 +27,12 @@ import torch
 from zorro_verl.packing import ZorroPlan, build_plan
 
 __all__ = ["OpenRLHFLayout", "SampleSpans", "sample_spans", "plan_from_openrlhf", "verl_layout",
-           "scatter_actions", "scatter_entropy"]
+           "scatter_actions", "scatter_entropy", "OUTPUT_DTYPE"]
+
+# OpenRLHF's Actor.forward casts the logits to fp32 before its log-softmax and entropy, whatever the model's dtype:
+# its log-probs and entropies are fp32, and so are the ones zorro hands back. (The fp64 run-level tests set this and
+# OpenRLHF's cast to fp64 together, on both sides.)
+OUTPUT_DTYPE = torch.float32
 
 
 @dataclass
@@ -164,12 +169,12 @@ def verl_layout(sequences: torch.Tensor, attention_mask: torch.Tensor, action_ma
 
 
 def scatter_actions(layout: OpenRLHFLayout, values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """Per-response-token values ``[N]`` -> OpenRLHF's action log-probs ``[B, A]`` fp32, times ``action_mask``
-    (as ``Actor.forward`` returns them). Differentiable in ``values``."""
+    """Per-response-token values ``[N]`` -> OpenRLHF's action log-probs ``[B, A]`` fp32 (:data:`OUTPUT_DTYPE`), times
+    ``action_mask`` (as ``Actor.forward`` returns them). Differentiable in ``values``."""
     plan = layout.plan
     cols = layout.token_positions() - (layout.T - layout.A)
-    out = values.new_zeros(plan.B, layout.A, dtype=torch.float32)
-    return out.index_put((plan.out_row, cols), values.float()) * action_mask.float()
+    out = values.new_zeros(plan.B, layout.A, dtype=OUTPUT_DTYPE)
+    return out.index_put((plan.out_row, cols), values.to(OUTPUT_DTYPE)) * action_mask.float()
 
 
 def scatter_entropy(layout: OpenRLHFLayout, values: torch.Tensor) -> torch.Tensor:
@@ -177,5 +182,5 @@ def scatter_entropy(layout: OpenRLHFLayout, values: torch.Tensor) -> torch.Tenso
     token (OpenRLHF's ``output.entropy`` layout); 0 elsewhere (prompt positions, pads, the dropped tail), which
     OpenRLHF never reads (its entropy loss is masked by ``action_mask``)."""
     plan = layout.plan
-    out = values.new_zeros(plan.B, layout.T - 1, dtype=torch.float32)
-    return out.index_put((plan.out_row, layout.token_positions() - 1), values.float())
+    out = values.new_zeros(plan.B, layout.T - 1, dtype=OUTPUT_DTYPE)
+    return out.index_put((plan.out_row, layout.token_positions() - 1), values.to(OUTPUT_DTYPE))
