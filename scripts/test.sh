@@ -1,23 +1,66 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up .venv (see setup_env.sh), run pytest and the prefix-tree
-# benchmark's CPU targets (zorro-verl bench --tree), then the verl 0.7.1
-# legacy-actor tests in their own environment (.venv-verl07: verl 0.7.1 pins numpy<2), the OpenRLHF integration tests
-# in theirs (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the Megatron tests in
-# theirs (.venv-megatron: megatron-core 0.19.2, see test_megatron.sh), the built wheel installed
-# with verl in a fresh environment (.venv-wheel, see test_wheel.sh), then the end-to-end GRPO
-# runs (verl main_ppo + the CPU build of vLLM, zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh), and the
-# CI version of the e2e speed benchmark in the same environment (scripts/bench_e2e.sh --quick).
+# benchmark's CPU targets (zorro-verl bench --tree), the verl 0.7.1 legacy-actor tests in their own environment
+# (.venv-verl07: verl 0.7.1 pins numpy<2, see setup_verl07_env.sh), the OpenRLHF integration tests in theirs
+# (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the Megatron tests in theirs
+# (.venv-megatron: megatron-core 0.19.2, see test_megatron.sh), the built wheel installed with verl in a fresh
+# environment (.venv-wheel, see test_wheel.sh), the end-to-end GRPO runs (verl main_ppo + the CPU build of vLLM,
+# zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh), and the CI version of the e2e speed benchmark in the
+# same environment (scripts/bench_e2e.sh --quick).
+#
+# Two cores, used both: most of these stages are single-threaded Python (imports, pip, small tensors), so two
+# run side by side where neither measures time. While the main suite runs, the other environments are built
+# (pip); while the e2e main_ppo runs go, the verl 0.7.1, OpenRLHF and Megatron suites and the wheel check run
+# (their tests assert numbers, never durations). The two benchmarks run alone. A stage in the background writes
+# to a log that is printed when it is joined; a failed stage stops the script there (with its log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export ZORRO_REQUIRE_VERL=1  # the verl 0.9 tests fail instead of skipping if verl is missing
-# timed NAME CMD...: runs CMD (set -e stops the script if it fails) and prints how long it took.
+LOGS="$(mktemp -d)"
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a stage that stops the script ends the background one too
+# timed NAME CMD...: runs CMD, prints how long it took and returns its exit status (set -e then stops the script).
 timed() {
-  local name="$1" start
+  local name="$1" start rc=0
   shift
   start=$(date +%s)
-  "$@"
-  echo "[test] $name took $(( $(date +%s) - start )) s"
+  "$@" || rc=$?
+  echo "[test] $name took $(( $(date +%s) - start )) s$([[ $rc == 0 ]] || echo ", exit $rc")"
+  return $rc
+}
+# in_background NAME CMD...: starts CMD as a background job; its output goes to $LOGS/NAME.log, its exit status and
+# seconds to $LOGS/NAME.done.
+declare -A JOBS=()
+in_background() {
+  local name="$1"
+  shift
+  echo "[test] $name: started in the background"
+  ( start=$(date +%s); rc=0; "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
+    echo "$rc $(( $(date +%s) - start ))" > "$LOGS/$name.done" ) &
+  JOBS[$name]=$!
+}
+# join NAME: waits for the background job NAME, prints its log and how long it took; fails when the job failed.
+join() {
+  local name="$1" rc secs
+  wait "${JOBS[$name]}" || true
+  read -r rc secs < "$LOGS/$name.done" || { rc=1; secs="?"; }
+  echo "[test] ---- $name (ran in the background) ----"
+  grep -v "^WARNING: Location 'file:" "$LOGS/$name.log" || true  # pip's notes on this machine's local indexes
+  echo "[test] $name took $secs s (in the background), exit $rc"
+  [[ "$rc" == 0 ]]
+}
+# sequence CMD1 -- CMD2 -- ...: runs the commands one after another (each its own `bash -c`-free argv), stopping
+# at the first failure. Used for background jobs of several steps.
+sequence() {
+  local cmd=()
+  for a in "$@" --; do
+    if [[ "$a" == "--" ]]; then
+      [[ ${#cmd[@]} -eq 0 ]] || { echo "[test] > ${cmd[*]}"; "${cmd[@]}" || return $?; }
+      cmd=()
+    else
+      cmd+=("$a")
+    fi
+  done
 }
 # The prefix-tree benchmark's CPU targets (efficiency >= 0.85 where the tree's ideal is >= 2x; no more than 5%
 # slower than prompt-only sharing where the tree adds nothing). Timing noise can fail one measurement on a busy
@@ -35,12 +78,19 @@ e2e_bench() {
   echo "[test] e2e benchmark: a target was missed, measuring again"
   bash scripts/bench_e2e.sh --quick
 }
+in_background "environments (verl 0.7.1, OpenRLHF, Megatron, e2e)" sequence \
+  bash scripts/setup_verl07_env.sh -- bash scripts/setup_openrlhf_env.sh -- bash scripts/setup_megatron_env.sh -- \
+  bash scripts/setup_e2e_env.sh
 timed "main suite" python -m pytest -q -p no:cacheprovider tests "$@"
+join "environments (verl 0.7.1, OpenRLHF, Megatron, e2e)"
 timed "prefix-tree benchmark" tree_bench
-timed "verl 0.7.1 suite" bash scripts/test_verl07.sh
-timed "OpenRLHF suite (environment + tests)" bash scripts/test_openrlhf.sh
-timed "Megatron suite (environment + tests)" bash scripts/test_megatron.sh
-timed "wheel install check" bash scripts/test_wheel.sh
-timed "e2e environment" bash scripts/setup_e2e_env.sh
-timed "e2e main_ppo runs" .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
+in_background "verl 0.7.1, OpenRLHF and Megatron suites, wheel check" sequence \
+  bash scripts/test_verl07.sh -- bash scripts/test_openrlhf.sh -- bash scripts/test_megatron.sh -- \
+  bash scripts/test_wheel.sh
+# the main_ppo runs' time limit: the suites beside them take one of the two cores for part of the stage
+e2e_rc=0
+timed "e2e main_ppo runs" env ZORRO_E2E_RUN_TIMEOUT="${ZORRO_E2E_RUN_TIMEOUT:-720}" \
+  .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e || e2e_rc=$?
+join "verl 0.7.1, OpenRLHF and Megatron suites, wheel check"  # printed also when the runs failed
+[[ $e2e_rc == 0 ]] || exit $e2e_rc
 timed "e2e benchmark (CI version)" e2e_bench
