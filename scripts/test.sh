@@ -50,7 +50,7 @@ join() {
   echo "[test] $name took $secs s (in the background), exit $rc"
   [[ "$rc" == 0 ]]
 }
-# sequence CMD1 -- CMD2 -- ...: runs the commands one after another (each its own `bash -c`-free argv), stopping
+# sequence CMD1 -- CMD2 -- ...: runs the commands (argument lists split at `--`) one after another, stopping
 # at the first failure. Used for background jobs of several steps.
 sequence() {
   local cmd=()

@@ -38,8 +38,8 @@ from zorro_verl.testing.compare import max_rel_grad_error  # noqa: E402
 from zorro_verl.testing.fp64 import exact_fp64_norms  # noqa: E402
 from zorro_verl.testing.models import tiny_config  # noqa: E402
 
-# The training runs compare in fp64 (DESIGN §10): in fp32, six SGD steps at lr 0.5 grow one step's ~1e-6 rounding
-# to ~1e-5, more or less than that by the CPU's kernels; in fp64 they stay near 1e-14.
+# The training runs compare in fp64 (DESIGN §12, its tests): in fp32, six SGD steps at lr 0.5 grow one step's ~1e-6
+# rounding to ~1e-5, more or less than that by the CPU's kernels; in fp64 they stay near 1e-14.
 TOL = 1e-9
 VOCAB = 128
 
@@ -311,7 +311,7 @@ class Fp64Torch:
 
 
 @pytest.fixture
-def fp64_actor(monkeypatch):
+def fp64_logits(monkeypatch):
     """OpenRLHF's log-probs in the model's fp64 on both sides: the stock forward's fp32 cast of the logits
     (:class:`Fp64Torch`) and zorro's output dtype, which follows it (``layout.OUTPUT_DTYPE``). Everything else of
     both paths runs as shipped."""
@@ -345,7 +345,7 @@ def train(checkpoint, monkeypatch, samples, n, micro, gas, epochs, seed):
     return strategy.step_grads, {k: v.detach().clone() for k, v in actor.model.named_parameters()}
 
 
-def test_training_run_matches_stock(zorro_batching, checkpoint, fp64_actor, monkeypatch):
+def test_training_run_matches_stock(zorro_batching, checkpoint, fp64_logits, monkeypatch):
     """Several optimizer steps (2 per epoch, 2 epochs) of OpenRLHF's own training loop on a real Actor: zorro's
     forward and batching against stock's; every step's gradient of every parameter and the final weights agree to
     1e-9 (relative, fp64)."""
@@ -398,7 +398,7 @@ def train_dynamic(checkpoint, monkeypatch, samples, n, epochs, max_tokens):
     return strategy.step_grads, {k: v.detach().clone() for k, v in actor.model.named_parameters()}, buffer
 
 
-def test_dynamic_training_run_matches_stock(zorro_batching, checkpoint, fp64_actor, gloo_one_rank, monkeypatch):
+def test_dynamic_training_run_matches_stock(zorro_batching, checkpoint, fp64_logits, gloo_one_rank, monkeypatch):
     """Dynamic batching: OpenRLHF's own loop with its length-balanced partitions against zorro's per-step partitions
     on deduplicated tokens (the actor's buffer) and zorro's forward: every step's gradients and the final weights
     agree to 1e-9 (relative, fp64), with fewer, larger partitions."""
