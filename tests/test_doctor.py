@@ -25,7 +25,7 @@ def test_ready_setup_reports_versions_plugin_backend_and_exits_0():
     for name in ("torch", "transformers", "verl", "flash-attn", "flash-linear-attention", "causal-conv1d", "vLLM"):
         assert _line(out.stdout, name)
     assert " ok " in _line(out.stdout, "verl plugin")
-    assert "auto -> sdpa" in _line(out.stdout, "attention backend")  # this CPU host
+    assert "auto -> flash_copyfree" in _line(out.stdout, "attention backend")  # this CPU host
     assert "result: ready" in out.stdout
 
 

@@ -127,7 +127,7 @@ def _backend_checks(device: torch.device) -> list[Check]:
     elif device.type == "cuda":
         why = "no flash kernels on this CUDA machine (pip install 'zorro-verl[flash]' for faster varlen kernels)"
     else:
-        why = "not a CUDA device: the reference backend"
+        why = "CPU: the copy-free split attention on PyTorch's CPU flash kernels"
     out = [Check("attention backend", "ok" if chosen == "flash" or device.type != "cuda" else "note",
                  f"auto -> {chosen} ({why}); can train here: {', '.join(available_backends(device))}")]
     fla = importlib.util.find_spec("fla") is not None

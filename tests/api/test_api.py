@@ -222,7 +222,7 @@ def test_actor_chunks_by_max_token_len_and_reuses_patcher(model_dir):
     (dict(device="cpu", logits_optimization="fast"), "logits_optimization"),
     (dict(device="cpu", attn_implementation="magic"), "attn_implementation"),
     (dict(device="cpu", attn_implementation="flash_attention_2"), "needs a CUDA device"),
-    (dict(device="cpu", attention_backend="flash_copyfree"), "needs a CUDA device"),
+    (dict(device="cpu", attention_backend="flash"), "needs a CUDA device"),
     (dict(device="cpu", attention_backend="flash_attention_2"), "attention backend: expected one of"),
     (dict(device="cpu", world_size=0), "world_size"),
     (dict(device="cpu", world_size=2), "torch.distributed"),

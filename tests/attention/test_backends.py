@@ -73,13 +73,13 @@ def test_flex_refuses_cpu_backward():
 
 
 def test_flash_backend_refuses_cpu():
+    """``flash`` (the gather design) is CUDA-only; ``flash_copyfree`` runs on CPU (test_copyfree.py)."""
     from tests.packing.test_plan import IDS, MASK
 
     plan = build_plan(IDS, MASK, 3)
     q, k, v = _qkv(plan, 4, 2)
-    for backend in ("flash", "flash_copyfree"):
-        with pytest.raises(ValueError, match="fp16/bf16 CUDA"):
-            attend(plan, backend, q, k, v, 0.3)
+    with pytest.raises(ValueError, match="fp16/bf16 CUDA"):
+        attend(plan, "flash", q, k, v, 0.3)
 
 
 def test_flash_missing_names_the_extra(monkeypatch):
@@ -99,8 +99,9 @@ def test_registry_names_availability_and_errors():
     assert BACKEND_NAMES == ("sdpa", "eager", "standard", "flash", "flash_copyfree", "flex")
     for name, b in BACKENDS.items():
         assert b.name == name and callable(b.attend) and callable(b.index) and b.summary
-    # this CPU host: the pure-torch backends run forward and backward; flash needs CUDA, flex has no CPU backward
-    assert available_backends("cpu") == ["sdpa", "eager", "standard"]
+    # this CPU host: the pure-torch backends and the copy-free one (PyTorch's CPU flash kernels) run forward and
+    # backward; flash needs CUDA, flex has no CPU backward
+    assert available_backends("cpu") == ["sdpa", "eager", "standard", "flash_copyfree"]
     assert not flash_available("cpu")
     with pytest.raises(ValueError, match="expected one of"):
         get_backend("flash_attention_2")

@@ -1,6 +1,7 @@
 """Copy-free (log-sum-exp merged) and gather varlen split attention, run on CPU in fp64 with the plain-torch varlen
-primitives plugged in where flash-attn's go on GPU: outputs and q/k/v gradients vs the dense-mask oracle and the
-reference backend, and a whole tiny model's log-probs and parameter gradients vs the per-row oracle."""
+primitives plugged in where flash-attn's go on GPU, and with PyTorch's CPU flash kernels (the copy-free backend's
+own kernels on CPU): outputs and q/k/v gradients vs the dense-mask oracle and the reference backend, and a whole tiny
+model's log-probs and parameter gradients vs the per-row oracle."""
 
 import pytest
 import torch
@@ -10,13 +11,16 @@ from tests.attention.test_backends import _qkv, dense_oracle
 from tests.packing.test_plan import IDS, MASK, grpo_batches
 from zorro_verl.attention import attend
 from zorro_verl.attention.copyfree import attend_copyfree, copyfree_index, merge_attention
-from zorro_verl.attention.primitives import torch_primitives, varlen_attention
+from zorro_verl.attention.primitives import cpu_flash_primitives, torch_primitives, varlen_attention
 from zorro_verl.attention.varlen import attend_varlen
 from zorro_verl.packing import build_plan
 
 TOL = 1e-12  # fp64, same math up to summation order
 PRIMS = torch_primitives()
-VARIANTS = {"copyfree": attend_copyfree, "gather": attend_varlen}
+CPU_FLASH = cpu_flash_primitives()
+#: (design, kernels): both designs with the plain-torch reference kernels and with PyTorch's CPU flash kernels
+VARIANTS = {"copyfree": (attend_copyfree, PRIMS), "gather": (attend_varlen, PRIMS),
+            "copyfree_cpu_flash": (attend_copyfree, CPU_FLASH), "gather_cpu_flash": (attend_varlen, CPU_FLASH)}
 
 
 def _outputs_and_grads(fn, plan, q, k, v, w):
@@ -28,7 +32,8 @@ def _compare(plan, variant, hq, hkv, d=8, seed=0):
     q, k, v = _qkv(plan, hq, hkv, d=d, seed=seed)
     w = torch.randn(1, plan.T, hq, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
     ref = _outputs_and_grads(dense_oracle, plan, q, k, v, w)
-    got = _outputs_and_grads(lambda *a: VARIANTS[variant](*a, prims=PRIMS), plan, q, k, v, w)
+    fn, prims = VARIANTS[variant]
+    got = _outputs_and_grads(lambda *a: fn(*a, prims=prims), plan, q, k, v, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape, name
         err = (a - b).abs().max().item()
@@ -74,7 +79,8 @@ def test_group_without_response_tokens_uses_a_subset_of_prompts():
     ix = copyfree_index(plan)
     assert ix["ka_index"] is not None and ix["ka_index"].tolist() == [0, 1, 2, 6, 7]
     assert ix["cu_qa"].tolist() == [0, 3, 2 + 3]
-    _compare(plan, "copyfree", 4, 2)
+    for variant in ("copyfree", "copyfree_cpu_flash"):
+        _compare(plan, variant, 4, 2)
 
 
 def test_all_responses_empty():
@@ -118,16 +124,47 @@ def test_torch_primitives_match_sdpa_with_gqa_and_bottom_right_causal():
         assert (a - b).abs().max().item() <= TOL
 
 
-def test_gpu_kernels_refuse_cpu_tensors():
+def test_cpu_flash_primitives_match_the_reference_primitives():
+    """PyTorch's CPU flash kernels per segment vs the plain-torch primitives: out, lse and the backward under a
+    given (merged-style, here perturbed) out / lse, causal and not, GQA, an empty segment; the calls the kernel
+    cannot make (bottom-right causal with lk > lq, a window, a soft-cap) take the plain math."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(9, 4, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(9, 2, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(9, 2, 8, dtype=torch.float64, generator=g)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    calls = [(i32([0, 4, 4, 9]), i32([0, 4, 4, 9]), True, None, None),  # square causal segments, one empty
+             (i32([0, 5, 9]), i32([0, 2, 9]), False, None, None),  # non-causal, unequal lengths
+             (i32([0, 3, 9]), i32([0, 5, 9]), True, None, None),  # bottom-right causal (lk != lq): the plain math
+             (i32([0, 9]), i32([0, 9]), True, 3, None), (i32([0, 9]), i32([0, 9]), True, None, 2.0)]
+    for cu_q, cu_k, causal, window, cap in calls:
+        args = (cu_q, cu_k, 9, 9, 0.35, causal, window, cap)
+        o_ref, lse_ref, _ = PRIMS.fwd(q, k, v, *args)
+        o, lse, st = CPU_FLASH.fwd(q, k, v, *args)
+        # rows without a key (lk < lq, bottom-right causal): lse -inf in both
+        assert (o - o_ref).abs().max().item() <= TOL
+        assert torch.where(lse == lse_ref, 0.0, lse - lse_ref).abs().max().item() <= TOL
+        dout = torch.randn(o.shape, dtype=o.dtype, generator=g)
+        o_m, lse_m = o + 0.1 * torch.randn(o.shape, dtype=o.dtype, generator=g), lse + 0.2
+        for a, b in zip(PRIMS.bwd(dout, q, k, v, o_m, lse_m, None, *args), CPU_FLASH.bwd(dout, q, k, v, o_m, lse_m,
+                                                                                          st, *args)):
+            assert (a - b).abs().max().item() <= TOL
+
+
+def test_registered_backend_runs_on_cpu_with_the_cpu_flash_kernels():
     plan = build_plan(IDS, MASK, 3)
     q, k, v = _qkv(plan, 4, 2)
-    with pytest.raises(ValueError, match="fp16/bf16 CUDA"):
-        attend(plan, "flash_copyfree", q, k, v, 0.3)
+    w = torch.randn(1, plan.T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = _outputs_and_grads(dense_oracle, plan, q, k, v, w)
+    got = _outputs_and_grads(lambda *a: attend(a[0], "flash_copyfree", *a[1:]), plan, q, k, v, w)
+    for a, b in zip(ref, got):
+        assert (a - b).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("variant", ["flash_copyfree", "flash"])
 def test_model_logprobs_and_grads_vs_per_row_oracle(variant, monkeypatch):
-    """A whole tiny Qwen3 in fp64 through the registered attention with the torch primitives plugged in."""
+    """A whole tiny Qwen3 in fp64 through the registered attention: ``flash_copyfree`` with its CPU flash kernels,
+    ``flash`` with the torch primitives plugged in."""
     import zorro_verl.attention.copyfree as cf
     from zorro_verl.attention import varlen
     from zorro_verl.integrations.transformers import install_zorro, zorro_step

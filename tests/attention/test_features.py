@@ -18,13 +18,16 @@ from zorro_verl.testing import create_dummy_batch, dense_attention_oracle, dense
 
 TOL = 1e-12  # fp64: both sides are the same math up to summation order
 PRIMS = torch_primitives()
-#: name -> attend(plan, q, k, v, scaling, features); the flash designs with the CPU reference kernels
+#: name -> attend(plan, q, k, v, scaling, features); the flash designs with the CPU reference kernels, and the
+#: copy-free backend as registered (its CPU flash kernels)
 BACKENDS = {
     "sdpa": lambda p, q, k, v, s, f: attend(p, "sdpa", q, k, v, s, f),
     "eager": lambda p, q, k, v, s, f: attend(p, "eager", q, k, v, s, f),
     "standard": lambda p, q, k, v, s, f: attend(p, "standard", q, k, v, s, f),
     "flash": lambda p, q, k, v, s, f: attend_varlen(p, q, k, v, s, f.for_plan(p), prims=PRIMS),
     "flash_copyfree": lambda p, q, k, v, s, f: attend_copyfree(p, q, k, v, s, f.for_plan(p), prims=PRIMS),
+    # the registered backend on CPU: PyTorch's CPU flash kernels (windows / soft-caps take the plain math)
+    "flash_copyfree_cpu": lambda p, q, k, v, s, f: attend(p, "flash_copyfree", q, k, v, s, f),
 }
 FEATURES = {
     "window1": dict(window=1),

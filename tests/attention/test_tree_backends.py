@@ -26,6 +26,7 @@ VARIANTS = {
     "standard": lambda plan, *a: attend(plan, "standard", *a),
     "flash_copyfree": lambda plan, *a: attend_copyfree(plan, *a, prims=PRIMS),
     "flash": lambda plan, *a: attend_varlen(plan, *a, prims=PRIMS),
+    "flash_copyfree_cpu": lambda plan, *a: attend(plan, "flash_copyfree", *a),  # its CPU flash kernels
 }
 
 

@@ -37,6 +37,7 @@ from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, add_si
 from zorro_verl.attention.primitives import (
     VarlenPrimitives,
     check_flash_inputs,
+    cpu_flash_primitives,
     flash_available,
     flash_primitives,
 )
@@ -242,8 +243,11 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
     :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same logic on CPU in fp64.
     """
     if prims is None:
-        check_flash_inputs("flash_copyfree", query)
-        prims = flash_primitives()
+        if query.device.type == "cpu":  # PyTorch's CPU flash kernels, one call per segment (any float dtype)
+            prims = cpu_flash_primitives()
+        else:
+            check_flash_inputs("flash_copyfree", query)
+            prims = flash_primitives()
     if features.window is not None or (plan.tree is not None and not features.plain):
         # windows (and, for prefix trees, sinks / soft-capping): the gather design's call, exact
         return attend_varlen(plan, query, key, value, scaling, features, prims)
@@ -256,6 +260,11 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
     return out.unsqueeze(0)
 
 
-BACKEND = Backend("flash_copyfree", attend_copyfree, copyfree_index, flash_available,
-                  "flash varlen, prompt and own parts merged by log-sum-exp; no K/V copies (CUDA, fp16/bf16)",
-                  ("cuda",))
+def _available(device: torch.device) -> bool:
+    """CPU: always (PyTorch's CPU flash kernels); CUDA: where the flash kernels are."""
+    return torch.device(device).type == "cpu" or flash_available(device)
+
+
+BACKEND = Backend("flash_copyfree", attend_copyfree, copyfree_index, _available,
+                  "flash varlen, prompt and own parts merged by log-sum-exp; no K/V copies (CUDA fp16/bf16 flash "
+                  "kernels; CPU: PyTorch's CPU flash kernels per segment, any float dtype)")

@@ -36,6 +36,7 @@ import torch
 from zorro_verl.attention.features import add_sink, sink_grad
 
 __all__ = ["VarlenPrimitives", "flash_available", "flash_primitives", "flash_provider", "torch_primitives",
+           "cpu_flash_primitives",
            "varlen_attention", "check_flash_inputs", "flash_deterministic", "DETERMINISTIC_ENV"]
 
 _PRIMS: dict = {}
@@ -165,6 +166,66 @@ def torch_primitives() -> VarlenPrimitives:
     """Plain-torch varlen primitives (a loop over segments, fp32 softmax for half dtypes, fp64 kept): the
     reference the copy-free and gather logic are tested with on CPU."""
     return VarlenPrimitives("torch_reference", _torch_fwd, _torch_bwd)
+
+
+# ------------------------------------------------------------------------------------------ CPU flash kernels
+def _square_or_free(segs_q, segs_k, causal: bool) -> bool:
+    """The CPU flash kernel's causal mask is top-left aligned: it equals the bottom-right one of this module only
+    where every segment is square (every causal call zorro makes); otherwise the call runs the plain math."""
+    return not causal or all(b - a == d - c for (a, b), (c, d) in zip(segs_q, segs_k))
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[L, H, D] -> [1, H, L, D]`` (a view; the CPU kernels take strided inputs)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
+    segs_q, segs_k = _segments(cu_q), _segments(cu_k)  # CPU tensors: reading them is no device sync
+    if window is not None or softcap is not None or not _square_or_free(segs_q, segs_k, causal):
+        # the CPU flash kernel has no window, soft-cap or bottom-right causal mask: the plain math (exact)
+        return _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap)
+    Tq, Hq, _ = q.shape
+    out = q.new_zeros(Tq, Hq, v.shape[2])
+    lse = torch.full((Hq, Tq), float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
+    for (a, b), (c, d) in zip(segs_q, segs_k):
+        if b == a or d == c:  # no key: output 0, lse -inf (as the reference)
+            continue
+        o, ls = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _heads_first(q[a:b]), _heads_first(k[c:d]), _heads_first(v[c:d]), 0.0, causal, scale=scale)
+        out[a:b] = o[0].transpose(0, 1)
+        lse[:, a:b] = ls[0]
+    return out, lse, None
+
+
+def _cpu_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
+    segs_q, segs_k = _segments(cu_q), _segments(cu_k)
+    if window is not None or softcap is not None or not _square_or_free(segs_q, segs_k, causal):
+        return _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap)
+    acc = _acc_dtype(q.dtype)
+    # accumulated in fp32 (fp64 for fp64) as the reference: a key segment may serve several query segments
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for (a, b), (c, d) in zip(segs_q, segs_k):
+        if b == a or d == c:
+            continue
+        # the kernel recomputes P = exp(S - lse) and rowsum(dO * O) from the given (possibly merged) out / lse
+        g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _heads_first(dout[a:b]), _heads_first(q[a:b]), _heads_first(k[c:d]), _heads_first(v[c:d]),
+            _heads_first(out[a:b]), lse[:, a:b].unsqueeze(0).to(acc), 0.0, causal, scale=scale)
+        dq[a:b] += g_q[0].transpose(0, 1)
+        dk[c:d] += g_k[0].transpose(0, 1)
+        dv[c:d] += g_v[0].transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def cpu_flash_primitives() -> VarlenPrimitives:
+    """PyTorch's CPU flash-attention kernels (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its
+    backward: blockwise, no score matrix kept; fp64 / fp32 / bf16 / fp16, grouped K/V heads) called once per
+    segment — the ``flash_copyfree`` backend's kernels on CPU. Calls with a window, a soft-cap or a non-square
+    causal segment run :func:`torch_primitives`' math (the kernel has neither)."""
+    return VarlenPrimitives("torch_cpu_flash", _cpu_fwd, _cpu_bwd)
 
 
 # ------------------------------------------------------------------------------------------ GPU providers

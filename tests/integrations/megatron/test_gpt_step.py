@@ -48,7 +48,7 @@ def megatron_tp1(tmp_path_factory):
     return stock, zorro
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "eager", "standard"])  # the backends that run on the CPU
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "standard", "flash_copyfree"])  # the backends that run on the CPU
 @pytest.mark.parametrize("sharing", ["prompt", "prefix"])
 def test_tp1_exact(megatron_tp1, sharing, backend):
     stock, zorro = megatron_tp1

@@ -44,10 +44,11 @@ def test_settings_omegaconf_if_available():
 
 
 def test_resolve_backend():
-    assert resolve_attention_backend("auto", "cpu") == "sdpa"
+    assert resolve_attention_backend("auto", "cpu") == "flash_copyfree"
     assert resolve_attention_backend("eager", "cpu") == "eager"
     assert resolve_attention_backend("standard", "cpu") == "standard"
-    for name in ("flash", "flash_copyfree", "flex"):  # cannot train on this CPU host: refused, naming the backend
+    assert resolve_attention_backend("flash_copyfree", "cpu") == "flash_copyfree"  # PyTorch's CPU flash kernels
+    for name in ("flash", "flex"):  # cannot train on this CPU host: refused, naming the backend
         with pytest.raises(ValueError, match=name):
             resolve_attention_backend(name, "cpu")
 

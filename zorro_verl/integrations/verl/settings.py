@@ -12,7 +12,8 @@ Keys (documented for users in ``configs/README.md``):
 * ``logits_optimization`` (``none|compute|memory``): how the LM head / log-softmax is materialised.
 * ``attention_backend`` (``auto`` or any registered backend: ``sdpa|eager|standard|flash|flash_copyfree|flex``):
   ``auto`` = ``flash`` where the flash backends can run (:func:`~zorro_verl.attention.flash_available`: CUDA and
-  flash-attn or PyTorch's built-in flash kernels), else ``sdpa`` (logged once when that happens on CUDA).
+  flash-attn or PyTorch's built-in flash kernels), ``flash_copyfree`` on CPU (PyTorch's CPU flash kernels), else
+  ``sdpa`` (logged once when that happens on CUDA).
 * ``on_unsupported`` (``raise|warn``): what to do with a setting zorro cannot run exactly; ``warn`` falls back to
   the stock forward for that batch, warns once and counts it in ``zorro/fallback_batches``.
 * ``group_balance`` (bool, True): group-aware DP balancing in the trainer (false: verl's own balancing only).
@@ -144,7 +145,9 @@ class ZorroSettings:
 
 
 def resolve_attention_backend(choice: str, device_type: str) -> str:
-    """``auto`` -> ``flash`` where the flash backends can run, else ``sdpa`` (logged once on CUDA).
+    """``auto`` -> ``flash`` where the flash backends can run; on CPU ``flash_copyfree`` (PyTorch's CPU flash kernels:
+    no per-response copy of the prompt's K/V, so a micro-batch's attention holds no more than the stock per-row
+    attention's); else ``sdpa`` (logged once on CUDA).
 
     Explicit choices are returned unchanged once they can run here; an explicit one that cannot (``flash`` without
     CUDA or flash kernels, ``flex`` for training on CPU...) raises naming why.
@@ -154,6 +157,8 @@ def resolve_attention_backend(choice: str, device_type: str) -> str:
     if choice == "auto":
         if flash_available(device_type):
             return "flash"
+        if device_type == "cpu":
+            return "flash_copyfree"
         if device_type == "cuda" and not _logged_auto_sdpa:
             _logged_auto_sdpa = True
             logger.warning("zorro: attention_backend=auto picked 'sdpa' on CUDA because no flash kernels are available "
