@@ -5,8 +5,10 @@ references: FLOPs counted from the model's own linear layers and by hand, median
 from __future__ import annotations
 
 import json
+import os
 import uuid
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,6 +205,12 @@ def test_report_markdown_svg_and_docs(tmp_path):
                              {"machine": "test"})
     assert "| update_actor | 8.00 | 3.00 | 2.67x | 2.50x | 1.07 | 2.00x |" in md
     assert "| train worker | 2.00 | 1.50 |" in md and "- machine: test" in md
+    assert "heap in use" not in md  # no heap measured: no heap table
+    md = e2e.format_markdown({"zorro": rows}, {}, {}, heap={"stock": 1.25, "zorro": 1.125})
+    assert "| train worker | 1.250 | 1.125 |" in md
+    assert e2e.check_targets(rows, 1.25, 1.125, "peak heap in use") == []
+    assert e2e.check_targets(rows, 1.0, 1.125, "peak heap in use") == [
+        "memory: zorro's training worker's peak heap in use peaked at 1.125 GiB > stock's 1.000 GiB"]
     svg = tmp_path / "p.svg"
     e2e.svg_plot({"zorro": rows, "zorro_prefix": rows}, svg, title="a < b")
     root = ET.parse(svg).getroot()
@@ -377,3 +385,30 @@ def test_after_import_runs_every_hook(tmp_path, monkeypatch):
     finally:
         sys.modules.pop("zorro_hooked_mod", None)
         sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "name", None) != "zorro_hooked_mod"]
+
+
+def test_heap_peak_sampler_records_a_training_workers_peak(tmp_path):
+    """The e2e benchmark's heap sampler in a real process whose command line names a training worker (as Ray's
+    title does): a 256 MiB block held for a while and freed is in the recorded peak, which stays after the free;
+    ``heap_in_use`` counts it while it lives."""
+    import subprocess
+    import sys
+
+    from tests.e2e.runner import process_role
+    from tests.support.heap_peak import HEAP_DIR_ENV, heap_in_use, read_peaks
+
+    if heap_in_use() < 0:
+        pytest.skip("no glibc mallinfo2 here")
+    before = heap_in_use()
+    block = bytearray(256 << 20)
+    assert heap_in_use() - before >= 256 << 20
+    del block
+    code = ("import time; from tests.support.heap_peak import start, heap_in_use; start(); base = heap_in_use(); "
+            "b = bytearray(256 << 20); time.sleep(1.5); del b; time.sleep(1.5); print(base)")
+    out = subprocess.run([sys.executable, "-c", code, "ray::WorkerDict.actor_rollout_ref_update_actor"],
+                         env={**os.environ, HEAP_DIR_ENV: str(tmp_path)}, capture_output=True, text=True,
+                         timeout=60, check=True, cwd=str(Path(__file__).resolve().parents[2]))
+    base = int(out.stdout.split()[-1])
+    (cmd, peak), = read_peaks(tmp_path).values()
+    assert process_role(cmd) == "train worker"
+    assert base + (256 << 20) <= peak < base + (256 << 20) + (16 << 20)

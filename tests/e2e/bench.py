@@ -39,9 +39,11 @@ from tests.e2e.runner import (
     base_overrides,
     fallback_metrics,
     micro_batch_overrides,
+    process_role,
     run_main_ppo,
     set_override,
 )
+from tests.support.heap_peak import HEAP_DIR_ENV
 
 N = 8  # rollout.n
 RUNS = {
@@ -137,9 +139,19 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
     return o
 
 
+def worker_heap_peak(heap_dir: Path):
+    """The largest peak heap in use of a training-worker process of one run (GiB; None when not measured:
+    no glibc ``mallinfo2``), from :mod:`tests.support.heap_peak`'s files."""
+    from tests.support.heap_peak import read_peaks
+
+    peaks = [b for cmd, b in read_peaks(heap_dir).values() if process_role(cmd) == "train worker" and b >= 0]
+    return max(peaks) / 2**30 if peaks else None
+
+
 def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: int,
-            targets: dict) -> tuple[dict, list[str]]:
-    """Phase tables of every zorro run against ``stock`` (``{run: rows}``) and the missed targets."""
+            targets: dict, heap: dict | None = None) -> tuple[dict, list[str]]:
+    """Phase tables of every zorro run against ``stock`` (``{run: rows}``) and the missed targets; the memory target
+    on the training worker's peak heap in use (``heap``: run -> GiB) when measured, else on its peak RSS."""
     from transformers import AutoConfig
 
     from zorro_verl.bench import e2e
@@ -156,8 +168,11 @@ def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: in
         rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets,
                                unchecked=targets.get("unchecked", {}).get(RUNS[name]["sharing"], ()))
         tables[name] = rows
-        missed += [f"{name}: {m}" for m in e2e.check_targets(
-            rows, stock.role_peak_gb.get("train worker"), r.role_peak_gb.get("train worker"))]
+        if heap:
+            mem = (heap["stock"], heap[name], "peak heap in use")
+        else:
+            mem = (stock.role_peak_gb.get("train worker"), r.role_peak_gb.get("train worker"), "peak RSS")
+        missed += [f"{name}: {m}" for m in e2e.check_targets(rows, *mem)]
     return tables, missed
 
 
@@ -260,7 +275,7 @@ def main(argv=None) -> int:
                                 system_tokens=setup.system_tokens,
                                 dims=setup.dims)
     rec = work / "rollouts.jsonl"
-    results, failed = {}, []
+    results, failed, heap = {}, [], {}
     for name in names:
         # GPU: the record/replay without the CPU platform or the CPU stand-ins (flash-attn is real there)
         env = (gpu_env("tests.support.verl_gpu_bench_plugin") if setup.gpu else
@@ -268,13 +283,17 @@ def main(argv=None) -> int:
         mode = RUNS[name]["rollouts"]
         if mode == "record" and rec.exists():
             rec.unlink()
-        env.update({ROLLOUT_MODE_ENV: mode, ROLLOUT_FILE_ENV: str(rec), POLL_INTERVAL_ENV: "0.05"})
+        env.update({ROLLOUT_MODE_ENV: mode, ROLLOUT_FILE_ENV: str(rec), POLL_INTERVAL_ENV: "0.05",
+                    HEAP_DIR_ENV: str(work / f"{name}.heap")})
         r = run_main_ppo(name, overrides(name, assets, work, a.warmup + steps, setup), work=work, env=env,
                          python=sys.executable, timeout_s=a.timeout)
+        heap[name] = worker_heap_peak(work / f"{name}.heap")
         print(f"[bench-e2e] {name}: rc={r.returncode} {r.seconds:.0f}s steps={sorted(r.steps)} "
-              f"peak {r.peak_rss_gb:.1f} GiB (process tree)", flush=True)
+              f"peak {r.peak_rss_gb:.1f} GiB (process tree)"
+              + ("" if heap[name] is None else f", training worker heap in use {heap[name]:.3f} GiB"), flush=True)
         (work / f"{name}.steps.json").write_text(json.dumps(
-            {"steps": r.steps, "roles": r.role_peak_gb, "rc": r.returncode, "seconds": r.seconds}, indent=1))
+            {"steps": r.steps, "roles": r.role_peak_gb, "heap_gb": heap[name], "rc": r.returncode,
+             "seconds": r.seconds}, indent=1))
         if r.returncode != 0 or sorted(r.steps) != list(range(1, a.warmup + steps + 1)):
             failed.append(f"{name}: rc={r.returncode}, steps {sorted(r.steps)} ({r.log_path}):\n{r.tail(40)}")
         results[name] = r
@@ -284,7 +303,8 @@ def main(argv=None) -> int:
     if len(results) < 2:
         print(f"[bench-e2e] only {list(results)} ran: nothing to compare (logs in {work})")
         return 0
-    tables, missed = analyse(results, work, assets, setup, warmup=a.warmup, targets=targets)
+    heap = heap if all(v is not None for v in heap.values()) else None  # measured in every run, or not used
+    tables, missed = analyse(results, work, assets, setup, warmup=a.warmup, targets=targets, heap=heap)
     for name, r in results.items():
         if name != "stock":
             bad = [k for m in r.steps.values() for k, v in fallback_metrics(m).items() if v]
@@ -294,14 +314,15 @@ def main(argv=None) -> int:
     meta = {"command": command_line(a),
             "machine": where, "git sha": git_sha(), "settings": describe(setup, assets, steps, a.warmup),
             "targets": (f"actor phases with ideal >= {targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
-                        "step: >= Amdahl's law with those phase floors; training worker peak RSS: zorro <= stock"
+                        "step: >= Amdahl's law with those phase floors; training worker "
+                        + ("peak heap in use" if heap else "peak RSS (no glibc mallinfo2 here)") + ": zorro <= stock"
                         + "".join(f"; sharing={k}: {', '.join(v)} reported, not checked (a known gap, "
                                   "docs/BENCHMARKS.md)" for k, v in targets.get("unchecked", {}).items()))}
     roles = {n: r.role_peak_gb for n, r in results.items()}
-    md = e2e.format_markdown(tables, roles, meta)
+    md = e2e.format_markdown(tables, roles, meta, heap)
     (work / "report.md").write_text(md)
     (work / "report.json").write_text(json.dumps({"tables": tables, "meta": meta, "missed": missed,
-                                                  "roles": roles}, indent=1))
+                                                  "roles": roles, "heap_gb": heap}, indent=1))
     e2e.svg_plot(tables, work / "phases.svg", title=f"verl main_ppo GRPO step, stock vs zorro ({where})")
     print(md)
     if a.docs:

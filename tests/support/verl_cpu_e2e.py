@@ -441,6 +441,9 @@ def install() -> None:
     _after_import("vllm.distributed.device_communicators.shm_broadcast", _patch_vllm_idle_spin)
     install_seeded_rollout()
     install_ordered_batches()
+    from tests.support.heap_peak import start as start_heap_peak
+
+    start_heap_peak()  # with ZORRO_E2E_HEAP_DIR (the e2e benchmark): a training worker's peak heap in use
     _installed = True
 
 
