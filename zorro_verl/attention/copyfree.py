@@ -171,7 +171,7 @@ class _CopyFreeAttention(torch.autograd.Function):
         o_p, lse_p = add_sink(o_p, lse_p, sinks)  # the sink enters each query's normaliser once
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         out.index_copy_(0, pt, o_p)
-        saved = [qp, kp, vp, o_p, lse_p]
+        lse_r = None
         states = [st_p, None, None]
         if N > 0:
             qr, kr, vr = q.index_select(0, rt), k.index_select(0, rt), v.index_select(0, rt)  # [N, H, D]
@@ -182,9 +182,10 @@ class _CopyFreeAttention(torch.autograd.Function):
                                          None, softcap)
             o_r, lse_r = add_sink(*merge_attention(o_a, lse_a, o_b, lse_b), sinks)
             out.index_copy_(0, rt, o_r)
-            saved += [qr, kr, vr, ka, va, o_r, lse_r]
             states[1:] = [st_a, st_b]
-        ctx.save_for_backward(sinks, *saved)
+        # Saved: the packed q/k/v and out, as a stock attention saves them; the backward gathers its parts again
+        # (O(T) copies) instead of keeping the permuted copies and each part's output beside them.
+        ctx.save_for_backward(sinks, q, k, v, out, lse_p, lse_r)
         ctx.ix, ctx.N, ctx.scale, ctx.softcap, ctx.prims, ctx.states = ix, N, scale, softcap, prims, states
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out
@@ -193,9 +194,9 @@ class _CopyFreeAttention(torch.autograd.Function):
     def backward(ctx, dout):
         ix, N, scale, softcap, prims = ctx.ix, ctx.N, ctx.scale, ctx.softcap, ctx.prims
         st_p, st_a, st_b = ctx.states
-        sinks, *saved = ctx.saved_tensors
-        qp, kp, vp, o_p, lse_p = saved[:5]
+        sinks, q, k, v, out, lse_p, lse_r = ctx.saved_tensors
         pt, rt = ix["prompt_tokens"], ix["resp_tokens"]
+        qp, kp, vp, o_p = (x.index_select(0, pt) for x in (q, k, v, out))
         q_shape, k_shape, v_shape = ctx.shapes
         dq = dout.new_empty(q_shape)
         dk = dout.new_empty(k_shape)
@@ -205,7 +206,8 @@ class _CopyFreeAttention(torch.autograd.Function):
                                   ix["max_p"], scale, True, None, softcap)
         d_sinks = sink_grad(do_p, o_p, lse_p, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         if N > 0:
-            qr, kr, vr, ka, va, o_r, lse_r = saved[5:]
+            qr, kr, vr, o_r = (x.index_select(0, rt) for x in (q, k, v, out))
+            ka, va = (kp, vp) if ix["ka_index"] is None else (kp[ix["ka_index"]], vp[ix["ka_index"]])
             do_r = dout.index_select(0, rt)
             # Both parts see the merged o/lse: each kernel's P is the merged softmax restricted to its keys.
             dqa, dka, dva = prims.bwd(do_r, qr, ka, va, o_r, lse_r, st_a, ix["cu_qa"], ix["cu_ka"], ix["max_qa"],

@@ -254,7 +254,7 @@ def format_markdown(tables: dict, roles: dict, meta: dict, heap: Optional[dict] 
         out.append(f"| {role} | " + " | ".join(_f(roles[n].get(role), ".2f") for n in roles) + " |")
     out.append("")
     if heap:
-        out.append("**Peak C heap in use of the training worker (GiB)** (glibc ``mallinfo2``, sampled every 5 ms: "
+        out.append("**Peak C heap in use of the training worker (GiB)** (glibc ``mallinfo2``, sampled every 2 ms: "
                    "the bytes malloc has handed out, whatever it keeps resident)\n")
         out.append("| | " + " | ".join(heap) + " |")
         out.append("|---|" + "---:|" * len(heap))
