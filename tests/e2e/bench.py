@@ -43,7 +43,7 @@ from tests.e2e.runner import (
     run_main_ppo,
     set_override,
 )
-from tests.support.heap_peak import HEAP_DIR_ENV
+from tests.support.heap_peak import HEAP_DIR_ENV, read_peaks
 
 N = 8  # rollout.n
 RUNS = {
@@ -142,8 +142,6 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
 def worker_heap_peak(heap_dir: Path):
     """The largest peak heap in use of a training-worker process of one run (GiB; None when not measured:
     no glibc ``mallinfo2``), from :mod:`tests.support.heap_peak`'s files."""
-    from tests.support.heap_peak import read_peaks
-
     peaks = [b for cmd, b in read_peaks(heap_dir).values() if process_role(cmd) == "train worker" and b >= 0]
     return max(peaks) / 2**30 if peaks else None
 

@@ -19,6 +19,7 @@ releases the GIL during the call, and torch's ops run without it, so the samples
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -41,7 +42,9 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.cache
 def _mallinfo2():
+    """glibc's ``mallinfo2`` (loaded once), or None without it."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         f = libc.mallinfo2  # glibc >= 2.33
@@ -51,9 +54,9 @@ def _mallinfo2():
     return f
 
 
-def heap_in_use(mallinfo2=None) -> int:
+def heap_in_use() -> int:
     """Bytes of the C heap in use now (arenas + mmapped blocks); -1 without glibc's ``mallinfo2``."""
-    f = mallinfo2 or _mallinfo2()
+    f = _mallinfo2()
     if f is None:
         return -1
     m = f()
@@ -67,13 +70,13 @@ def _cmdline() -> str:
         return ""
 
 
-def _run(out_dir: Path, f) -> None:
+def _run(out_dir: Path) -> None:
     while not any(n in _cmdline() for n in _NEEDLES):  # a Ray worker learns its actor class after start-up
         time.sleep(1.0)
     path, tmp = out_dir / f"{os.getpid()}.json", out_dir / f".{os.getpid()}.tmp"
     peak, written = 0, 0.0
     while True:
-        peak = max(peak, heap_in_use(f))
+        peak = max(peak, heap_in_use())
         now = time.monotonic()
         if now - written >= 1.0:
             tmp.write_text(json.dumps({"pid": os.getpid(), "cmdline": _cmdline(), "peak_bytes": peak}))
@@ -86,15 +89,12 @@ def start() -> None:
     """Start the sampler of this process when :data:`HEAP_DIR_ENV` is set (idempotent; no-op without glibc)."""
     global _started
     d = os.environ.get(HEAP_DIR_ENV)
-    if _started or not d:
-        return
-    f = _mallinfo2()
-    if f is None:
+    if _started or not d or _mallinfo2() is None:
         return
     _started = True
     out = Path(d)
     out.mkdir(parents=True, exist_ok=True)
-    threading.Thread(target=_run, args=(out, f), daemon=True, name="zorro-heap-peak").start()
+    threading.Thread(target=_run, args=(out,), daemon=True, name="zorro-heap-peak").start()
 
 
 def read_peaks(out_dir: Path) -> dict:

@@ -159,6 +159,13 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     return o.to(o_a.dtype), lse
 
 
+def _part_a_keys(kp: torch.Tensor, vp: torch.Tensor, ix: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part A's keys/values: the prompt call's ``[Np, Hkv, D]``, or those of the groups with a response token."""
+    if ix["ka_index"] is None:
+        return kp, vp
+    return kp[ix["ka_index"]], vp[ix["ka_index"]]
+
+
 class _CopyFreeAttention(torch.autograd.Function):
     """``q [T, Hq, D], k/v [T, Hkv, D]`` (packed row) -> ``out [T, Hq, D]`` with the exact merged backward."""
 
@@ -175,7 +182,7 @@ class _CopyFreeAttention(torch.autograd.Function):
         states = [st_p, None, None]
         if N > 0:
             qr, kr, vr = q.index_select(0, rt), k.index_select(0, rt), v.index_select(0, rt)  # [N, H, D]
-            ka, va = (kp, vp) if ix["ka_index"] is None else (kp[ix["ka_index"]], vp[ix["ka_index"]])
+            ka, va = _part_a_keys(kp, vp, ix)
             o_a, lse_a, st_a = prims.fwd(qr, ka, va, ix["cu_qa"], ix["cu_ka"], ix["max_qa"], ix["max_ka"], scale,
                                          False, None, softcap)
             o_b, lse_b, st_b = prims.fwd(qr, kr, vr, ix["cu_r"], ix["cu_r"], ix["max_r"], ix["max_r"], scale, True,
@@ -207,7 +214,7 @@ class _CopyFreeAttention(torch.autograd.Function):
         d_sinks = sink_grad(do_p, o_p, lse_p, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         if N > 0:
             qr, kr, vr, o_r = (x.index_select(0, rt) for x in (q, k, v, out))
-            ka, va = (kp, vp) if ix["ka_index"] is None else (kp[ix["ka_index"]], vp[ix["ka_index"]])
+            ka, va = _part_a_keys(kp, vp, ix)
             do_r = dout.index_select(0, rt)
             # Both parts see the merged o/lse: each kernel's P is the merged softmax restricted to its keys.
             dqa, dka, dva = prims.bwd(do_r, qr, ka, va, o_r, lse_r, st_a, ix["cu_qa"], ix["cu_ka"], ix["max_qa"],

@@ -169,9 +169,12 @@ def torch_primitives() -> VarlenPrimitives:
 
 
 # ------------------------------------------------------------------------------------------ CPU flash kernels
-def _square_or_free(segs_q, segs_k, causal: bool) -> bool:
-    """The CPU flash kernel's causal mask is top-left aligned: it equals the bottom-right one of this module only
-    where every segment is square (every causal call zorro makes); otherwise the call runs the plain math."""
+def _cpu_kernel_fits(segs_q, segs_k, causal: bool, window, softcap) -> bool:
+    """Whether the CPU flash kernel computes this call: it has no window and no soft-cap, and its causal mask is
+    top-left aligned, which equals this module's bottom-right one only where every segment is square (every causal
+    call zorro makes). Otherwise the call runs the plain math (exact)."""
+    if window is not None or softcap is not None:
+        return False
     return not causal or all(b - a == d - c for (a, b), (c, d) in zip(segs_q, segs_k))
 
 
@@ -182,8 +185,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     segs_q, segs_k = _segments(cu_q), _segments(cu_k)  # CPU tensors: reading them is no device sync
-    if window is not None or softcap is not None or not _square_or_free(segs_q, segs_k, causal):
-        # the CPU flash kernel has no window, soft-cap or bottom-right causal mask: the plain math (exact)
+    if not _cpu_kernel_fits(segs_q, segs_k, causal, window, softcap):
         return _torch_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap)
     Tq, Hq, _ = q.shape
     out = q.new_zeros(Tq, Hq, v.shape[2])
@@ -200,13 +202,12 @@ def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, soft
 
 def _cpu_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     segs_q, segs_k = _segments(cu_q), _segments(cu_k)
-    if window is not None or softcap is not None or not _square_or_free(segs_q, segs_k, causal):
+    if not _cpu_kernel_fits(segs_q, segs_k, causal, window, softcap):
         return _torch_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap)
     acc = _acc_dtype(q.dtype)
-    # accumulated in fp32 (fp64 for fp64) as the reference: a key segment may serve several query segments
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    # cu_seqlens segments are disjoint ranges: each gradient row is written once, in the inputs' dtype (the kernel
+    # accumulates in fp32 inside), with no full-size fp32 buffer beside a bf16 one; rows of empty segments stay 0
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (a, b), (c, d) in zip(segs_q, segs_k):
         if b == a or d == c:
             continue
@@ -214,10 +215,13 @@ def _cpu_bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, ca
         g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _heads_first(dout[a:b]), _heads_first(q[a:b]), _heads_first(k[c:d]), _heads_first(v[c:d]),
             _heads_first(out[a:b]), lse[:, a:b].unsqueeze(0).to(acc), 0.0, causal, scale=scale)
-        dq[a:b] += g_q[0].transpose(0, 1)
-        dk[c:d] += g_k[0].transpose(0, 1)
-        dv[c:d] += g_v[0].transpose(0, 1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq[a:b] = g_q[0].transpose(0, 1)
+        dk[c:d] = g_k[0].transpose(0, 1)
+        dv[c:d] = g_v[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+_CPU_FLASH = VarlenPrimitives("torch_cpu_flash", _cpu_fwd, _cpu_bwd)
 
 
 def cpu_flash_primitives() -> VarlenPrimitives:
@@ -225,7 +229,7 @@ def cpu_flash_primitives() -> VarlenPrimitives:
     backward: blockwise, no score matrix kept; fp64 / fp32 / bf16 / fp16, grouped K/V heads) called once per
     segment — the ``flash_copyfree`` backend's kernels on CPU. Calls with a window, a soft-cap or a non-square
     causal segment run :func:`torch_primitives`' math (the kernel has neither)."""
-    return VarlenPrimitives("torch_cpu_flash", _cpu_fwd, _cpu_bwd)
+    return _CPU_FLASH
 
 
 # ------------------------------------------------------------------------------------------ GPU providers
