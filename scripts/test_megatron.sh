@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_megatron_env.sh
 VENV="${VENV_MEGATRON:-.venv-megatron}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export ZORRO_REQUIRE_MEGATRON_BRIDGE=1  # installed by setup_megatron_env.sh: its cases must run
 exec "$VENV/bin/python" -m pytest tests/integrations/megatron -q -s -p no:cacheprovider "$@"

@@ -10,11 +10,13 @@ budget): ``infer_batch`` log-probs / entropy and ``train_batch`` loss, grad norm
 parameters after the optimizer step, zorro vs stock (on the last pipeline stage for outputs; gradients and
 parameters on every rank, each its own shards). Then the refusals and the ``warn`` fallback (:func:`_refusals`), and
 ``sharing=prefix`` on prompts with a common start and Qwen2 / Llama checkpoints (:data:`FAMILIES`), all under
-TP = 2 + SP.
+TP = 2 + SP. All of it once per model builder of verl's engine: Megatron-Bridge (verl's default; when installed) and
+vanilla mbridge, in the same processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -27,6 +29,10 @@ from tests.support.multi_rank import rank_main
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 #: besides Qwen3 (every layout): Qwen2 (q/k/v biases, no q/k norms) and Llama checkpoints, TP = 2 + SP
 FAMILIES = ("qwen2", "llama")
+#: verl's Megatron LoRA (Megatron-Bridge PEFT, ``model.lora``) on every linear layer; B initialised like A, so the
+#: adapters change the outputs from the first step on (verl's default zero B would leave them out of the first one)
+LORA = {"type": "lora", "rank": 4, "alpha": 16, "dropout": 0.0, "lora_B_init_method": "xavier",
+        "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
 
 
 def _layout(name: str, world: int) -> tuple[int, int]:
@@ -81,12 +87,12 @@ def _compare_engines(E, stock, zorro, td_of, rank: int) -> dict:
     return out
 
 
-def _bf16(E, ckpt: str, world: int) -> dict:
+def _bf16(E, build, ckpt: str, world: int) -> dict:
     """bf16 engines (megatron's Float16Module around the model, as users train), TP = 2 + SP, by the relative rule:
     zorro's and stock's bf16 log-probs and gradients vs a fresh fp32 stock engine's (relative Frobenius norms)."""
-    engines = {"ref": E.build_engine(ckpt, zorro=None, tp=world, remove_padding=False),
-               "stock": E.build_engine(ckpt, zorro=None, tp=world, remove_padding=False, dtype="bfloat16"),
-               "zorro": E.build_engine(ckpt, zorro=ZORRO, tp=world, dtype="bfloat16")}
+    engines = {"ref": build(ckpt, zorro=None, tp=world, remove_padding=False),
+               "stock": build(ckpt, zorro=None, tp=world, remove_padding=False, dtype="bfloat16"),
+               "zorro": build(ckpt, zorro=ZORRO, tp=world, dtype="bfloat16")}
     lp, g = {}, {}
     for name, eng in engines.items():
         with eng.eval_mode():
@@ -106,6 +112,39 @@ def _bf16(E, ckpt: str, world: int) -> dict:
     return out
 
 
+def _lora(E, build, ckpt: str, world: int) -> dict:
+    """verl's Megatron LoRA (Megatron-Bridge PEFT), TP = 2 + SP, fixed micro-batches: two ``train_batch`` steps
+    (the adapters' gradients at each, the adapters after each SGD step), then ``infer_batch`` with the adapters (the
+    actor's old log-probs) and with them disabled (verl's reference for a LoRA actor, ``no_lora_adapter``)."""
+    kw = dict(tp=world, model_kwargs={"lora": LORA})
+    stock = build(ckpt, zorro=None, remove_padding=False, **kw)
+    zorro = build(ckpt, zorro=ZORRO, **kw)
+    out = {"trainable": len(E.grads_names(zorro)), "params": len(list(E.gpt_of(zorro).parameters()))}
+    ps, pz = dict(E.gpt_of(stock).named_parameters()), dict(E.gpt_of(zorro).named_parameters())
+    out["init_params"] = max((pz[k] - ps[k]).abs().max().item() for k in ps)
+    for step in (1, 2):
+        for eng in (stock, zorro):
+            with eng.train_mode(zero_grad_on_exit=False):
+                eng.train_batch(E.make_batch(dynamic=False), loss_function=E.ppo_loss_fn())
+        gs, gz = E.grads(stock, trainable_only=True), E.grads(zorro, trainable_only=True)
+        out[f"step{step}/grad_rel"] = max(((gz[k] - gs[k]).abs().max() / gs[k].abs().max().clamp_min(1e-30)).item()
+                                          for k in gs)
+        out[f"step{step}/params"] = max((pz[k] - ps[k]).abs().max().item() for k in ps)
+    td = E.make_batch(dynamic=False)
+    lp = {}
+    for name, eng in (("stock", stock), ("zorro", zorro)):
+        for adapter in ("on", "off"):
+            with eng.eval_mode(), (eng.disable_adapter() if adapter == "off" else contextlib.nullcontext()):
+                res = eng.infer_batch(E.make_batch(dynamic=False), loss_function=None)
+            if "model_output" in res:
+                lp[f"{name}/{adapter}"] = E.response_values(res["model_output"]["log_probs"], td)
+    if lp:
+        out["log_probs_on"] = (lp["zorro/on"] - lp["stock/on"]).abs().max().item()
+        out["log_probs_off"] = (lp["zorro/off"] - lp["stock/off"]).abs().max().item()
+        out["adapter_effect"] = (lp["stock/on"] - lp["stock/off"]).abs().max().item()
+    return out
+
+
 def _first(v):
     if isinstance(v, (list, tuple)):
         v = v[0] if v else None
@@ -115,11 +154,14 @@ def _first(v):
 
 
 def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> dict:
+    """Every check on each installed bridge (Megatron-Bridge, verl's default, first; then vanilla mbridge):
+    ``{bridge: {check: result}}``."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     import torch.distributed as dist
 
+    from tests.support import megatron_bridge_cpu
     from tests.support import megatron_engines as E
 
     E.setup_process()
@@ -128,46 +170,60 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> 
     if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
         E.save_tiny_checkpoint(ckpt)
     dist.barrier()
+    bridges = [b for b in megatron_bridge_cpu.BRIDGES if b != "megatron-bridge" or megatron_bridge_cpu.AVAILABLE]
+    return {bridge: _run_bridge(E, partial(E.build_engine, bridge=bridge), rank, world, ckpt, layouts)
+            for bridge in bridges}
+
+
+def _run_bridge(E, build, rank: int, world: int, ckpt: str, layouts: str) -> dict:
+    import torch.distributed as dist
+
     out = {}
     for layout in layouts.split(","):
         t0 = time.time()
         tp, pp = _layout(layout, world)
         # DP: unequal shares (8 and 4 rows), so the ranks' own packings need different micro-batch counts
         rows = (slice(0, 8) if rank == 0 else slice(8, 12)) if layout == "dp2" else None
-        stock = E.build_engine(ckpt, zorro=None, tp=tp, pp=pp, remove_padding=False)
-        zorro = E.build_engine(ckpt, zorro=ZORRO, tp=tp, pp=pp)
+        stock = build(ckpt, zorro=None, tp=tp, pp=pp, remove_padding=False)
+        zorro = build(ckpt, zorro=ZORRO, tp=tp, pp=pp)
         assert type(zorro).__name__ == "ZorroMegatronEngineWithLMHead", type(zorro)
+        # which builder made the engines: Megatron-Bridge leaves its model provider on the engine
+        out["builder"] = {name: {"vanilla": bool(eng.vanilla_bridge), "provider": type(eng.provider).__name__
+                                 if eng.provider is not None else None} for name, eng in (("stock", stock),
+                                                                                           ("zorro", zorro))}
         for mode in ("fixed", "dynamic"):
             out[f"{layout}/{mode}"] = _compare_engines(
                 E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic", rows=rows), rank)
         out[f"{layout}/seconds"] = time.time() - t0
-    out["refusals"] = _refusals(E, ckpt, zorro)
+    out["refusals"] = _refusals(E, build, ckpt, zorro)
     # sharing=prefix (the prefix tree), TP = 2 + SP, dynamic token budget
-    stock = E.build_engine(ckpt, zorro=None, tp=world, remove_padding=False)
-    zorro = E.build_engine(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, tp=world)
+    stock = build(ckpt, zorro=None, tp=world, remove_padding=False)
+    zorro = build(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, tp=world)
     out["prefix/dynamic"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=True, shared_prefix=True),
                                              rank)
-    out["bf16"] = _bf16(E, ckpt, world)
+    out["bf16"] = _bf16(E, build, ckpt, world)
+    if build.keywords["bridge"] == "megatron-bridge":  # verl's Megatron LoRA needs Megatron-Bridge
+        out["lora"] = _lora(E, build, ckpt, world)
     for family in FAMILIES:  # the other dense families verl's Megatron engine builds, TP = 2 + SP, fixed sizes
         path = f"{ckpt}_{family}"
-        if rank == 0:
+        if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
             E.save_tiny_checkpoint(path, family)
         dist.barrier()
-        stock = E.build_engine(path, zorro=None, tp=world, remove_padding=False)
-        zorro = E.build_engine(path, zorro=ZORRO, tp=world)
+        stock = build(path, zorro=None, tp=world, remove_padding=False)
+        zorro = build(path, zorro=ZORRO, tp=world)
         out[f"{family}/fixed"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=False), rank)
     dist.barrier()
     return out
 
 
-def _refusals(E, ckpt: str, zorro) -> dict:
+def _refusals(E, build, ckpt: str, zorro) -> dict:
     """With the last layout's engines: settings refused at engine start (``on_unsupported=raise``), a batch refused
     on every rank, and the ``warn`` fallback (verl's stock forward, counted)."""
     out = {}
     for name, engine_kwargs, model_kwargs in (("fused", {"use_fused_kernels": True}, {}),
-                                              ("lora", {}, {"lora_rank": 8})):
+                                              ("lora", {}, {"lora": {**LORA, "dropout": 0.1}})):
         try:
-            E.build_engine(ckpt, zorro=ZORRO, engine_kwargs=engine_kwargs, model_kwargs=model_kwargs)
+            build(ckpt, zorro=ZORRO, engine_kwargs=engine_kwargs, model_kwargs=model_kwargs)
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
@@ -181,8 +237,8 @@ def _refusals(E, ckpt: str, zorro) -> dict:
     except ValueError as e:
         out["batch"] = str(e)
     # fresh engines (the layouts' engines have taken optimizer steps)
-    stock = E.build_engine(ckpt, zorro=None, remove_padding=False)
-    warn = E.build_engine(ckpt, zorro={**ZORRO, "on_unsupported": "warn"}, remove_padding=False)
+    stock = build(ckpt, zorro=None, remove_padding=False)
+    warn = build(ckpt, zorro={**ZORRO, "on_unsupported": "warn"}, remove_padding=False)
     res = {}
     for name, eng in (("stock", stock), ("warn", warn)):
         with eng.eval_mode():

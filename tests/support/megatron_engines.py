@@ -2,7 +2,9 @@
 explained in docs/DESIGN.md §8 "Megatron on the CPU"; ids in brackets as in the code).
 
 * CPU platform for verl [V1]; megatron-core shims [P1-P6, P9] (:mod:`tests.support.megatron_cpu` holds P1-P3);
-* vanilla mbridge on megatron-core 0.19 and the local (non-Transformer-Engine) spec [V4-V6];
+* the model builders: Megatron-Bridge (verl's default; :mod:`tests.support.megatron_bridge_cpu`: import stubs and
+  the local layer spec [S1, S2, S2a, B1, L1]) and vanilla mbridge on megatron-core 0.19 with the local
+  (non-Transformer-Engine) spec [V4-V6]; :func:`build_engine`'s ``bridge`` picks one;
 * fp32 engine configs [V2] (verl asserts bf16 / fp16), a pad id without a tokenizer [V7];
 * the **stock reference** runs verl's padded path (``use_remove_padding=False``, bshd) with megatron's own
   ``DotProductAttention`` (its ``[B, S]`` valid mask turned into the 4-D causal mask megatron wants [V8]): no project
@@ -46,6 +48,10 @@ def setup_process() -> None:
     _cpu_grad_clip()  # P6
     torch.nn.Module.cuda = lambda self, device=None: self  # mbridge's get_model moves the model .cuda()
     _mbridge_patches()  # V4-V6
+    from tests.support import megatron_bridge_cpu
+
+    if megatron_bridge_cpu.AVAILABLE:
+        megatron_bridge_cpu.install()  # S1, S2, S2a, B1, L1 (before verl imports megatron.bridge)
     _DONE = True
 
 
@@ -151,9 +157,10 @@ def _mask_hook(module, args, kwargs):
 
 def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, remove_padding: bool = True,
                  micro_batch: int = 2, max_tokens: int = 48, engine_kwargs: dict | None = None,
-                 model_kwargs: dict | None = None, dtype: str = "float32"):
+                 model_kwargs: dict | None = None, dtype: str = "float32", bridge: str = "megatron-bridge"):
     """verl's Megatron LM engine for ``ckpt``, ``dtype`` (fp32 by default; ``bfloat16``: megatron's Float16Module),
-    initialised: the class verl's ``EngineRegistry`` resolves for
+    built through ``bridge`` (``megatron-bridge``: verl's default, ``vanilla_mbridge=False``; ``mbridge``: the
+    legacy one), initialised: the class verl's ``EngineRegistry`` resolves for
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
     a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys.
     Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` change."""
@@ -162,8 +169,16 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
+    from tests.support.megatron_bridge_cpu import BRIDGES
     from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
 
+    if bridge not in BRIDGES:
+        raise ValueError(f"bridge: expected one of {sorted(BRIDGES)}, got {bridge!r}")
+    # megatron's LanguageModule records its attention backend in NVTE_* variables at a build and asserts them at the
+    # next one; Megatron-Bridge builds with AttnBackend.flash, mbridge with auto. A verl worker builds one kind; the
+    # tests build both in one process
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(var, None)
     if mpu.model_parallel_is_initialized() and (mpu.get_tensor_model_parallel_world_size() != tp
                                                 or mpu.get_pipeline_model_parallel_world_size() != pp):
         mpu.destroy_model_parallel()
@@ -171,14 +186,17 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
                                  **(model_kwargs or {}))
     object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # V7
     kw = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
-              use_mbridge=True, vanilla_mbridge=True, use_distributed_optimizer=False,
+              use_mbridge=True, vanilla_mbridge=BRIDGES[bridge], use_distributed_optimizer=False,
               use_remove_padding=remove_padding, micro_batch_size_per_gpu=micro_batch,
               infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=max_tokens,
               infer_max_token_len_per_gpu=max_tokens, seed=1,
               override_transformer_config=dict(gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                                                bias_activation_fusion=False, bias_dropout_fusion=False,
                                                apply_rope_fusion=False, persist_layer_norm=False,
-                                               use_cpu_initialization=True),
+                                               use_cpu_initialization=True,
+                                               # Megatron-Bridge's providers turn on TE's fused cross-entropy
+                                               **({"cross_entropy_loss_fusion": False}
+                                                  if bridge == "megatron-bridge" else {})),
               **(engine_kwargs or {}))
     if zorro is None:
         engine_config = McoreEngineConfig(dtype="bfloat16", **kw)
@@ -255,15 +273,23 @@ def ppo_loss_fn():
     return partial(ppo_loss, config=cfg)
 
 
-def grads(engine) -> dict:
-    """Each parameter's accumulated gradient after ``train_batch`` (DDP's ``main_grad``), cloned, by name."""
+def grads(engine, trainable_only: bool = False) -> dict:
+    """Each parameter's accumulated gradient after ``train_batch`` (DDP's ``main_grad``), cloned, by name
+    (``trainable_only``: the parameters that train, e.g. LoRA adapters beside a frozen base)."""
     out = {}
     for name, p in gpt_of(engine).named_parameters():
+        if trainable_only and not p.requires_grad:
+            continue
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
         assert g is not None, f"{name}: no gradient"
         out[name] = g.detach().clone()
     return out
+
+
+def grads_names(engine) -> list:
+    """Names of the parameters that train (``requires_grad``)."""
+    return [n for n, p in gpt_of(engine).named_parameters() if p.requires_grad]
 
 
 def response_values(nested: torch.Tensor, td) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""Megatron-Bridge 0.6.2 (verl 0.9.1's default Megatron builder, ``vanilla_mbridge=False``) on a CPU-only torch and
+Python 3.11, for the Megatron engine tests (never shipped; docs/DESIGN.md §8 "Megatron on the CPU"; ids in brackets
+as in the code).
+
+* [S1] ``typing.override`` (Python 3.12) from ``typing_extensions``: the bridge imports ``megatron.training``, whose
+  ``models/hybrid.py`` uses it.
+* [S2] a throw-away ``transformer_engine.pytorch`` module in ``sys.modules`` only while ``megatron.bridge`` is
+  imported: ``megatron/bridge/peft/lora_layers.py`` does an unconditional ``import transformer_engine.pytorch``
+  (used for ``isinstance`` checks of fused LoRA layers). Its classes can never be instantiated; it is removed again,
+  so megatron-core's ``HAVE_TE`` stays False. [S2a] before it, megatron-core's TE version lookup is cached as "no TE"
+  (with the stub present, ``is_te_min_version`` would look for the package's metadata and raise).
+* [B1] the bridge's providers default to the Transformer Engine layer spec (``default_layer_spec``), which cannot be
+  built without TE: each provider gets the bridge's own ``local_layer_spec`` (megatron's local modules), set by a wrap
+  of ``AutoBridge.to_megatron_provider``.
+* [L1] the bridge's PEFT module decides ``HAVE_TE`` from names that megatron-core defines as ``None`` without TE;
+  set it False so its ``isinstance`` checks skip TE classes.
+
+:func:`install` applies all of them once per process; :data:`AVAILABLE` says whether the bridge is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+import typing
+
+__all__ = ["AVAILABLE", "install", "BRIDGES", "INSTALL_HINT"]
+
+#: Whether megatron-bridge is installed here (scripts/setup_megatron_env.sh installs 0.6.2).
+AVAILABLE = importlib.util.find_spec("megatron.bridge") is not None
+#: The two builders of verl's Megatron engine, by the ``vanilla_mbridge`` value that selects each: Megatron-Bridge
+#: (verl's default) first.
+BRIDGES = {"megatron-bridge": False, "mbridge": True}
+INSTALL_HINT = "bash scripts/setup_megatron_env.sh installs megatron-bridge 0.6.2 and megatron-energon"
+_DONE = False
+
+
+class _NeverBuilt:
+    """A Transformer Engine class stand-in: nothing is ever an instance of it, and building one raises."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("transformer_engine is a CPU test stub here (tests/support/megatron_bridge_cpu.py)")
+
+
+def _te_stub() -> dict:
+    te = types.ModuleType("transformer_engine")
+    tep = types.ModuleType("transformer_engine.pytorch")
+    ops = types.ModuleType("transformer_engine.pytorch.ops")
+    for name in ("Linear", "LayerNormLinear", "GroupedLinear", "LayerNorm", "RMSNorm"):
+        setattr(tep, name, type(name, (_NeverBuilt,), {}))
+    for name in ("Sequential", "Linear", "LayerNorm", "RMSNorm", "Dropout", "Quantize", "MakeExtraOutput",
+                 "AddExtraInput", "BasicOperation", "FusibleOperation"):
+        setattr(ops, name, type(name, (_NeverBuilt,), {}))
+    tep.ops = ops
+    te.pytorch = tep
+    return {"transformer_engine": te, "transformer_engine.pytorch": tep, "transformer_engine.pytorch.ops": ops}
+
+
+def _import_bridge() -> None:
+    import typing_extensions
+
+    if not hasattr(typing, "override"):
+        typing.override = typing_extensions.override  # S1
+    import megatron.core  # noqa: F401  (megatron-core's HAVE_TE is decided before the stub exists)
+    from megatron.core.extensions import transformer_engine  # noqa: F401
+    from megatron.core.utils import get_te_version
+
+    get_te_version()  # S2a: cached while no transformer_engine module exists
+    stub = _te_stub()
+    saved = {k: sys.modules.get(k) for k in stub}
+    sys.modules.update(stub)  # S2
+    try:
+        import megatron.bridge  # noqa: F401
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _local_spec_providers() -> None:
+    """B1: every provider the bridge makes builds megatron's local layer spec."""
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    original = AutoBridge.to_megatron_provider
+
+    def to_megatron_provider(self, *args, **kwargs):
+        provider = original(self, *args, **kwargs)
+        provider.transformer_layer_spec = local_layer_spec
+        return provider
+
+    AutoBridge.to_megatron_provider = to_megatron_provider
+
+
+def install() -> None:
+    """Import megatron-bridge with S1 / S2 / S2a and apply B1 / L1 (once per process; before verl's
+    ``verl.models.mcore.bridge`` is imported). ``ModuleNotFoundError`` with the install line when it is missing."""
+    global _DONE
+    if _DONE:
+        return
+    if not AVAILABLE:
+        raise ModuleNotFoundError(f"megatron-bridge is not installed here: {INSTALL_HINT}")
+    _import_bridge()
+    _local_spec_providers()
+    import megatron.bridge.peft.utils as peft_utils
+
+    peft_utils.HAVE_TE = False  # L1
+    _DONE = True
