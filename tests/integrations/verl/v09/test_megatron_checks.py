@@ -28,7 +28,7 @@ def test_verl_defaults_pass():
     ({"use_fused_kernels": True}, {}, "use_fused_kernels"),
     ({"router_replay": {"mode": "R3"}}, {}, "router_replay.mode=disabled"),
     ({}, {"mtp": {"enable": True}}, "multi-token prediction"),
-    ({}, {"lora_rank": 16}, "LoRA"),
+    ({}, {"lora": {"rank": 8, "dropout": 0.1}}, "model.lora.dropout=0"),
     ({}, {"hf_config": SimpleNamespace(vision_config={})}, "vision-language"),
     ({}, {"hf_config": SimpleNamespace(kv_lora_rank=512)}, "MLA"),
     ({}, {"hf_config": SimpleNamespace(layer_types=["linear_attention", "full_attention"])}, "hybrid"),
@@ -36,6 +36,13 @@ def test_verl_defaults_pass():
 def test_refusals_name_the_setting(engine, model, says):
     reason = megatron_setup_unsupported({**DEFAULT_ENGINE, **engine}, {**DEFAULT_MODEL, **model})
     assert reason is not None and says in reason, reason
+
+
+def test_megatron_bridge_lora_runs():
+    """Megatron-Bridge PEFT (``model.lora``) without dropout runs deduplicated; the FSDP key ``lora_rank`` is not
+    read by verl's Megatron engine (it trains the whole model), so it is no refusal either."""
+    assert megatron_setup_unsupported(DEFAULT_ENGINE, {**DEFAULT_MODEL, "lora": {"rank": 8, "dropout": 0.0}}) is None
+    assert megatron_setup_unsupported(DEFAULT_ENGINE, {**DEFAULT_MODEL, "lora_rank": 16}) is None
 
 
 def test_memory_logits_mode_refused():

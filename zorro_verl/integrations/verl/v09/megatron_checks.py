@@ -46,8 +46,13 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
     if mtp is not None and get(mtp, "enable", False):
         return "multi-token prediction (model.mtp.enable=True): its heads run on the ordinary row layout"
     lora = get(model_config, "lora", None)
-    if int(get(model_config, "lora_rank", 0) or 0) > 0 or (lora is not None and int(get(lora, "rank", 0) or 0) > 0):
-        return "LoRA on the Megatron engine (zorro runs LoRA in the FSDP engine)"
+    if lora is not None and int(get(lora, "rank", 0) or 0) > 0:
+        # Megatron-Bridge's PEFT (model.lora; verl's Megatron engine ignores the FSDP key lora_rank): its adapters are
+        # token-wise linear maps beside the frozen layers, exact on the packed row; only their dropout is not
+        dropout = float(get(lora, "dropout", 0.0) or 0.0)
+        if dropout > 0:
+            return (f"LoRA dropout (model.lora.dropout={dropout}) on the Megatron engine: a deduplicated prompt token "
+                    "would draw one dropout mask instead of one per row; set model.lora.dropout=0")
     if logits_optimization == "memory":
         return ("logits_optimization=memory on the Megatron engine (its head is vocabulary parallel); use none or "
                 "compute")
