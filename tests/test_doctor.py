@@ -112,18 +112,28 @@ def test_megatron_preset_composes_and_zorro_lines_pass():
         c = checks[f"zorro ({role})"]
         assert c.status == "ok" and "megatron TP 1" in c.detail, c
     assert checks["trainer balance hooks"].status == "ok"
-    mcore = checks["megatron-core"]
+    mcore, bridge = checks["megatron-core"], checks["megatron bridge"]
     if importlib.util.find_spec("megatron") is None:  # this venv: the run would not start, the fix is named
         assert mcore.status == "FAIL" and "bash scripts/setup_megatron_env.sh" in mcore.detail, mcore
         assert "megatron-core==0.19.2 --ignore-requires-python --no-deps" in mcore.detail
+        # verl's default builder, Megatron-Bridge, is what the preset selects: its install line
+        assert bridge.status == "FAIL" and "Megatron-Bridge selected by the actor and ref (vanilla_mbridge=false)" \
+            in bridge.detail and "pip install megatron-bridge==0.6.2" in bridge.detail, bridge
+        legacy = _megatron_checks(["actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
+                                   "actor_rollout_ref.ref.megatron.vanilla_mbridge=true"])["megatron bridge"]
+        assert legacy.status == "FAIL" and "mbridge selected" in legacy.detail \
+            and "pip install mbridge==0.15.1" in legacy.detail, legacy
     else:
-        assert mcore.status in ("ok", "note"), mcore
+        assert mcore.status == "ok", mcore
+    for role in ("actor", "ref"):  # verl turns sequence parallelism off at TP = 1: the line says what runs
+        assert "sequence parallel False" in checks[f"zorro ({role})"].detail
+        assert "built by Megatron-Bridge" in checks[f"zorro ({role})"].detail
     assert "megatron-core" not in _megatron_checks([], "zorro_ppo_trainer")  # an FSDP config: no such line
 
 
 @pytest.mark.parametrize("override, words", [
     ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context parallelism"),
-    ("actor_rollout_ref.model.lora_rank=8", "LoRA on the Megatron engine"),
+    ("actor_rollout_ref.model.lora.rank=8 actor_rollout_ref.model.lora.dropout=0.1", "model.lora.dropout=0"),
     ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "virtual pipeline"),
     ("actor_rollout_ref.model.use_fused_kernels=true", "use_fused_kernels"),
     ("actor_rollout_ref.actor.megatron.zorro.logits_optimization=memory", "logits_optimization=memory"),
@@ -131,11 +141,11 @@ def test_megatron_preset_composes_and_zorro_lines_pass():
 def test_megatron_refusals_fail_and_say_why(override, words):
     """What the zorro Megatron engine refuses at start FAILs in the doctor, for the actor and (it reads the actor's
     parallel layout and the shared model config) the reference."""
-    checks = _megatron_checks([override])
+    checks = _megatron_checks(override.split())
     for role in ("actor", "ref"):
         c = checks[f"zorro ({role})"]
         assert c.status == "FAIL" and words in c.detail, c
-    warn = _megatron_checks([override, "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])
+    warn = _megatron_checks([*override.split(), "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])
     assert warn["zorro (actor)"].status == "note" and "zorro/fallback_batches" in warn["zorro (actor)"].detail
 
 

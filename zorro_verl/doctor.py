@@ -143,9 +143,22 @@ def _backend_checks(device: torch.device) -> list[Check]:
 #: ``model_engine=megatron`` selects its Megatron engine).
 CONFIG_NAMES = ("zorro_ppo_trainer", "zorro_megatron_trainer", "ppo_trainer")
 
-#: How to get megatron-core (and verl's bridge) into an environment (quoted when a Megatron config lacks it).
+#: How to get megatron-core into an environment (quoted when a Megatron config lacks it).
 MEGATRON_INSTALL_HINT = ("bash scripts/setup_megatron_env.sh (builds .venv-megatron), or pip install "
-                         "megatron-core==0.19.2 --ignore-requires-python --no-deps, then mbridge==0.15.1 einops")
+                         "megatron-core==0.19.2 --ignore-requires-python --no-deps")
+#: How to get each of verl's Megatron model builders, by the ``vanilla_mbridge`` value that selects it.
+BRIDGE_INSTALL_HINTS = {
+    False: ("pip install megatron-bridge==0.6.2 --no-deps --ignore-requires-python, then megatron-energon (verl's "
+            "Megatron images ship it; bash scripts/setup_megatron_env.sh installs both)"),
+    True: "pip install mbridge==0.15.1 einops",
+}
+
+
+def _found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _role_engine(cfg, role: str):
@@ -160,24 +173,38 @@ def _role_engine(cfg, role: str):
 
 
 def _megatron_core_check() -> Check:
-    """Is megatron-core installed (verl registers its Megatron engine only when it imports)? Also says whether
-    mbridge (verl's bridge between HF checkpoints and megatron-core models) is there."""
-    def found(name):
-        try:
-            return importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            return False
-
+    """Is megatron-core installed (verl registers its Megatron engine only when it imports)?"""
     name = "megatron-core"
-    mbridge = _version(("mbridge",)) if found("mbridge") else None
-    if not found("megatron.core"):
+    if not _found("megatron.core"):
         return Check(name, "FAIL", "not installed: the config runs verl's Megatron engine (strategy megatron), which "
                                    f"verl registers only when megatron-core imports. Fix: {MEGATRON_INSTALL_HINT}")
     v = _version(("megatron-core", "megatron_core")) or "version unknown"
-    if mbridge is None:
-        return Check(name, "note", f"{v}; mbridge not installed (verl builds megatron models from HF checkpoints "
-                                   "through it): pip install mbridge==0.15.1 einops")
-    return Check(name, "ok", f"{v}, mbridge {mbridge}: verl's Megatron engine can load")
+    return Check(name, "ok", f"{v}: verl's Megatron engine can load")
+
+
+def _megatron_bridge_check(cfg) -> Check:
+    """Is the model builder the composed config selects installed? verl's Megatron engine builds models from HF
+    checkpoints through Megatron-Bridge (``megatron.vanilla_mbridge: false``, verl's default) or the legacy mbridge
+    (``true``); a missing one stops every worker at init (``ModuleNotFoundError``)."""
+    selected = {}
+    for role in ("actor", "ref"):
+        strategy, _, engine_node = _role_engine(cfg, role)
+        if strategy == "megatron":
+            selected.setdefault(bool(engine_node.get("vanilla_mbridge", False)), []).append(role)
+    problems, found = [], []
+    for vanilla, roles in sorted(selected.items()):
+        label, module, dists = (("mbridge", "mbridge", ("mbridge",)) if vanilla else
+                                ("Megatron-Bridge", "megatron.bridge", ("megatron-bridge", "megatron_bridge")))
+        who = f"{' and '.join(roles)} (vanilla_mbridge={str(vanilla).lower()})"
+        missing = [m for m in ((module, "megatron.energon") if not vanilla else (module,)) if not _found(m)]
+        if missing:
+            problems.append(f"{label} selected by the {who} but {', '.join(missing)} not installed: every worker "
+                            f"stops at init. Fix: {BRIDGE_INSTALL_HINTS[vanilla]}")
+        else:
+            found.append(f"{label} {_version(dists) or 'version unknown'} for the {who}")
+    if problems:
+        return Check("megatron bridge", "FAIL", "; ".join(problems))
+    return Check("megatron bridge", "ok", "; ".join(found))
 
 
 def _config_checks(overrides: list[str], device: torch.device, config_name: str = "zorro_ppo_trainer") -> list[Check]:
@@ -207,7 +234,7 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
     out = []
     megatron = any(_role_engine(cfg, role)[0] == "megatron" for role in ("actor", "ref"))
     if megatron:
-        out.append(_megatron_core_check())
+        out += [_megatron_core_check(), _megatron_bridge_check(cfg)]
     for role in ("actor", "ref"):
         strategy, key, engine_node = _role_engine(cfg, role)
         try:
@@ -251,9 +278,12 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
         detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
                   f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
         if strategy == "megatron":
-            detail += (f"; megatron TP {engine_node.get('tensor_model_parallel_size', 1)} (sequence parallel "
-                       f"{engine_node.get('sequence_parallel', False)}), PP "
-                       f"{engine_node.get('pipeline_model_parallel_size', 1)}")
+            tp = int(engine_node.get("tensor_model_parallel_size", 1) or 1)
+            # verl turns sequence parallelism off at TP = 1 (McoreEngineConfig.__post_init__)
+            detail += (f"; megatron TP {tp} (sequence parallel "
+                       f"{bool(engine_node.get('sequence_parallel', False)) and tp > 1}), PP "
+                       f"{engine_node.get('pipeline_model_parallel_size', 1)}, built by "
+                       f"{'mbridge' if engine_node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
         lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
         if lora_rank > 0 and strategy != "megatron":  # supported: say so, with what the run will do for the reference
             detail += (f"; LoRA rank {lora_rank} supported (the reference: the actor with its adapter disabled)"
