@@ -56,7 +56,7 @@ print(','.join(b for b in available_backends(torch.device('cuda')) if b not in (
 echo "backends that will run: $BACKENDS"
 
 echo "== GPU tests"
-timeout 150 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py tests/integrations/megatron/test_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+timeout 150 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py tests/integrations/megatron/test_gpu.py tests/integrations/megatron/test_gpu_engine.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
