@@ -82,7 +82,10 @@ def _v1_run(enable, mode, keys, plens, rlens, *, dp, mini, epochs, shuffle, crit
                                               critic_mini=critic_mini),
                                use_critic=bool(critic_mini), global_steps=1,
                                actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": list(range(dp))}),
-                               critic_wg=types.SimpleNamespace(_dispatch_info={"critic": list(range(critic_dp or dp))}),
+                               # the critic's worker group as verl 0.9.1 builds it: a TrainingWorker group, whose
+                               # dispatch info is registered under the TrainingWorker's own mesh (no "critic" one)
+                               critic_wg=types.SimpleNamespace(_dispatch_info={
+                                   _training_worker_mesh(): list(range(critic_dp or dp))}),
                                tokenizer=types.SimpleNamespace(eos_token_id=0))
     me._get_required_batch_multiple = types.MethodType(PPOTrainer._get_required_batch_multiple, me)
     metrics = {}
@@ -90,6 +93,28 @@ def _v1_run(enable, mode, keys, plens, rlens, *, dp, mini, epochs, shuffle, crit
     assert out.extra_info[BALANCE_MARKER_KEY]  # the stamp the engine checks, zorro on or off
     index = {k: i for i, k in enumerate(keys)}
     return [index[k] for k in out.keys], metrics
+
+
+def _training_worker_mesh() -> str:
+    """The mesh name verl's ``TrainingWorker`` (the critic's worker in verl 0.9.1) registers its dispatch info under,
+    read from its ``__init__``."""
+    import inspect
+    import re
+
+    from verl.workers.engine_workers import TrainingWorker
+
+    names = set(re.findall(r'_register_dispatch_collect_info\(\s*mesh_name="(\w+)"',
+                           inspect.getsource(TrainingWorker.__init__)))
+    assert len(names) == 1, names
+    return names.pop()
+
+
+def test_critic_mesh_is_the_training_workers():
+    """zorro queries the critic's DP size under the mesh the trainer dispatches its update on (``train_mini_batch``'s
+    registration), which is the one verl's critic worker registers."""
+    from zorro_verl.integrations.verl.v09.balance import critic_mesh_name
+
+    assert critic_mesh_name() == _training_worker_mesh() == "train"
 
 
 def _v1_batch(n_prompts, seed):

@@ -231,12 +231,25 @@ def _log_balance(metrics: dict, seqlens: list[int], bal: DPBalance, prefix: str,
     _balance_metrics(metrics, bal, dp_size)
 
 
-def _dp_size(worker_group, role: str) -> int:
-    """Data-parallel size of ``role`` in ``worker_group`` (verl's ``_get_dp_size``: the dispatch info, cached)."""
+def _dp_size(worker_group, mesh: str) -> int:
+    """Data-parallel size of the mesh ``mesh`` in ``worker_group`` (verl's ``_get_dp_size``: the dispatch info,
+    cached)."""
     info = worker_group._dispatch_info
-    if role not in info:
-        info[role] = worker_group._query_dispatch_info(role)
-    return max(info[role]) + 1
+    if mesh not in info:
+        info[mesh] = worker_group._query_dispatch_info(mesh)
+    return max(info[mesh]) + 1
+
+
+def critic_mesh_name() -> str:
+    """The mesh the trainer dispatches the critic's update on: the one verl's ``TrainingWorker.train_mini_batch``
+    (what ``_update_critic`` calls on the critic worker group) is registered with — ``"train"`` in verl 0.9.1; the
+    critic worker registers no ``"critic"`` mesh. Read from verl's own registration, so a verl that renames it is
+    followed."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+    from verl.workers.engine_workers import TrainingWorker
+
+    dispatch = getattr(TrainingWorker.train_mini_batch, MAGIC_ATTR)["dispatch_mode"]["dispatch_fn"]
+    return dispatch.args[0]
 
 
 def verl_minibatch_ids(batch_size: int, dp_size: int, mini_batch_size: int, epochs: int, seed: int,
@@ -276,14 +289,14 @@ def trainer_minibatch_slots(trainer, batch_size: int) -> list[tuple]:
     them to ``train_mini_batch``. Positions with equal slots are interchangeable for every consumer."""
     cfg = trainer.config
     n = int(cfg.actor_rollout_ref.rollout.get("n", 1) or 1)
-    consumers = []
+    consumers = []  # (role, worker group, its mesh, its config node)
     if int(cfg.get("trainer", {}).get("critic_warmup", 0) or 0) <= int(getattr(trainer, "global_steps", 0) or 0):
-        consumers.append(("actor", trainer.actor_rollout_wg, cfg.actor_rollout_ref.actor))
+        consumers.append(("actor", trainer.actor_rollout_wg, "actor", cfg.actor_rollout_ref.actor))
     if getattr(trainer, "use_critic", False):
-        consumers.append(("critic", trainer.critic_wg, cfg.critic))
+        consumers.append(("critic", trainer.critic_wg, critic_mesh_name(), cfg.critic))
     slots: list[tuple] = [() for _ in range(batch_size)]
-    for role, wg, node in consumers:
-        ids = verl_minibatch_ids(batch_size, _dp_size(wg, role), int(node.get("ppo_mini_batch_size")) * n,
+    for role, wg, mesh, node in consumers:
+        ids = verl_minibatch_ids(batch_size, _dp_size(wg, mesh), int(node.get("ppo_mini_batch_size")) * n,
                                  int(node.get("ppo_epochs", 1)), int(node.get("data_loader_seed", 42)),
                                  bool(node.get("shuffle", False)))
         slots = [s + (role,) + i for s, i in zip(slots, ids)]
