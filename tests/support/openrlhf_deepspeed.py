@@ -5,8 +5,12 @@ through OpenRLHF's own ``DeepspeedStrategy`` (``setup_distributed`` / ``prepare`
 
 Run (by the test, once per world size, all cases in one process group)::
 
-    DS_ACCELERATOR=cpu RANK=r WORLD_SIZE=w LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
+    DS_ACCELERATOR=cpu RANK=r WORLD_SIZE=w LOCAL_RANK=r MASTER_ADDR=127.0.0.1 ZORRO_DIST_INIT_FILE=f \\
         python -m tests.support.openrlhf_deepspeed SPEC.json
+
+The process group comes from a ``file://`` rendezvous at ``f`` (a path that does not exist yet, the same for every
+rank), made before OpenRLHF's ``setup_distributed``: ``deepspeed.init_distributed`` adopts an initialised torch
+process group, so no TCP port has to be picked.
 
 ``SPEC.json``: ``{"checkpoints": {"untied": dir, "tied": dir}, "out": file, "groups": [{"stage": 2|3, "dtype":
 "fp32"|"bf16", "packing": bool, "ckpt": bool (gradient checkpointing), "tied": bool (the tied-embeddings
@@ -262,6 +266,11 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cpu_patches()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZORRO_DIST_INIT_FILE']}", rank=rank,
+                            world_size=world)
+    # deepspeed.initialize(dist_init_required=True) checks that the env:// variables are set (else it tries MPI)
+    # before it sees the group is initialised; nothing reads the port: the group above exists
+    os.environ.setdefault("MASTER_PORT", "0")
     batch = rank_batch(rank)
     results, fp32_runs = [], {}
     for grp in spec["groups"]:

@@ -42,7 +42,6 @@ Time: ~65-100 s for both process groups on 2 cores (3 processes, one thread each
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -84,12 +83,6 @@ def case_id(world, g, mode):
 CASES = [(w, g, m) for w, groups in ((1, WORLD1), (2, WORLD2)) for g in groups for m in g["logits"]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_checkpoint(path, tied: bool = False):
     """A small Qwen3 saved fp32 with bf16-representable weights: 2 layers, hidden 320, vocabulary 512, the head
     untied (or ``tied`` to the input embeddings).
@@ -127,13 +120,15 @@ def results(tmp_path_factory):
         spec, outs[world] = tmp / f"spec{world}.json", tmp / f"out{world}.json"
         spec.write_text(json.dumps(dict(checkpoints={k: str(v) for k, v in ckpts.items()}, out=str(outs[world]),
                                         groups=groups)))
-        port = free_port()
+        # a file rendezvous: no TCP port to pick (one found free and closed can be taken by another process on a
+        # busy machine before rank 0 binds it)
+        init_file = tmp / f"rendezvous{world}"
         for rank in range(world):
             log = open(tmp / f"log{world}_{rank}.txt", "w")
             procs.append((subprocess.Popen(
                 [sys.executable, "-m", "tests.support.openrlhf_deepspeed", str(spec)], cwd=REPO_ROOT, stdout=log,
                 stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                                  MASTER_PORT=str(port))), log))
+                                                  ZORRO_DIST_INIT_FILE=str(init_file))), log))
     try:
         for p, _ in procs:
             p.wait(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - t0)))
