@@ -136,12 +136,13 @@ def test_dp_balancing_whole_groups_mode_keeps_groups_on_one_rank():
 
 
 @pytest.fixture
-def gloo_world():
+def gloo_world(tmp_path):
     """A one-rank gloo group: OpenRLHF's setup_dynamic_batch all-reduces over the DP group."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        # a file rendezvous: no TCP port that another process could hold
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -369,12 +369,13 @@ def test_training_run_matches_stock(zorro_batching, checkpoint, fp64_logits, mon
 
 
 @pytest.fixture
-def gloo_one_rank():
+def gloo_one_rank(tmp_path):
     """OpenRLHF's setup_dynamic_batch all-reduces over the DP group: a one-rank gloo world."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+        # a file rendezvous: no TCP port that another process could hold
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -5,6 +5,7 @@ Skips cleanly without verl 0.9 (fails instead when ZORRO_REQUIRE_VERL=1, as scri
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -48,12 +49,12 @@ def verl_cpu():
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # a file rendezvous in a fresh directory: no TCP port that another process could hold
+        rendezvous = os.path.join(tempfile.mkdtemp(prefix="zorro-gloo-"), "rendezvous")
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     yield
 
 
