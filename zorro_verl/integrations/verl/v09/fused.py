@@ -19,8 +19,9 @@ The chosen way. For the duration of one step the model gets an *instance* ``forw
 that does what verl's ``forward_base_model`` does — ``self.model(...)`` — but passes zorro's keywords through, and
 then calls the head module on the ``[1, N, H]`` response-predicting hidden states (``logits_to_keep`` = the plan's
 ``logit_index``). "The model" is the root module under FSDP2 (``fully_shard`` keeps the class and works through
-hooks) and the module inside the root's wrapper under FSDP1 (``forward_owner``), which is where verl's class patch
-takes effect too: the root is still called as a module, so FSDP2's hooks or FSDP1's wrapper forward (lazy root
+hooks) and the module inside the root's wrapper under FSDP1 (``forward_owner``) — with LoRA the ``*ForCausalLM``
+inside the ``PeftModel`` (:func:`fused_owner`): the ``PeftModel``'s own ``.model`` resolves to that patched model,
+whose forward would drop zorro's keywords —, which is where verl's class patch takes effect too: the root is still called as a module, so FSDP2's hooks or FSDP1's wrapper forward (lazy root
 initialisation, unshard, input casting, backward registration) run as in any forward. An instance ``forward`` on the
 FSDP1 wrapper itself would skip them (measured: the first call fails, a decoder-layer unit having initialised itself
 as the root; with 2 ranks the wrapper's parameters are still sharded). The head module's forward is in turn swapped
@@ -51,7 +52,7 @@ from zorro_verl.integrations.transformers import zorro_step
 from zorro_verl.integrations.transformers.step import forward_owner
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["FusedHead", "fused_backend", "zorro_fused_step"]
+__all__ = ["FusedHead", "fused_backend", "fused_owner", "zorro_fused_step"]
 
 #: The kernel backends verl's ``patch_forward_with_backends`` installs.
 VERL_FUSED_BACKENDS = ("torch", "liger", "triton")
@@ -103,15 +104,39 @@ class FusedHead:
 
 
 def _zorro_root_forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=None,
-                        logits_to_keep=0, **kwargs):
+                        logits_to_keep=0, labels=None, return_dict=None, **kwargs):
     """verl's ``forward_base_model`` (the decoder, ``self.model``) with zorro's keywords passed through, then the head
-    on the kept positions: ``input_ids [1, T]`` -> ``logits`` = the head's output on ``hidden[:, logits_to_keep]``."""
+    on the kept positions: ``input_ids [1, T]`` -> ``logits`` = the head's output on ``hidden[:, logits_to_keep]``.
+    ``labels`` / ``return_dict`` are the ``*ForCausalLM``'s own keywords (PEFT's forward passes them, as None), not
+    the decoder's."""
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
+
+    if labels is not None:
+        raise ValueError("labels: zorro's fused step computes no HF loss from labels; got a tensor (call the model "
+                         "without labels).")
 
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         use_cache=use_cache, **kwargs)[0]  # [1, T, H]
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return CausalLMOutputForPPO(logits=self.get_output_embeddings()(hidden[:, keep]))
+
+
+def fused_owner(module):
+    """The module whose ``forward`` zorro's step replaces: the ``*ForCausalLM`` verl patched for fused kernels (it
+    carries ``_verl_fused_kernels_backend``): the module inside FSDP1's wrapper or the FSDP2 root
+    (:func:`~zorro_verl.integrations.transformers.step.forward_owner`), and under PEFT the model the ``PeftModel``
+    wraps (``PeftModel.base_model.model``): its forward, not the ``PeftModel``'s, is verl's patched one, and PEFT's
+    forwards call it with every keyword, zorro's included."""
+    owner = forward_owner(module)
+    m = owner
+    for _ in range(4):  # PeftModel -> LoraModel (.base_model) -> *ForCausalLM (.model)
+        if "_verl_fused_kernels_backend" in vars(m):
+            return m
+        inner = m._modules.get("base_model") or (m._modules.get("model") if hasattr(m, "peft_config") else None)
+        if inner is None:
+            break
+        m = inner
+    return owner
 
 
 def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: float, calculate_entropy: bool,
@@ -133,7 +158,7 @@ def zorro_fused_step(module, plan: ZorroPlan, *, backend: str, temperature: floa
         raise ValueError("temperature: verl's fused kernels take one float temperature, got a tensor of shape "
                          f"{tuple(temperature.shape)}; use one temperature per batch or use_fused_kernels=false.")
     head = FusedHead(fused_backend(module))
-    owner = forward_owner(module)
+    owner = fused_owner(module)
     had_own = "forward" in owner.__dict__
     saved = owner.__dict__.get("forward")
     owner.forward = _zorro_root_forward.__get__(owner)
