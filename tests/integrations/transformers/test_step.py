@@ -306,3 +306,28 @@ def test_bf16_temperature_tensor_divides_as_verl_in_every_mode():
         assert (ent - outs["none"][1]).abs().max().item() <= 1e-5, mode
     assert (lp_mixed[rows] - outs["none"][0][rows]).abs().max().item() <= 1e-5
     assert (upcast[0] - outs["memory"][0]).abs().mean().item() > 1e-4  # the old memory-mode rounding
+
+
+@pytest.mark.parametrize("key", ["router_jitter_noise", "resid_pdrop"])
+def test_per_token_noise_refused_in_training(key):
+    """A per-token random op in training mode (Mixtral's router input jitter, a residual dropout) would be drawn once
+    per shared prompt token instead of once per row: refused by name; in eval mode (no noise) the step runs."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zorro_verl.integrations.transformers import install_zorro, zorro_step
+    from zorro_verl.packing import build_plan
+    from zorro_verl.testing import create_dummy_batch
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        **{key: 0.1})
+    model = MixtralForCausalLM(cfg)
+    install_zorro(model)
+    b = create_dummy_batch(4, 2, 5, 3, device="cpu", seed=0, vocab_size=64)
+    plan = build_plan(b["input_ids"], b["attention_mask"], b["responses"].shape[1])
+    model.train()
+    with pytest.raises(ValueError, match=f"config.{key} = 0.1 in training mode"):
+        zorro_step(model, plan)
+    model.eval()
+    logp, _ = zorro_step(model, plan)
+    assert logp.shape == (plan.N,) and torch.isfinite(logp).all()

@@ -100,6 +100,7 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
     """
     mode = check_logits_optimization(logits_optimization)
     op = check_temperature_op(temperature_op)
+    check_no_per_token_noise(model)
     ctx = StepContext(plan, backend, calls, shard, media)
     divisors = None
     if isinstance(temperature, torch.Tensor):
@@ -128,6 +129,29 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
         logp = gather_rows(logp, shard)
         ent = None if ent is None else gather_rows(ent, shard)
     return logp, ent
+
+
+#: HF config keys of per-token random ops in training mode (a deduplicated prompt token would draw one sample where
+#: the ordinary forward draws one per row): MoE router input jitter and the residual / embedding / hidden dropouts.
+#: (Attention dropout and LoRA dropout are refused at install.)
+PER_TOKEN_NOISE_KEYS = ("router_jitter_noise", "hidden_dropout", "hidden_dropout_prob", "resid_pdrop", "embd_pdrop",
+                        "ffn_dropout", "activation_dropout")
+
+
+def check_no_per_token_noise(model) -> None:
+    """``ValueError`` naming the key when ``model`` is in training mode with a per-token random op on
+    (:data:`PER_TOKEN_NOISE_KEYS` > 0 in its text config): zorro would sample it once per shared prompt token
+    instead of once per row, a different function than the ordinary forward's. Eval mode runs (no noise)."""
+    if not model.training or getattr(model, "config", None) is None:
+        return
+    cfg = text_config(model)
+    for key in PER_TOKEN_NOISE_KEYS:
+        v = getattr(cfg, key, 0.0)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            raise ValueError(f"model: config.{key} = {v} in training mode: a per-token random op, which the "
+                             "deduplicated forward would draw once per shared prompt token instead of once per row "
+                             f"(a different function than the ordinary forward's). Set config.{key} = 0 for RL "
+                             "training with zorro, or run this model without zorro.")
 
 
 def _chunked_head(chunk_size: int, temperature_op: str = "upcast") -> HeadFn:
