@@ -70,3 +70,15 @@ def test_lora_dropout_refused_at_install():
     with pytest.raises(ValueError, match=r"LoRA dropout > 0 \(adapter 'default' of .*p=0.05"):
         install_zorro(model)
     install_zorro(wrap_lora(tiny_model("qwen3"), dropout=0.0))  # no dropout: installs
+
+
+def test_activated_lora_refused_at_install():
+    """aLoRA (``alora_invocation_tokens``): PEFT finds the invocation in each input row and adapts the tokens after
+    it; zorro's one packed row holds several groups, so it would find one invocation only (the other groups'
+    responses silently without the adapter): refused by name."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("qwen3"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                           alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"))
+    with pytest.raises(ValueError, match=r"activated LoRA \(aLoRA: adapter 'default' has alora_invocation_tokens\)"):
+        install_zorro(model)

@@ -34,7 +34,14 @@ def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def lora_unsupported(model: torch.nn.Module) -> Optional[str]:
     """Why zorro cannot run ``model``'s LoRA adapters exactly, or None: a dropout probability > 0 on any adapter
-    (see the module docstring)."""
+    (see the module docstring), or an activated LoRA (aLoRA): PEFT looks for each input row's invocation tokens
+    (``alora_invocation_tokens``) in that row and applies the adapter from there on; on zorro's packed row (all
+    groups in one row) it would find one invocation only, and the other groups' responses would run without it."""
+    for adapter, cfg in (getattr(model, "peft_config", None) or {}).items():
+        if getattr(cfg, "alora_invocation_tokens", None):
+            return (f"activated LoRA (aLoRA: adapter {adapter!r} has alora_invocation_tokens): PEFT finds the "
+                    "invocation per input row, and zorro's packed row holds several prompts, so responses would lose "
+                    "their adapter; use a plain LoRA adapter (alora_invocation_tokens=None) or run without zorro")
     for name, layer in lora_layers(model):
         for adapter, drop in layer.lora_dropout.items():
             p = float(getattr(drop, "p", 0.0) or 0.0)
