@@ -23,8 +23,8 @@ hooks) and the module inside the root's wrapper under FSDP1 (``forward_owner``) 
 inside the ``PeftModel`` (:func:`fused_owner`): the ``PeftModel``'s own ``.model`` resolves to that patched model,
 whose forward would drop zorro's keywords —, which is where verl's class patch takes effect too: the root is still
 called as a module, so FSDP2's hooks or FSDP1's wrapper forward (lazy root initialisation, unshard, input casting,
-backward registration) run as in any forward. An instance ``forward`` on the FSDP1 wrapper itself would skip them (measured: the first call fails, a decoder-layer unit having initialised itself
-as the root; with 2 ranks the wrapper's parameters are still sharded). The head module's forward is in turn swapped
+backward registration) run as in any forward. An instance ``forward`` on the FSDP1 wrapper itself would skip them
+(measured: the first call fails, a decoder-layer unit having initialised itself as the root; with 2 ranks the wrapper's parameters are still sharded). The head module's forward is in turn swapped
 by ``zorro_step``'s head-function seam (``head_fn``, see ``zorro_verl.integrations.transformers.step._head_step``;
 under FSDP1 also inside the head's own wrapper, if a wrap policy made it a unit) for :class:`FusedHead`, which hands
 the ``[N, H]`` hidden states, the head's weight, the plan's targets and the batch's float temperature to the same
