@@ -15,27 +15,27 @@ other keyword (``**loss_kwargs``), so zorro's ``zorro_ctx`` would never reach th
 ignores ``logits_to_keep`` and would compute the head at every position of the packed row with wrong rolled labels
 (the packed row's next token is not each response's next token).
 
-The chosen way. For the duration of one step the model gets an *instance* ``forward`` (:func:`_zorro_root_forward`)
-that does what verl's ``forward_base_model`` does — ``self.model(...)`` — but passes zorro's keywords through, and
-then calls the head module on the ``[1, N, H]`` response-predicting hidden states (``logits_to_keep`` = the plan's
-``logit_index``). "The model" is the root module under FSDP2 (``fully_shard`` keeps the class and works through
-hooks) and the module inside the root's wrapper under FSDP1 (``forward_owner``) — with LoRA the ``*ForCausalLM``
-inside the ``PeftModel`` (:func:`fused_owner`): the ``PeftModel``'s own ``.model`` resolves to that patched model,
-whose forward would drop zorro's keywords —, which is where verl's class patch takes effect too: the root is still
-called as a module, so FSDP2's hooks or FSDP1's wrapper forward (lazy root initialisation, unshard, input casting,
-backward registration) run as in any forward. An instance ``forward`` on the FSDP1 wrapper itself would skip them
-(measured: the first call fails, a decoder-layer unit having initialised itself as the root; with 2 ranks the wrapper's parameters are still sharded). The head module's forward is in turn swapped
-by ``zorro_step``'s head-function seam (``head_fn``, see ``zorro_verl.integrations.transformers.step._head_step``;
-under FSDP1 also inside the head's own wrapper, if a wrap policy made it a unit) for :class:`FusedHead`, which hands
-the ``[N, H]`` hidden states, the head's weight, the plan's targets and the batch's float temperature to the same
-verl kernel verl's forward would use, with verl's chunk size. Per row this is the op sequence of verl's fused
-forward (``hidden @ W.T / temperature``, fp32 upcast, log-softmax / entropy), only at the ``N`` rows that predict
-response tokens. For a prefix-tree plan (``sharing=prefix``) the head receives the ``Nh`` distinct predicting
-positions and each output's row; verl's kernel takes one hidden row per target, so :class:`FusedHead` expands them
-per output: on this path the head runs once per output, not once per distinct position as in zorro's own ``memory``
-mode (the decoder still runs once per trie token). The root forward's output is a ``ModelOutput`` (FSDP2 traverses
-it to register its backward hooks). An instance attribute shadows the class's (patched) ``forward`` without touching
-the class, which verl patched for the whole process.
+The chosen way. For the duration of one step the model gets an *instance* ``forward`` (:func:`_zorro_root_forward`) that
+does what verl's ``forward_base_model`` does — ``self.model(...)`` — but passes zorro's keywords through, and then calls
+the head module on the ``[1, N, H]`` response-predicting hidden states (``logits_to_keep`` = the plan's
+``logit_index``). "The model" is the root module under FSDP2 (``fully_shard`` keeps the class and works through hooks)
+and the module inside the root's wrapper under FSDP1 (``forward_owner``) — with LoRA the ``*ForCausalLM`` inside the
+``PeftModel`` (:func:`fused_owner`): the ``PeftModel``'s own ``.model`` resolves to that patched model, whose forward
+would drop zorro's keywords —, which is where verl's class patch takes effect too: the root is still called as a module,
+so FSDP2's hooks or FSDP1's wrapper forward (lazy root initialisation, unshard, input casting, backward registration)
+run as in any forward. An instance ``forward`` on the FSDP1 wrapper itself would skip them (measured: the first call
+fails, a decoder-layer unit having initialised itself as the root; with 2 ranks the wrapper's parameters are still
+sharded). The head module's forward is in turn swapped by ``zorro_step``'s head-function seam (``head_fn``, see
+``zorro_verl.integrations.transformers.step._head_step``; under FSDP1 also inside the head's own wrapper, if a wrap
+policy made it a unit) for :class:`FusedHead`, which hands the ``[N, H]`` hidden states, the head's weight, the plan's
+targets and the batch's float temperature to the same verl kernel verl's forward would use, with verl's chunk size. Per
+row this is the op sequence of verl's fused forward (``hidden @ W.T / temperature``, fp32 upcast, log-softmax /
+entropy), only at the ``N`` rows that predict response tokens. For a prefix-tree plan (``sharing=prefix``) the head
+receives the ``Nh`` distinct predicting positions and each output's row; verl's kernel takes one hidden row per target,
+so :class:`FusedHead` expands them per output: on this path the head runs once per output, not once per distinct
+position as in zorro's own ``memory`` mode (the decoder still runs once per trie token). The root forward's output is a
+``ModelOutput`` (FSDP2 traverses it to register its backward hooks). An instance attribute shadows the class's (patched)
+``forward`` without touching the class, which verl patched for the whole process.
 
 Refused, as verl refuses them (checked by the engine before the step): per-sample temperature tensors (verl's fused
 path asserts a float) and ``calculate_sum_pi_squared``. A model verl did not patch (``use_fused_kernels`` without a
