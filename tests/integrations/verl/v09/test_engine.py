@@ -248,3 +248,14 @@ def test_weight_export_for_rollout_equals_checkpoint(engines, tiny_ckpt):
     got = {name: t.detach().float().cpu() for name, t in gen}
     assert peft is None and got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_qat_w4a4_refused(verl_cpu, tiny_ckpt):
+    """QAT W4A4 observes its activation scale over each micro-batch's tokens, which deduplication changes: refused
+    at engine start by name (W4A16, weights only, is token-independent)."""
+    from verl.workers.config.engine import QATEngineConfig
+
+    from tests.support.verl_engines import build_engine
+
+    with pytest.raises(ValueError, match=r"QAT W4A4 \(fsdp_config.qat.mode=w4a4\)"):
+        build_engine(tiny_ckpt, zorro=True, engine_overrides={"qat": QATEngineConfig(enable=True, mode="w4a4")})

@@ -100,6 +100,12 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
     def _zorro_static_unsupported(self):
         mc = self.model_config
         sp = self.engine_config.ulysses_sequence_parallel_size
+        qat = getattr(self.engine_config, "qat", None)
+        if qat is not None and getattr(qat, "enable", False) and str(getattr(qat, "mode", "")).lower() == "w4a4":
+            # W4A16 quantises weights only (token-independent: exact on the packed row); W4A4 also activations, with
+            # a global scale observed over each micro-batch's tokens, which deduplication changes
+            return ("QAT W4A4 (fsdp_config.qat.mode=w4a4): its activation scale is observed over each micro-batch's "
+                    "tokens, which deduplication changes (prompt tokens count once); use mode=w4a16 or disable zorro")
         return setup_unsupported(sp, getattr(mc, "hf_config", None), ulysses_supported=True, vlm_supported=True)
 
     def _zorro_batch_unsupported(self, data):
