@@ -161,8 +161,8 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> 
 
 
 def _refusals(E, ckpt: str, zorro) -> dict:
-    """With the last layout's engines: settings refused at engine start (``on_unsupported=raise``), a batch refused
-    on every rank, and the ``warn`` fallback (verl's stock forward, counted)."""
+    """With the last layout's engines: settings refused at engine start (``on_unsupported=raise``; ``fused``, now
+    accepted, must build), a batch refused on every rank, and the ``warn`` fallback (verl's stock forward, counted)."""
     out = {}
     for name, engine_kwargs, model_kwargs in (("fused", {"use_fused_kernels": True}, {}),
                                               ("lora", {}, {"lora_rank": 8})):

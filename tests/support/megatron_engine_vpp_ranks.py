@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from functools import partial
 
 import torch
 

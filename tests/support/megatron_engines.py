@@ -131,9 +131,10 @@ def save_tiny_checkpoint(path: str, family: str = "qwen3", layers: int = 2) -> s
     cls_cfg, cls_model = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                           "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
     kw = {"head_dim": 16} if family != "qwen2" else {}
-    cfg = getattr(transformers, cls_cfg)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, **kw)
+    cfg = getattr(transformers, cls_cfg)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                         rope_theta=10000.0, **kw)
     cfg.architectures = [cls_model]
     torch.manual_seed(0)
     getattr(transformers, cls_model)(cfg).save_pretrained(path)

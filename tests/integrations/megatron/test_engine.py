@@ -96,7 +96,7 @@ def test_bf16_relative_rule(engine_results):
 def test_refusals_and_warn_fallback(engine_results):
     for res in engine_results:
         r = res["refusals"]
-        assert r["fused"] and "use_fused_kernels" in r["fused"] and "megatron.zorro.enable=false" in r["fused"]
+        assert r["fused"] is None  # use_fused_kernels=True is accepted (zorro's head; compared in test_engine_vpp.py)
         assert r["lora"] and "LoRA" in r["lora"]
         assert r["batch"] and "per-sample temperatures" in r["batch"]  # every rank raises, none waits
         assert r["warn_fallback"] == 1.0
