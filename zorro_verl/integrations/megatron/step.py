@@ -249,7 +249,8 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     Returns the stage's output: on the last stage the head's logits at the response-predicting rows
     ``[Nh, 1, V/tp]`` (``Nh = N``, or the distinct rows of a prefix tree), for :func:`zorro_gpt_logprobs`; on other
     stages the hidden states ``[Tp(/tp under SP), 1, H]`` that the schedule sends on (``Tp``: :func:`padded_length`).
-    Every TP rank and every stage calls with the same plan."""
+    Every TP rank and every stage (every model chunk under virtual pipeline stages) calls with the same plan. A model
+    in training mode with per-token random ops is refused (:func:`stochastic_unsupported`)."""
     gpt = find_gpt_model(model)
     layers = zorro_attention_modules(gpt)
     _check_model(gpt, len(layers))

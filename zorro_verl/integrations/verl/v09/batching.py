@@ -309,10 +309,13 @@ class ZorroBatchingMixin:
         count, fewest = int(counts[0]), -int(counts[1])
         count = -(-count // multiple_of) * multiple_of
         if count > fewest:
-            raise ValueError(f"zorro engine: the ranks need {count} micro-batches (the most any rank's batch needs; "
-                             f"FSDP runs the same number on every rank), but a rank holds only {fewest} rows and every "
-                             "micro-batch needs one (all ranks raise this). Give the DP ranks equal row counts (verl's "
-                             "balancing does), or raise max_token_len_per_gpu / micro_batch_size_per_gpu.")
+            raise ValueError(f"zorro engine: the ranks need {count} micro-batches (the most any rank's batch needs"
+                             + (f", rounded up to a multiple of {multiple_of} for megatron's interleaved schedule"
+                                if multiple_of > 1 else "")
+                             + f"; the schedule runs the same number on every rank), but a rank holds only {fewest} "
+                             "rows and every micro-batch needs one (all ranks raise this). Give the DP ranks equal row "
+                             "counts (verl's balancing does), or raise max_token_len_per_gpu / "
+                             "micro_batch_size_per_gpu.")
         if count > len(mbs):
             mbs = split_to_count(mbs, count, g, p, r)
         return mbs
