@@ -220,7 +220,7 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             batch = mb.to(get_device_id())
             plan, _, p = micro_batch_plan(batch, self.zorro.plan_kwargs())
             self._zorro_count_plan(plan)
-            memo = [batch, plan, p, 0]
+            memo = [batch, plan, p, 0]  # the device batch, its plan, prompt lengths, chunks that have run it
             if plans is not None and len(self.module) > 1:
                 plans[id(mb)] = memo
         batch, plan, p = memo[:3]
