@@ -217,8 +217,8 @@ def _run_bridge(E, build, rank: int, world: int, ckpt: str, layouts: str) -> dic
 
 
 def _refusals(E, build, ckpt: str, zorro) -> dict:
-    """With the last layout's engines: settings refused at engine start (``on_unsupported=raise``), a batch refused
-    on every rank, and the ``warn`` fallback (verl's stock forward, counted)."""
+    """With the last layout's engines: settings refused at engine start (``on_unsupported=raise``; ``fused``, now
+    accepted, must build), a batch refused on every rank, and the ``warn`` fallback (verl's stock forward, counted)."""
     out = {}
     for name, engine_kwargs, model_kwargs in (("fused", {"use_fused_kernels": True}, {}),
                                               ("lora", {}, {"lora": {**LORA, "dropout": 0.1}})):

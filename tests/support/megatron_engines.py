@@ -115,8 +115,9 @@ def _mbridge_patches() -> None:
                                     encoder_and_decoder=_Dummy.encoder_and_decoder)
     original = gpt_layer_specs.get_gpt_decoder_block_spec
 
-    def local_block_spec(config, use_transformer_engine=True, **kw):  # V5: mbridge hardcodes the TE spec
-        return original(config, use_transformer_engine=False, **kw)
+    def local_block_spec(config, use_transformer_engine=True, vp_stage=None, **kw):  # V5: mbridge hardcodes TE
+        # (vp_stage named: mbridge passes it, for virtual pipeline stages, only when the signature has it)
+        return original(config, use_transformer_engine=False, vp_stage=vp_stage, **kw)
 
     llm_bridge.get_gpt_decoder_block_spec = local_block_spec
     # V6: the local spec's (unfused) norm names (Qwen3's bridge is Qwen2's subclass)
@@ -127,17 +128,19 @@ def _mbridge_patches() -> None:
                                ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
 
 
-def save_tiny_checkpoint(path: str, family: str = "qwen3") -> str:
+def save_tiny_checkpoint(path: str, family: str = "qwen3", layers: int = 2) -> str:
     """A tiny checkpoint of ``family`` (``qwen3``: q/k norms; ``qwen2``: q/k/v biases; ``llama``) saved at ``path``
-    from seed 0: 2 layers, hidden 64, 4 heads in 2 KV groups, head dim 16, untied head, vocab :data:`VOCAB`."""
+    from seed 0: ``layers`` layers (2), hidden 64, 4 heads in 2 KV groups, head dim 16, untied head, vocab
+    :data:`VOCAB`."""
     import transformers
 
     cls_cfg, cls_model = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                           "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
     kw = {"head_dim": 16} if family != "qwen2" else {}
-    cfg = getattr(transformers, cls_cfg)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, **kw)
+    cfg = getattr(transformers, cls_cfg)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                         rope_theta=10000.0, **kw)
     cfg.architectures = [cls_model]
     torch.manual_seed(0)
     getattr(transformers, cls_model)(cfg).save_pretrained(path)
@@ -157,13 +160,15 @@ def _mask_hook(module, args, kwargs):
 
 def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, remove_padding: bool = True,
                  micro_batch: int = 2, max_tokens: int = 48, engine_kwargs: dict | None = None,
-                 model_kwargs: dict | None = None, dtype: str = "float32", bridge: str = "megatron-bridge"):
+                 model_kwargs: dict | None = None, dtype: str = "float32", transformer_overrides: dict | None = None,
+                 bridge: str = "megatron-bridge"):
     """verl's Megatron LM engine for ``ckpt``, ``dtype`` (fp32 by default; ``bfloat16``: megatron's Float16Module),
     built through ``bridge`` (``megatron-bridge``: verl's default, ``vanilla_mbridge=False``; ``mbridge``: the
     legacy one), initialised: the class verl's ``EngineRegistry`` resolves for
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
-    a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys.
-    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` change."""
+    a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys;
+    ``transformer_overrides``: more ``override_transformer_config`` keys.
+    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline size change."""
     from megatron.core import parallel_state as mpu
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -179,8 +184,10 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     # tests build both in one process
     for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         os.environ.pop(var, None)
+    vpp = (engine_kwargs or {}).get("virtual_pipeline_model_parallel_size")
     if mpu.model_parallel_is_initialized() and (mpu.get_tensor_model_parallel_world_size() != tp
-                                                or mpu.get_pipeline_model_parallel_world_size() != pp):
+                                                or mpu.get_pipeline_model_parallel_world_size() != pp
+                                                or mpu.get_virtual_pipeline_model_parallel_world_size() != vpp):
         mpu.destroy_model_parallel()
     model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=remove_padding,
                                  **(model_kwargs or {}))
@@ -196,7 +203,8 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
                                                use_cpu_initialization=True,
                                                # Megatron-Bridge's providers turn on TE's fused cross-entropy
                                                **({"cross_entropy_loss_fusion": False}
-                                                  if bridge == "megatron-bridge" else {})),
+                                                  if bridge == "megatron-bridge" else {}),
+                                               **(transformer_overrides or {})),
               **(engine_kwargs or {}))
     if zorro is None:
         engine_config = McoreEngineConfig(dtype="bfloat16", **kw)
@@ -210,7 +218,10 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
                  checkpoint_config=CheckpointConfig())
     engine.initialize()
     if not remove_padding:
-        gpt_of(engine).register_forward_pre_hook(_mask_hook, with_kwargs=True)
+        from verl.utils.megatron_utils import unwrap_model
+
+        for chunk in engine.module:  # every model chunk (virtual pipeline stages) gets verl's mask
+            unwrap_model(chunk).register_forward_pre_hook(_mask_hook, with_kwargs=True)
     return engine
 
 

@@ -141,7 +141,7 @@ def test_megatron_lora(all_results):
 def test_refusals_and_warn_fallback(engine_results):
     for res in engine_results:
         r = res["refusals"]
-        assert r["fused"] and "use_fused_kernels" in r["fused"] and "megatron.zorro.enable=false" in r["fused"]
+        assert r["fused"] is None  # use_fused_kernels=True is accepted (zorro's head; compared in test_engine_vpp.py)
         assert r["lora"] and "model.lora.dropout=0" in r["lora"]  # LoRA runs; its dropout is refused
         assert r["batch"] and "per-sample temperatures" in r["batch"]  # every rank raises, none waits
         assert r["warn_fallback"] == 1.0

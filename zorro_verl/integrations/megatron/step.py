@@ -41,7 +41,7 @@ from zorro_verl.logprob import (
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "padded_length", "find_gpt_model",
-           "has_output_processor", "check_zorro_gpt"]
+           "has_output_processor", "check_zorro_gpt", "stochastic_unsupported"]
 
 
 def has_output_processor() -> bool:
@@ -69,6 +69,26 @@ def check_zorro_gpt(model: torch.nn.Module, *, require_installed: bool = True) -
     attention in it."""
     gpt = find_gpt_model(model)
     _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None)
+
+
+def stochastic_unsupported(cfg) -> Optional[str]:
+    """Why a megatron ``TransformerConfig`` cannot train exactly with zorro, or None: the per-token random ops of
+    megatron's layers in training. A deduplicated prompt token is one row of the packed sequence where the ordinary
+    batch has ``n`` copies: it would draw one dropout mask (one jitter sample) instead of ``n``, and the micro-batch's
+    random stream would be consumed differently. Exact (and applied) only in evaluation mode, where they are off."""
+    for name, what in (("hidden_dropout", "dropout on the embeddings and after attention / MLP (bias-dropout-add)"),
+                       ("attention_dropout", "dropout on the attention probabilities")):
+        v = getattr(cfg, name, 0.0) or 0.0
+        if v > 0:
+            return (f"{name}={v} in training ({what}): a deduplicated prompt token would draw one dropout mask "
+                    f"instead of one per copy; set {name}=0 (e.g. override_transformer_config.{name}=0.0; RL "
+                    "training runs without dropout)")
+    eps = getattr(cfg, "moe_input_jitter_eps", None)
+    if eps:
+        return (f"moe_input_jitter_eps={eps} in training (the MoE router's per-token multiplicative noise): a "
+                "deduplicated prompt token would draw one sample instead of one per copy; set "
+                "moe_input_jitter_eps=None")
+    return None
 
 
 def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
@@ -102,6 +122,7 @@ def _check_moe(cfg) -> None:
     if not getattr(cfg, "num_moe_experts", None):
         return
     coeff = cfg.moe_aux_loss_coeff
+    lbt = cfg.moe_router_load_balancing_type
     checks = [
         ("moe_aux_loss_coeff", coeff, any(coeff) if isinstance(coeff, (list, tuple)) else bool(coeff), "0"),
         ("moe_z_loss_coeff", cfg.moe_z_loss_coeff, bool(cfg.moe_z_loss_coeff), "None"),
@@ -113,6 +134,13 @@ def _check_moe(cfg) -> None:
         ("moe_enable_routing_replay", cfg.moe_enable_routing_replay, cfg.moe_enable_routing_replay, "False"),
         ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing, cfg.moe_router_force_load_balancing,
          "False"),
+        # a random bias per forward call: the micro-batches' rows differ from stock's, so their biases would too
+        ("moe_router_force_biased", getattr(cfg, "moe_router_force_biased", None),
+         getattr(cfg, "moe_router_force_biased", None) is not None, "None"),
+        # sinkhorn normalises the router scores over the micro-batch's tokens in training; quantile balancing updates
+        # a per-expert bias from their quantiles
+        ("moe_router_load_balancing_type", cfg.moe_router_load_balancing_type,
+         bool({"sinkhorn", "quantile_balancing"} & set(lbt if isinstance(lbt, (list, tuple)) else [lbt])), "'none'"),
     ]
     for name, got, bad, fix in checks:
         if bad:
@@ -221,10 +249,14 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     Returns the stage's output: on the last stage the head's logits at the response-predicting rows
     ``[Nh, 1, V/tp]`` (``Nh = N``, or the distinct rows of a prefix tree), for :func:`zorro_gpt_logprobs`; on other
     stages the hidden states ``[Tp(/tp under SP), 1, H]`` that the schedule sends on (``Tp``: :func:`padded_length`).
-    Every TP rank and every stage calls with the same plan."""
+    Every TP rank and every stage (every model chunk under virtual pipeline stages) calls with the same plan. A model
+    in training mode with per-token random ops is refused (:func:`stochastic_unsupported`)."""
     gpt = find_gpt_model(model)
     layers = zorro_attention_modules(gpt)
     _check_model(gpt, len(layers))
+    reason = stochastic_unsupported(gpt.config) if gpt.training else None
+    if reason is not None:
+        raise ValueError(f"zorro: {reason}.")
     # sequence parallelism scatters the row over the TP ranks: its length must divide; the pad tokens form no
     # segment of the plan (the core attention outputs 0 there) and are never read by the head
     Tp = padded_length(gpt, plan)

@@ -1,6 +1,6 @@
 """The Megatron engine's start-time refusals that need no model (``megatron_setup_unsupported``): each names the
 setting and how to fix it; verl's defaults pass. Pure data: runs without megatron-core (the engine calls the same
-function at start; tests/integrations/megatron/test_engine.py checks it there with fused kernels and LoRA)."""
+function at start; tests/integrations/megatron/test_engine.py checks it there with LoRA)."""
 
 from types import SimpleNamespace
 
@@ -24,8 +24,6 @@ def test_verl_defaults_pass():
 @pytest.mark.parametrize("engine, model, says", [
     ({"context_parallel_size": 2}, {}, "context_parallel_size=1"),
     ({"dynamic_context_parallel": True}, {}, "context parallelism"),
-    ({"virtual_pipeline_model_parallel_size": 2}, {}, "virtual pipeline"),
-    ({"use_fused_kernels": True}, {}, "use_fused_kernels"),
     ({"router_replay": {"mode": "R3"}}, {}, "router_replay.mode=disabled"),
     ({}, {"mtp": {"enable": True}}, "multi-token prediction"),
     ({}, {"lora": {"rank": 8, "dropout": 0.1}}, "model.lora.dropout=0"),
@@ -43,6 +41,12 @@ def test_megatron_bridge_lora_runs():
     read by verl's Megatron engine (it trains the whole model), so it is no refusal either."""
     assert megatron_setup_unsupported(DEFAULT_ENGINE, {**DEFAULT_MODEL, "lora": {"rank": 8, "dropout": 0.0}}) is None
     assert megatron_setup_unsupported(DEFAULT_ENGINE, {**DEFAULT_MODEL, "lora_rank": 16}) is None
+
+
+def test_virtual_pipeline_and_fused_kernels_accepted():
+    """Virtual pipeline stages and verl's fused kernels run (tests/integrations/megatron/test_engine_vpp.py)."""
+    engine = {**DEFAULT_ENGINE, "virtual_pipeline_model_parallel_size": 2, "use_fused_kernels": True}
+    assert megatron_setup_unsupported(engine, DEFAULT_MODEL) is None
 
 
 def test_memory_logits_mode_refused():

@@ -295,9 +295,11 @@ class ZorroBatchingMixin:
         for k, v in values.items():
             metrics.setdefault(k, []).append(v)
 
-    def zorro_micro_batches(self, data, local=None):
+    def zorro_micro_batches(self, data, local=None, multiple_of: int = 1):
         """Group-aware micro-batches of ``data`` (row index lists), the same count on every DP rank; ``local``: this
-        rank's own packing, :meth:`_zorro_local_micro_batches` (computed here when None)."""
+        rank's own packing, :meth:`_zorro_local_micro_batches` (computed here when None); ``multiple_of``: the count
+        is rounded up to a multiple of it (megatron's interleaved schedule runs micro-batches in groups of
+        ``microbatch_group_size_per_vp_stage``, as verl's ``num_batches_divided_by``)."""
         mbs, g, p, r = self._zorro_local_micro_batches(data) if local is None else local
         # FSDP collectives need the same number of forward/backward calls on every DP rank.
         # Over the whole DP x SP mesh: the ranks of an SP group hold the same batch (checked) and agree anyway.
@@ -305,11 +307,15 @@ class ZorroBatchingMixin:
         counts = torch.tensor([len(mbs), -len(g)], device=get_device_id())
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
         count, fewest = int(counts[0]), -int(counts[1])
+        count = -(-count // multiple_of) * multiple_of
         if count > fewest:
-            raise ValueError(f"zorro engine: the ranks need {count} micro-batches (the most any rank's batch needs; "
-                             f"FSDP runs the same number on every rank), but a rank holds only {fewest} rows and every "
-                             "micro-batch needs one (all ranks raise this). Give the DP ranks equal row counts (verl's "
-                             "balancing does), or raise max_token_len_per_gpu / micro_batch_size_per_gpu.")
+            raise ValueError(f"zorro engine: the ranks need {count} micro-batches (the most any rank's batch needs"
+                             + (f", rounded up to a multiple of {multiple_of} for megatron's interleaved schedule"
+                                if multiple_of > 1 else "")
+                             + f"; the schedule runs the same number on every rank), but a rank holds only {fewest} "
+                             "rows and every micro-batch needs one (all ranks raise this). Give the DP ranks equal row "
+                             "counts (verl's balancing does), or raise max_token_len_per_gpu / "
+                             "micro_batch_size_per_gpu.")
         if count > len(mbs):
             mbs = split_to_count(mbs, count, g, p, r)
         return mbs

@@ -31,12 +31,6 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
         return (f"context parallelism (context_parallel_size={cp}, dynamic_context_parallel="
                 f"{bool(get(engine_config, 'dynamic_context_parallel', False))}): zorro's attention has no context-"
                 "parallel exchange on Megatron yet; set context_parallel_size=1")
-    vpp = get(engine_config, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None and int(vpp) > 1:
-        return (f"virtual pipeline stages (virtual_pipeline_model_parallel_size={vpp}): zorro runs megatron's "
-                "non-interleaved schedules; set it to null")
-    if get(engine_config, "use_fused_kernels", False):
-        return "use_fused_kernels=True on the Megatron engine (verl's fused head replaces the model's output path)"
     router = get(engine_config, "router_replay", None)
     mode = get(router, "mode", "disabled") if router is not None else "disabled"
     if mode != "disabled":

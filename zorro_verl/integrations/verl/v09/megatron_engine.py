@@ -16,11 +16,18 @@ holds the same batch)::
       -> verl's ``postprocess_micro_batch_func`` unchanged (its loss, the ``num_micro_batch`` scaling), outputs back in
          original row order.
 
+Virtual pipeline stages (``self.module`` a list of model chunks, megatron's interleaved schedule): one iterator over
+the same micro-batches per chunk, each chunk's forward on the micro-batch's plan (built once per stage), the head on
+the last chunk of the last stage. ``use_fused_kernels=True``: verl's fused head (its Triton linear-cross-entropy at
+every row) is not used by a zorro micro-batch; zorro's own head at the response-predicting rows replaces it (the
+memory point of the fused kernel), and the stock fallback keeps verl's fused path.
+
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
-run exactly are refused at engine start (context parallelism, virtual pipeline stages, fused kernels, multi-token
-prediction, router replay, per-token loss, LoRA, vision-language, MLA and hybrid models; MoE auxiliary losses when the
-model is built), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
-``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's own).
+run exactly are refused at engine start (context parallelism, multi-token prediction, router replay, per-token loss,
+LoRA, vision-language, MLA and hybrid models; when the model is built, MoE statistics and per-token random ops in
+training: dropout, MoE input jitter), or with ``on_unsupported = warn`` run the stock forward, warn once and count the
+batch in ``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's
+own). Every per-batch check that can fail on one rank (layout, positions, temperatures) runs before the ranks agree.
 """
 
 from __future__ import annotations
@@ -44,11 +51,12 @@ from zorro_verl.integrations.megatron import (
     zorro_gpt_forward,
     zorro_gpt_logprobs,
 )
-from zorro_verl.integrations.megatron.step import check_zorro_gpt
+from zorro_verl.integrations.megatron.step import check_zorro_gpt, stochastic_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.batching import (
     ZorroBatchingMixin,
+    _standard_positions,
     common_batch_unsupported,
     micro_batch_plan,
     predict_next_outputs,
@@ -88,15 +96,26 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
 
     def _zorro_model_unsupported(self) -> Optional[str]:
         """Refusals that need the built model: each chunk's ``GPTModel`` (position embedding, MLA, MoE statistics,
-        megatron-core's ``output_processor``), verl's per-token loss regime."""
+        megatron-core's ``output_processor``), verl's per-token loss regime, per-token random ops (dropout, MoE input
+        jitter) on an engine that trains, verl's fused forward patched over ``GPTModel.forward``."""
         if self.tf_config is not None and getattr(self.tf_config, "calculate_per_token_loss", False):
             return ("calculate_per_token_loss=True (megatron's per-token regime normalises the MoE router's losses by "
                     "the micro-batch's ordinary token count)")
         for chunk in self.module:
+            gpt = find_gpt_model(chunk)
             try:
-                check_zorro_gpt(find_gpt_model(chunk), require_installed=False)
+                check_zorro_gpt(gpt, require_installed=False)
             except ValueError as e:
                 return str(e)
+            # an engine that trains (not forward_only) would run them; a forward-only engine runs in eval mode
+            reason = None if self.engine_config.forward_only else stochastic_unsupported(gpt.config)
+            if reason is not None:
+                return reason
+            if self.engine_config.use_fused_kernels and "forward_backup" in vars(gpt):
+                # verl's legacy fused path (megatron-core without output_processor) replaces GPTModel.forward
+                return ("use_fused_kernels=True with verl's legacy fused forward (GPTModel.forward replaced: this "
+                        "megatron-core has no output_processor hook); use megatron-core >= 0.18 or "
+                        "use_fused_kernels=False")
         return None
 
     def _zorro_batch_unsupported(self, data) -> Optional[str]:
@@ -112,6 +131,15 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             t = data["temperature"].reshape(-1)
             if t.numel() > 1 and not bool((t == t[0]).all()):
                 return "per-sample temperatures on the Megatron engine (zorro's Megatron head takes one float)"
+        # checked here, before the ranks agree: the plan build would raise on one rank, inside the schedule
+        if "position_ids" in data.keys() and not _standard_positions(data["position_ids"]):
+            return ("position_ids that do not count 0, 1, 2, ... along each row (verl's text layout): zorro recomputes "
+                    "the positions on its packed row, so other positions would change results")
+        for chunk in self.module:  # a model put in training mode with per-token random ops (a forward-only engine)
+            gpt = find_gpt_model(chunk)
+            reason = stochastic_unsupported(gpt.config) if gpt.training else None
+            if reason is not None:
+                return reason
         return None
 
     # ------------------------------------------------------------------ model
@@ -143,7 +171,11 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
 
         self._zorro_loss_normalisers(data, self.engine_config.context_parallel_size)  # as the stock engine
 
-        mbs = self.zorro_micro_batches(data, local)
+        # virtual pipeline stages: megatron's interleaved schedule runs the micro-batches in groups of
+        # microbatch_group_size_per_vp_stage (the count a multiple of it, as verl's num_batches_divided_by)
+        vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+        group = self.tf_config.microbatch_group_size_per_vp_stage if vpp is not None and vpp > 1 else 1
+        mbs = self.zorro_micro_batches(data, local, multiple_of=group)
         micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in mbs.batches]
         n = len(micro_batches)
         for mb in micro_batches:
@@ -153,11 +185,19 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
 
         postprocess = partial(self.postprocess_micro_batch_func, forward_only=forward_only,
                               loss_function=loss_function)
-        losses_reduced = get_forward_backward_func()(
-            forward_step_func=partial(self.zorro_forward_step, postprocess_micro_batch_func=postprocess),
-            data_iterator=iter(micro_batches), model=self.module, num_microbatches=n,
-            seq_length=1, micro_batch_size=1,  # verl: shapes travel through p2p (variable_seq_lengths)
-            forward_only=forward_only)
+        # one iterator per model chunk (a list under virtual pipeline stages, as verl's make_batch_generator): every
+        # chunk runs every micro-batch; the chunks of this stage share each micro-batch's plan (built once)
+        chunks = len(self.module)
+        self._zorro_plans = {}
+        data_iterator = [iter(micro_batches) for _ in range(chunks)] if chunks > 1 else iter(micro_batches)
+        try:
+            losses_reduced = get_forward_backward_func()(
+                forward_step_func=partial(self.zorro_forward_step, postprocess_micro_batch_func=postprocess),
+                data_iterator=data_iterator, model=self.module, num_microbatches=n,
+                seq_length=1, micro_batch_size=1,  # verl: shapes travel through p2p (variable_seq_lengths)
+                forward_only=forward_only)
+        finally:
+            self._zorro_plans = None
         if not last_stage:
             self.zorro_last_micro_batches = mbs  # (the last stage's metrics record it too)
             return {}
@@ -173,9 +213,20 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         """Megatron's ``forward_step_func`` for a zorro micro-batch: ``(output, loss_func)``. ``output`` is this
         stage's hidden states, or on the last stage verl's model output (nested predict-next ``log_probs`` /
         ``entropy``); ``loss_func`` is verl's ``postprocess_micro_batch_func`` bound to the micro-batch."""
-        batch = next(batch_iter).to(get_device_id())
-        plan, _, p = micro_batch_plan(batch, self.zorro.plan_kwargs())
-        self._zorro_count_plan(plan)
+        mb = next(batch_iter)
+        plans = getattr(self, "_zorro_plans", None)
+        memo = None if plans is None else plans.get(id(mb))
+        if memo is None:
+            batch = mb.to(get_device_id())
+            plan, _, p = micro_batch_plan(batch, self.zorro.plan_kwargs())
+            self._zorro_count_plan(plan)
+            memo = [batch, plan, p, 0]  # the device batch, its plan, prompt lengths, chunks that have run it
+            if plans is not None and len(self.module) > 1:
+                plans[id(mb)] = memo
+        batch, plan, p = memo[:3]
+        memo[3] += 1
+        if plans is not None and memo[3] == len(self.module):  # the stage's last chunk has run it
+            plans.pop(id(mb), None)
         out = zorro_gpt_forward(model, plan, backend=self._zorro_backend)
         loss_func = partial(postprocess_micro_batch_func, data=batch)
         if not find_gpt_model(model).post_process:
