@@ -39,15 +39,16 @@ def expert_bias_on(cfg) -> None:
 def make_uniform_batch(seed: int = 3, L: int = 10, shared_prefix: bool = False):
     """A verl-style padded batch ``(input_ids [B, S], attention_mask [B, S], R)`` whose rows all hold ``L`` valid
     tokens (prompt + response): four prompts of 6, 4, 5 and ``L`` tokens, rows interleaved (groups
-    ``0 1 0 2 1 0 3``), responses ``L - P`` long (group 3's is empty). ``shared_prefix``: prompts 1 and 2 start with
-    prompt 0's first 3 / 4 tokens (a prefix tree)."""
+    ``0 1 0 2 1 0 3 2``), responses ``L - P`` long (group 3's is empty); the prompt plan's packed row then has
+    ``8 L - 21`` tokens, odd: under sequence parallelism zorro's row gets a pad token. ``shared_prefix``: prompts 1
+    and 2 start with prompt 0's first 3 / 4 tokens (a prefix tree)."""
     g = torch.Generator().manual_seed(seed)
     plens = [6, 4, 5, L]
     prompts = [torch.randint(1, M.VOCAB, (p,), generator=g) for p in plens]
     if shared_prefix:
         prompts[1] = torch.cat([prompts[0][:3], prompts[1][3:]])
         prompts[2] = torch.cat([prompts[0][:4], prompts[2][4:]])
-    groups = [0, 1, 0, 2, 1, 0, 3]
+    groups = [0, 1, 0, 2, 1, 0, 3, 2]
     R = L - min(plens)
     ids = torch.zeros(len(groups), L + R, dtype=torch.long)
     am = torch.zeros_like(ids)
@@ -81,13 +82,40 @@ def _reset(model) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _synced(entries: dict) -> dict:
+    """The logged metrics as megatron reports them (``MoEMetricsTracker._sync_metrics``: summed over the entry's
+    ``reduce_group``, averaged over its ``avg_group``, then over the data-parallel ranks), on copies; an average as
+    a sum over the group's size (gloo has no ``ReduceOp.AVG``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    def avg(v, group):
+        dist.all_reduce(v, group=group)
+        v /= dist.get_world_size(group)
+
+    out = {}
+    for name, e in entries.items():
+        v = e.values.clone()
+        dist.all_reduce(v, group=parallel_state.get_pipeline_model_parallel_group())
+        if e.reduce_group is not None:
+            dist.all_reduce(v, group=e.reduce_group)
+        if e.avg_group is not None:
+            avg(v, e.avg_group)
+        if e.needs_dp_avg:
+            avg(v, parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
+        out[name] = v
+    return out
+
+
 def run_moe(model, batch, *, zorro: bool, sharing: str = "prompt", tp_multiple: int = 1) -> dict:
     """One forward + backward of the test loss (:func:`~tests.support.megatron_cpu.stock_outputs` for the
     reference, :func:`~tests.support.megatron_cpu.zorro_outputs` for zorro) from fresh statistics, then megatron's
     expert-bias update (``finalize_model_grads``' ``_update_router_expert_bias``, all-reduced over TP x DP).
-    Returns ``lp [N]``, ``ent [N]``, ``grads`` (name -> tensor), ``metrics`` (name -> ``[layers]`` fp64 as logged),
-    ``counts`` (each router's ``local_tokens_per_expert`` ``[E]``) and ``bias`` (each router's updated
-    ``expert_bias`` ``[E]``)."""
+    Returns ``lp [N]``, ``ent [N]``, ``grads`` (name -> tensor), ``metrics`` (name -> ``[layers]`` fp64 as megatron
+    reports them), ``counts`` (each router's ``local_tokens_per_expert`` ``[E]`` summed over TP x DP, as the update
+    sums them) and ``bias`` (each router's updated ``expert_bias`` ``[E]``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -99,9 +127,11 @@ def run_moe(model, batch, *, zorro: bool, sharing: str = "prompt", tp_multiple: 
         lp, ent, plan = M.zorro_outputs(model, ids, am, R, sharing=sharing)
     else:
         (lp, ent), plan = M.stock_outputs(model, ids, am, R, tp_multiple=tp_multiple), None
-    metrics = {k: e.values.clone() for k, e in get_moe_metrics_tracker().metrics.items()}
+    metrics = _synced(get_moe_metrics_tracker().metrics)
     routers = moe_routers(model)
     counts = [r.local_tokens_per_expert.clone() for r in routers]
+    for c in counts:  # what the update sums: each sequence-parallel rank counts its shard, each DP rank its batch
+        dist.all_reduce(c, group=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
     _update_router_expert_bias([model], model.config)
     return {"lp": lp, "ent": ent, "grads": M.grads(model), "metrics": metrics, "counts": counts,
             "bias": [r.expert_bias.clone() for r in routers], "plan": plan}
