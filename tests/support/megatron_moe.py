@@ -168,7 +168,8 @@ def alltoall_cpu_shims() -> None:
     all-to-all split sizes into numpy through ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts only CUDA
     tensors; a CPU tensor then reaches ``all_to_all_single``, whose binding refuses it as split sizes. Here
     ``as_numpy`` converts CPU tensors too. Its device-to-host stream (a class attribute made at the first
-    dispatcher's construction) is a :class:`_CpuStream`. The forward and backward also need
+    dispatcher's construction) is a :class:`_CpuStream`; under TP > 1 also M2 (:func:`_uneven_sequence_collectives`).
+    The forward and backward also need
     :func:`tests.support.megatron_cpu.cuda_as_cpu` (``torch.cuda.current_stream`` / ``stream``)."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -182,3 +183,38 @@ def alltoall_cpu_shims() -> None:
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CpuStream()
+    _uneven_sequence_collectives()
+
+
+def _uneven_sequence_collectives() -> None:
+    """M2 (the all-to-all dispatcher under TP > 1): it gathers / reduce-scatters the tokens over the TP group in
+    unequal parts (``output_split_sizes`` / ``input_split_sizes``), through ``all_gather`` / ``reduce_scatter`` with
+    tensor lists of different sizes, which gloo refuses (equal sizes only) or lacks. Here the unequal cases are
+    computed by collectives gloo has: every part padded to the largest, gathered, and cut; the whole tensor
+    all-reduced (a sum over the group) and this rank's part kept."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings, "_zorro_test_uneven", False):
+        return
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        m = max(output_split_sizes)
+        padded = torch.cat([input_, input_.new_zeros(m - input_.shape[0], *input_.shape[1:])])
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
+
+    def scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return torch.split(total, input_split_sizes, dim=0)[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = scatter_uneven
+    mappings._zorro_test_uneven = True

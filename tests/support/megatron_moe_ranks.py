@@ -8,6 +8,8 @@ then in the same two processes (megatron-core's import costs 12-40 s each):
   rank, so the expert gradients and the global-batch statistics (all-reduced over the data-parallel ranks) combine
   both ranks' tokens.
 
+With 4 processes instead: TP = 2 + SP x EP = 2 (2 data-parallel ranks, the all-to-all dispatcher).
+
 Each case returns this rank's :func:`~tests.support.megatron_moe.compare_moe` of zorro vs megatron's ordinary
 forward. Run as ``python -m tests.support.megatron_moe_ranks RANK WORLD INIT_FILE OUT_JSON``.
 """
@@ -52,6 +54,8 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
     from tests.support import megatron_cpu as M
     from tests.support import megatron_moe as MM
 
+    if world == 4:
+        return {"ep2_tp2_sp": _ep2_tp2(rank, world, init_file)}
     M.init_megatron(rank, world, init_file)
     M.fp64_moe_routing()
     out = {}
@@ -67,6 +71,26 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
                        M.cuda_as_cpu)
     dist.barrier()
     return out
+
+
+def _ep2_tp2(rank: int, world: int, init_file: str) -> dict:
+    """4 processes: TP = 2 + SP inside each of 2 data-parallel ranks, EP = 2 (the expert tensor parallelism =
+    TP), the all-to-all dispatcher; a batch per data-parallel rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from tests.support import megatron_cpu as M
+    from tests.support import megatron_moe as MM
+
+    M.init_megatron(rank, world, init_file, tensor=2, expert=2)
+    M.fp64_moe_routing()
+    MM.alltoall_cpu_shims()
+    dp = parallel_state.get_data_parallel_rank()
+    overrides = {**MM.STATS, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"}
+    res = _case({"sequence_parallel": True, "moe_overrides": overrides}, MM.make_uniform_batch(seed=3 + dp),
+                "prompt", 2, M.cuda_as_cpu)
+    dist.barrier()
+    return res
 
 
 if __name__ == "__main__":

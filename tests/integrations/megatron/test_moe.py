@@ -196,3 +196,18 @@ def test_two_ranks_tp_sp_ep(tmp_path):
             check_case(f"{case}_rank{rank}", res)
         assert per_case["ep2"]["local_experts"] == 2 and per_case["ep2"]["dispatcher"] == "MoEAlltoAllTokenDispatcher"
         assert per_case["tp2_sp"]["sp"] and per_case["tp2_sp"]["T"] % 2 == 1  # zorro's row padded under SP
+
+
+@pytest.mark.skipif(os.environ.get("ZORRO_MEGATRON_4RANKS", "1") == "0", reason="ZORRO_MEGATRON_4RANKS=0")
+def test_four_ranks_ep2_tp2(tmp_path):
+    """EP = 2 with TP = 2 + sequence parallelism (4 processes, 2 data-parallel ranks with a batch each, the expert
+    tensor parallelism = TP, megatron's all-to-all dispatcher)."""
+    from tests.support.multi_rank import run_ranks
+
+    results = run_ranks("tests.support.megatron_moe_ranks", 4, [], tmp_path, timeout_s=int(os.environ.get(
+        "ZORRO_MEGATRON_RANK_TIMEOUT", "900")))
+    for rank, per_case in enumerate(results):
+        res = per_case["ep2_tp2_sp"]
+        assert res.pop("deduplicated") and res["sp"], (rank, res)
+        assert res["local_experts"] == 2 and res["dispatcher"] == "MoEAlltoAllTokenDispatcher", res
+        check_case(f"ep2_tp2_sp_rank{rank}", res)
