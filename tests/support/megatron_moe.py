@@ -17,7 +17,7 @@ import torch
 from tests.support import megatron_cpu as M
 
 __all__ = ["STATS", "expert_bias_on", "make_uniform_batch", "run_moe", "compare_moe", "alltoall_cpu_shims",
-           "METRICS"]
+           "METRICS", "reset_statistics", "reported_metrics", "collect"]
 
 #: every statistic zorro weights, on at once: the load-balancing loss per micro-batch and over the global batch,
 #: the z-loss (coefficients large enough that a prompt token counted once instead of n times shows in every gradient)
@@ -61,7 +61,7 @@ def make_uniform_batch(seed: int = 3, L: int = 10, shared_prefix: bool = False):
     return ids, am, R
 
 
-def _reset(model) -> None:
+def reset_statistics(model) -> None:
     """Fresh statistics for one run: the metrics tracker (its per-layer entries created in fp64: megatron's are
     fp32, which would round the logged fp64 losses), the routers' token counts and global-batch accumulators."""
     from megatron.core.transformer.moe.moe_logging import MetricEntry, get_moe_metrics_tracker
@@ -82,7 +82,7 @@ def _reset(model) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _synced(entries: dict) -> dict:
+def reported_metrics(entries: dict) -> dict:
     """The logged metrics as megatron reports them (``MoEMetricsTracker._sync_metrics``: summed over the entry's
     ``reduce_group``, averaged over its ``avg_group``, then over the data-parallel ranks), on copies; an average as
     a sum over the group's size (gloo has no ``ReduceOp.AVG``)."""
@@ -114,6 +114,18 @@ def run_moe(model, batch, *, zorro: bool, sharing: str = "prompt", tp_multiple: 
     Returns ``lp [N]``, ``ent [N]``, ``grads`` (name -> tensor), ``metrics`` (name -> ``[layers]`` fp64 as megatron
     reports them), ``counts`` (each router's ``local_tokens_per_expert`` ``[E]`` summed over TP x DP, as the update
     sums them) and ``bias`` (each router's updated ``expert_bias`` ``[E]``)."""
+    reset_statistics(model)
+    ids, am, R = batch
+    if zorro:
+        lp, ent, plan = M.zorro_outputs(model, ids, am, R, sharing=sharing)
+    else:
+        (lp, ent), plan = M.stock_outputs(model, ids, am, R, tp_multiple=tp_multiple), None
+    return {"lp": lp, "ent": ent, "plan": plan, **collect(model)}
+
+
+def collect(model) -> dict:
+    """After a training forward + backward from :func:`reset_statistics`: ``grads``, ``metrics`` (as reported),
+    ``counts`` (summed over TP x DP) and ``bias`` (after megatron's update) of :func:`run_moe`."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
@@ -121,20 +133,14 @@ def run_moe(model, batch, *, zorro: bool, sharing: str = "prompt", tp_multiple: 
 
     from zorro_verl.integrations.megatron.moe import moe_routers
 
-    _reset(model)
-    ids, am, R = batch
-    if zorro:
-        lp, ent, plan = M.zorro_outputs(model, ids, am, R, sharing=sharing)
-    else:
-        (lp, ent), plan = M.stock_outputs(model, ids, am, R, tp_multiple=tp_multiple), None
-    metrics = _synced(get_moe_metrics_tracker().metrics)
+    metrics = reported_metrics(get_moe_metrics_tracker().metrics)
     routers = moe_routers(model)
     counts = [r.local_tokens_per_expert.clone() for r in routers]
     for c in counts:  # what the update sums: each sequence-parallel rank counts its shard, each DP rank its batch
         dist.all_reduce(c, group=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
     _update_router_expert_bias([model], model.config)
-    return {"lp": lp, "ent": ent, "grads": M.grads(model), "metrics": metrics, "counts": counts,
-            "bias": [r.expert_bias.clone() for r in routers], "plan": plan}
+    return {"grads": M.grads(model), "metrics": metrics, "counts": counts,
+            "bias": [r.expert_bias.clone() for r in routers]}
 
 
 def compare_moe(stock: dict, zorro: dict) -> dict:

@@ -183,14 +183,19 @@ def test_refusals(moe_pair):
 
 def test_two_ranks_tp_sp_ep(tmp_path):
     """TP = 2 + sequence parallelism (each rank's router sees its shard of the packed row: its multiplicities
-    sliced alike; prompt and prefix plans) and EP = 2 (megatron's all-to-all dispatcher over gloo, a different batch
-    per rank: the expert gradients and the global-batch statistics cross ranks), one 2-process gloo group."""
+    sliced alike; prompt and prefix plans), EP = 2 (megatron's all-to-all dispatcher over gloo, a different batch
+    per rank: the expert gradients and the global-batch statistics cross ranks) and PP = 2 (megatron's schedule,
+    two micro-batches, a stage each), one 2-process gloo group."""
     from tests.support.multi_rank import run_ranks
 
     results = run_ranks("tests.support.megatron_moe_ranks", 2, [], tmp_path, timeout_s=int(os.environ.get(
         "ZORRO_MEGATRON_RANK_TIMEOUT", "900")))
     for rank, per_case in enumerate(results):
-        assert set(per_case) == {"tp2_sp", "tp2_sp_prefix", "ep2"}, per_case.keys()
+        assert set(per_case) == {"tp2_sp", "tp2_sp_prefix", "ep2", "pp2"}, per_case.keys()
+        pp = per_case["pp2"]
+        assert pp["stage"] == rank and pp["last"] == (rank == 1) and pp["routers"] == 1, pp
+        if not pp["last"]:  # the first stage returns hidden states: gradients, metrics and routers compared
+            pp.update(logprob=0.0, entropy=0.0)
         for case, res in per_case.items():
             assert res.pop("deduplicated"), (rank, case)
             check_case(f"{case}_rank{rank}", res)
