@@ -61,9 +61,10 @@ def make_uniform_batch(seed: int = 3, L: int = 10, shared_prefix: bool = False):
     return ids, am, R
 
 
-def reset_statistics(model) -> None:
+def reset_statistics(model, keep_bias: bool = False) -> None:
     """Fresh statistics for one run: the metrics tracker (its per-layer entries created in fp64: megatron's are
-    fp32, which would round the logged fp64 losses), the routers' token counts and global-batch accumulators."""
+    fp32, which would round the logged fp64 losses), the routers' token counts and global-batch accumulators, and
+    (unless ``keep_bias``: a next training step) the expert bias."""
     from megatron.core.transformer.moe.moe_logging import MetricEntry, get_moe_metrics_tracker
 
     from zorro_verl.integrations.megatron.moe import moe_routers
@@ -77,7 +78,7 @@ def reset_statistics(model) -> None:
         for buf in ("local_tokens_per_expert", "global_tokens_per_expert", "ga_steps"):
             if getattr(r, buf, None) is not None:
                 getattr(r, buf).zero_()
-        if r.expert_bias is not None:
+        if r.expert_bias is not None and not keep_bias:
             r.expert_bias.zero_()
     model.zero_grad(set_to_none=True)
 
@@ -107,14 +108,16 @@ def reported_metrics(entries: dict) -> dict:
     return out
 
 
-def run_moe(model, batch, *, zorro: bool, sharing: str = "prompt", tp_multiple: int = 1) -> dict:
+def run_moe(model, batch, *, zorro: bool, sharing: str = "prompt", tp_multiple: int = 1,
+            keep_bias: bool = False) -> dict:
     """One forward + backward of the test loss (:func:`~tests.support.megatron_cpu.stock_outputs` for the
     reference, :func:`~tests.support.megatron_cpu.zorro_outputs` for zorro) from fresh statistics, then megatron's
-    expert-bias update (``finalize_model_grads``' ``_update_router_expert_bias``, all-reduced over TP x DP).
+    expert-bias update (``finalize_model_grads``' ``_update_router_expert_bias``, all-reduced over TP x DP);
+    ``keep_bias``: from the bias the model has (a next step) instead of zero.
     Returns ``lp [N]``, ``ent [N]``, ``grads`` (name -> tensor), ``metrics`` (name -> ``[layers]`` fp64 as megatron
     reports them), ``counts`` (each router's ``local_tokens_per_expert`` ``[E]`` summed over TP x DP, as the update
     sums them) and ``bias`` (each router's updated ``expert_bias`` ``[E]``)."""
-    reset_statistics(model)
+    reset_statistics(model, keep_bias)
     ids, am, R = batch
     if zorro:
         lp, ent, plan = M.zorro_outputs(model, ids, am, R, sharing=sharing)

@@ -23,6 +23,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed here
                                             ".venv-megatron)")
 
 
+import torch  # noqa: E402
+
 from tests.support import megatron_cpu as M  # noqa: E402
 from tests.support import megatron_moe as MM  # noqa: E402
 
@@ -108,6 +110,38 @@ def test_per_token_loss_scaling(moe_pair):
         for r, v in saved:
             r.calculate_per_token_loss = v
     check_case("tp1_per_token_loss", res)
+
+
+def test_sigmoid_expert_bias_two_steps(moe_pair):
+    """The aux-loss-free balancing as megatron allows it (sigmoid scores, the bias in the expert choice; DeepSeek-V3
+    style, no aux loss) over two training steps: after the first update the bias changes which experts tokens go
+    to, and the counts and the bias stay equal. Sigmoid scores are ``logits.float()`` (fp32 in an fp64 model), so
+    the router gradients, which deduplication sums in another order before that fp32 backward, are compared in the
+    softmax cases above only; the forward values and the integer counts here."""
+    overrides = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                 "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+                 "moe_router_bias_update_rate": 0.2}
+    stock = M.build_gpt(zorro=False, parallel_output=False, moe=True, moe_overrides=overrides)
+    zorro = M.build_gpt(zorro=True, moe=True, moe_overrides=overrides)
+    zorro.load_state_dict(stock.state_dict())
+    from zorro_verl.integrations.megatron.moe import check_moe_statistics
+
+    assert check_moe_statistics(zorro) == {"expert_bias"}
+    batch = MM.make_uniform_batch(seed=7)
+    steps = []
+    for step in range(2):
+        s = MM.run_moe(stock, batch, zorro=False, keep_bias=step > 0)
+        z = MM.run_moe(zorro, batch, zorro=True, keep_bias=step > 0)
+        steps.append((s, z))
+        res = {"logprob": (z["lp"] - s["lp"]).abs().max().item(), "entropy": (z["ent"] - s["ent"]).abs().max().item(),
+               "count": max((a - b).abs().max().item() for a, b in zip(s["counts"], z["counts"])),
+               "bias": max((a - b).abs().max().item() for a, b in zip(s["bias"], z["bias"]))}
+        WORST[f"tp1_sigmoid_bias_step{step}"] = res
+        print(f"tp1_sigmoid_bias_step{step}:", res)
+        assert res["logprob"] <= TOL_VALUE and res["entropy"] <= TOL_VALUE, res
+        assert res["count"] == 0 and res["bias"] == 0, res
+    # the first step's bias really moved the second step's routing
+    assert any(not torch.equal(a, b) for a, b in zip(steps[0][0]["counts"], steps[1][0]["counts"]))
 
 
 def _routers(model):
