@@ -66,7 +66,7 @@ def router_statistics(router) -> set:
     out = set()
     if isinstance(router, TopKRouter):
         out |= {t for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if router.get_aux_loss_coeff(t) > 0}
-        if router.enable_expert_bias and cfg.moe_router_bias_update_rate:
+        if getattr(router, "enable_expert_bias", False) and cfg.moe_router_bias_update_rate:
             out.add("expert_bias")
     if cfg.moe_z_loss_coeff is not None:
         out.add("z_loss")
@@ -75,8 +75,9 @@ def router_statistics(router) -> set:
     return out
 
 
-def _refuse(name: str, got, fix: str, why: str) -> None:
-    raise ValueError(f"{name}: got {got!r} on an MoE model; with zorro it must be {fix}: {why}. Set {name}={fix}.")
+def _refuse(name: str, got, expected: str, why: str, fix: Optional[str] = None) -> None:
+    raise ValueError(f"{name}: got {got!r} on an MoE model; with zorro it must be {expected}: {why}. "
+                     f"{fix or f'Set {name}={expected}'}.")
 
 
 def check_moe_statistics(model: torch.nn.Module) -> set:
@@ -87,30 +88,32 @@ def check_moe_statistics(model: torch.nn.Module) -> set:
     if not routers:
         return set()
     cfg = routers[0].config
-    if cfg.moe_enable_routing_replay:
+    if getattr(cfg, "moe_enable_routing_replay", False):
         _refuse("moe_enable_routing_replay", True, "False", "routes are recorded and replayed per token of the "
                 "ordinary rows")
-    if cfg.moe_router_force_load_balancing:
+    if getattr(cfg, "moe_router_force_load_balancing", False):
         _refuse("moe_router_force_load_balancing", True, "False", "random logits are drawn in the micro-batch's "
                 "token shape")
-    if cfg.moe_router_force_biased is not None:
+    if getattr(cfg, "moe_router_force_biased", None) is not None:
         _refuse("moe_router_force_biased", cfg.moe_router_force_biased, "None", "a random bias is drawn in the "
                 "micro-batch's token shape")
-    if cfg.moe_input_jitter_eps is not None:
+    if getattr(cfg, "moe_input_jitter_eps", None) is not None:
         _refuse("moe_input_jitter_eps", cfg.moe_input_jitter_eps, "None", "the jitter noise is drawn in the "
                 "micro-batch's token shape")
     types = cfg.moe_router_load_balancing_type
     for t in (types if isinstance(types, list) else [types]):
         if t in ("sinkhorn", "quantile_balancing"):
-            _refuse("moe_router_load_balancing_type", types, "'none' (or 'aux_loss')",
-                    f"{t} routing normalises the routes over the micro-batch's tokens")
+            _refuse("moe_router_load_balancing_type", types, "'none' or 'aux_loss'",
+                    f"{t} routing normalises the routes over the micro-batch's tokens",
+                    "Use 'none' or 'aux_loss' (counted exactly)")
     used = set()
     for router in routers:
         stats = router_statistics(router)
         if "seq_aux_loss" in stats:
-            _refuse("moe_router_load_balancing_type", types, "not 'seq_aux_loss' (use 'aux_loss' or 'none')",
+            _refuse("moe_router_load_balancing_type", types, "'aux_loss' or 'none' (not 'seq_aux_loss')",
                     "the sequence-level loss is per ordinary sequence, and which tokens form a sequence is the "
-                    "micro-batch's layout (a padded bshd row, or verl's whole THD micro-batch)")
+                    "micro-batch's layout (a padded bshd row, or verl's whole THD micro-batch)",
+                    "Use 'aux_loss' (counted exactly) or 'none'")
         if "token_dropping" in stats:
             what = ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "None") \
                 if cfg.moe_expert_capacity_factor is not None else ("moe_token_dropping", True, "False")
@@ -123,9 +126,11 @@ def check_moe_statistics(model: torch.nn.Module) -> set:
         used |= stats
     if used and (cfg.recompute_granularity == "full" or (cfg.recompute_granularity == "selective"
                                                          and "moe" in (cfg.recompute_modules or []))):
-        _refuse("recompute_granularity", cfg.recompute_granularity, "None or selective without 'moe'",
-                f"the router's {sorted(used)} are computed again in the backward recomputation, outside the "
-                "zorro forward that counts them by multiplicity")
+        _refuse("recompute_granularity", cfg.recompute_granularity, "None, or 'selective' without 'moe' in "
+                "recompute_modules", f"the router's {sorted(used)} are computed again in the backward recomputation, "
+                "outside the zorro forward that counts them by multiplicity",
+                "Recompute selectively without 'moe' (e.g. recompute_modules=['core_attn']), or turn those "
+                "statistics off")
     return used
 
 
