@@ -140,31 +140,40 @@ def cuda_as_cpu():
             setattr(torch.cuda, n, f)
 
 
-def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1) -> None:
-    """gloo over a ``file://`` rendezvous, megatron's model-parallel groups (PP = ``pipeline``, TP = the rest), the
-    CPU shims. Called again with another ``pipeline`` it rebuilds the groups in the same process group."""
+def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1, tensor: int | None = None,
+                  expert: int = 1) -> None:
+    """gloo over a ``file://`` rendezvous, megatron's model-parallel groups (PP = ``pipeline``, TP = ``tensor``,
+    by default the rest; EP = ``expert``, carved out of the data-parallel ranks), the CPU shims. Called again with
+    other sizes it rebuilds the groups in the same process group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    if parallel_state.model_parallel_is_initialized() and \
-            parallel_state.get_pipeline_model_parallel_world_size() != pipeline:
+    tensor = world // pipeline if tensor is None else tensor
+    ps = parallel_state
+    if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_world_size(),
+                                               ps.get_tensor_model_parallel_world_size(),
+                                               ps.get_expert_model_parallel_world_size()) != (pipeline, tensor, expert):
         parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // pipeline,
-                                                 pipeline_model_parallel_size=pipeline)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor,
+                                                 pipeline_model_parallel_size=pipeline,
+                                                 expert_model_parallel_size=expert)
     _cpu_shims(sequence_parallel_norms=True)
 
 
 def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0,
-              pipeline: int = 1, recompute: str | None = None, moe: bool = False):
+              pipeline: int = 1, recompute: str | None = None, moe: bool = False, moe_overrides: dict | None = None,
+              config_hook=None):
     """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups, RMSNorm, SwiGLU, RoPE, untied head) on the
     local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from ``seed`` with CPU
     initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline size of the
     model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer recomputed in
     backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention). ``moe``: every MLP a
-    4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing` first)."""
+    4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing` first);
+    ``moe_overrides``: config fields over those MoE settings; ``config_hook(config)``: called on the built config
+    before the model is (a setting megatron's config validation would refuse, set past it)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -180,7 +189,10 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=False,  # True would round fp64 scores to fp32
         pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
-        pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute], **(_MOE if moe else {}))
+        pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute],
+        **({**_MOE, **(moe_overrides or {})} if moe else {}))
+    if config_hook is not None:
+        config_hook(cfg)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", **({"num_experts": _MOE["num_moe_experts"],
                                                                  "moe_grouped_gemm": False} if moe else {}))
     if zorro:

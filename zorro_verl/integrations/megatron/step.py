@@ -16,11 +16,14 @@ One step:
 4. log-probs / entropy: with TP = 1 the project's code on ``[N, V]`` (:func:`~zorro_verl.logprob.logits_logprobs`);
    with TP > 1 on each rank's vocabulary slice ``[N, V/tp]`` without gathering it
    (:func:`~zorro_verl.integrations.megatron.vocab_parallel.vocab_parallel_logprobs`);
-5. every zorro core attention of the stage must have run exactly once (else ``ValueError``: a layer bypassed zorro).
+5. every zorro core attention of the stage must have run exactly once (else ``ValueError``: a layer bypassed zorro);
+6. MoE routers: their statistics over the micro-batch's tokens (load-balancing and z losses, expert-bias counts)
+   count each packed token by the ordinary tokens it stands for, for the call (:mod:`.moe`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional
 
@@ -30,6 +33,12 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
+from zorro_verl.integrations.megatron.moe import (
+    TokenWeightedRouters,
+    check_moe_statistics,
+    moe_routers,
+    token_multiplicity,
+)
 from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
 from zorro_verl.logprob import (
     DEFAULT_CHUNK,
@@ -65,8 +74,8 @@ def find_gpt_model(model: torch.nn.Module) -> GPTModel:
 def check_zorro_gpt(model: torch.nn.Module, *, require_installed: bool = True) -> None:
     """``ValueError`` naming the setting when zorro cannot run ``model`` (a ``GPTModel`` or a wrapper) exactly:
     other position embeddings, MLA, multi-token prediction, context parallelism, fp8 / fp4, MoE statistics over the
-    micro-batch's tokens, a megatron-core without ``output_processor``; with ``require_installed`` also no zorro core
-    attention in it."""
+    micro-batch's tokens that zorro does not count by multiplicity (:mod:`.moe`), a megatron-core without
+    ``output_processor``; with ``require_installed`` also no zorro core attention in it."""
     gpt = find_gpt_model(model)
     _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None)
 
@@ -91,7 +100,9 @@ def stochastic_unsupported(cfg) -> Optional[str]:
     return None
 
 
-def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
+def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
+    """The checks of :func:`check_zorro_gpt`; returns the MoE statistics to count by multiplicity
+    (:func:`~zorro_verl.integrations.megatron.moe.check_moe_statistics`)."""
     cfg = gpt.config
     if n_layers == 0:
         raise ValueError("model: no zorro core attention found. Build the model with zorro_layer_spec(spec) or call "
@@ -112,41 +123,7 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
             raise ValueError(f"{name}: expected None with zorro, got {getattr(cfg, name)!r}: low-precision scaling "
                              "statistics (amax) are taken over the micro-batch's tokens, which deduplication changes. "
                              f"Set {name}=None.")
-    _check_moe(cfg)
-
-
-def _check_moe(cfg) -> None:
-    """MoE routing is token-wise (a deduplicated prompt token is routed as each of its copies would be), but every
-    statistic over the micro-batch's tokens changes when prompt tokens count once instead of ``n`` times: the
-    load-balancing and z losses, the expert-bias updates, capacity-based token dropping. Exact only without them."""
-    if not getattr(cfg, "num_moe_experts", None):
-        return
-    coeff = cfg.moe_aux_loss_coeff
-    lbt = cfg.moe_router_load_balancing_type
-    checks = [
-        ("moe_aux_loss_coeff", coeff, any(coeff) if isinstance(coeff, (list, tuple)) else bool(coeff), "0"),
-        ("moe_z_loss_coeff", cfg.moe_z_loss_coeff, bool(cfg.moe_z_loss_coeff), "None"),
-        ("moe_router_enable_expert_bias", cfg.moe_router_enable_expert_bias, cfg.moe_router_enable_expert_bias,
-         "False"),
-        ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
-         "None"),
-        ("moe_token_dropping", cfg.moe_token_dropping, cfg.moe_token_dropping, "False"),
-        ("moe_enable_routing_replay", cfg.moe_enable_routing_replay, cfg.moe_enable_routing_replay, "False"),
-        ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing, cfg.moe_router_force_load_balancing,
-         "False"),
-        # a random bias per forward call: the micro-batches' rows differ from stock's, so their biases would too
-        ("moe_router_force_biased", getattr(cfg, "moe_router_force_biased", None),
-         getattr(cfg, "moe_router_force_biased", None) is not None, "None"),
-        # sinkhorn normalises the router scores over the micro-batch's tokens in training; quantile balancing updates
-        # a per-expert bias from their quantiles
-        ("moe_router_load_balancing_type", cfg.moe_router_load_balancing_type,
-         bool({"sinkhorn", "quantile_balancing"} & set(lbt if isinstance(lbt, (list, tuple)) else [lbt])), "'none'"),
-    ]
-    for name, got, bad, fix in checks:
-        if bad:
-            raise ValueError(f"{name}: got {got!r} on an MoE model; with zorro it must be {fix}: it depends on "
-                             "statistics over the micro-batch's tokens, which deduplication changes (prompt tokens "
-                             f"count once). Set it to {fix} (e.g. moe_router_load_balancing_type='none').")
+    return check_moe_statistics(gpt)
 
 
 class _PositionedRope:
@@ -253,7 +230,7 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     in training mode with per-token random ops is refused (:func:`stochastic_unsupported`)."""
     gpt = find_gpt_model(model)
     layers = zorro_attention_modules(gpt)
-    _check_model(gpt, len(layers))
+    moe_stats = _check_model(gpt, len(layers))
     reason = stochastic_unsupported(gpt.config) if gpt.training else None
     if reason is not None:
         raise ValueError(f"zorro: {reason}.")
@@ -265,18 +242,25 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     pos = plan.position_ids if not pad else torch.cat([plan.position_ids, plan.position_ids.new_zeros(pad)])
     keep = plan.logit_index if plan.head_index is None else plan.head_index
     zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
+    # MoE statistics over the micro-batch's tokens (load-balancing / z losses, expert-bias counts): each packed token
+    # counts as the ordinary tokens it stands for (pad tokens: 0)
+    routers = contextlib.nullcontext()
+    if moe_stats:
+        w = token_multiplicity(plan)
+        w = w if not pad else torch.cat([w, w.new_zeros(pad)])
+        routers = TokenWeightedRouters(moe_routers(gpt), w, plan.ordinary_tokens, bool(gpt.config.sequence_parallel))
 
     if has_output_processor():
         def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
             return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
-        with _PositionedRope(gpt.rotary_pos_emb, pos):
+        with _PositionedRope(gpt.rotary_pos_emb, pos), routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
                         output_processor=head)
     else:
         # megatron-core < 0.19: no output_processor; the model's own head call runs on the kept rows (its output,
         # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back)
-        with _PositionedRope(gpt.rotary_pos_emb, pos), _RowsOutputLayer(gpt, keep):
+        with _PositionedRope(gpt.rotary_pos_emb, pos), _RowsOutputLayer(gpt, keep), routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp)
         if gpt.post_process:
             out = out.transpose(0, 1)

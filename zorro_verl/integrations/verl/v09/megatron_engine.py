@@ -24,10 +24,11 @@ memory point of the fused kernel), and the stock fallback keeps verl's fused pat
 
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly are refused at engine start (context parallelism, multi-token prediction, router replay, per-token loss,
-LoRA, vision-language, MLA and hybrid models; when the model is built, MoE statistics and per-token random ops in
-training: dropout, MoE input jitter), or with ``on_unsupported = warn`` run the stock forward, warn once and count the
-batch in ``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's
-own). Every per-batch check that can fail on one rank (layout, positions, temperatures) runs before the ranks agree.
+LoRA dropout, vision-language and hybrid models; when the model is built, MoE router statistics zorro does not count
+by multiplicity — sequence-level aux loss, token dropping, ... — and per-token random ops in training: dropout, MoE
+input jitter), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
+``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's own).
+Every per-batch check that can fail on one rank (layout, positions, temperatures) runs before the ranks agree.
 """
 
 from __future__ import annotations
