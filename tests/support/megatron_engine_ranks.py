@@ -145,6 +145,41 @@ def _lora(E, build, ckpt: str, world: int) -> dict:
     return out
 
 
+#: megatron's fused MoE paths need Transformer Engine (the bridge turns them on); the local spec's SequentialMLP
+MOE_CPU = {"moe_permute_fusion": False, "moe_grouped_gemm": False, "moe_router_fusion": False}
+
+
+def _moe(E, build, ckpt: str, rank: int, world: int) -> dict:
+    """Qwen3-MoE through Megatron-Bridge with expert parallelism over the world (EP = 2: each rank its DP share of
+    the rows, as the dp2 layout, and half of the experts; megatron's all-to-all token dispatcher over gloo), fixed
+    and dynamic micro-batches, as verl configures it: ``moe_router_load_balancing_type='none'`` with the HF
+    coefficient (megatron computes no load-balancing loss). Plus the routers' settings as built."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from tests.support.megatron_moe import alltoall_cpu_shims
+
+    alltoall_cpu_shims()  # M1 (tests only)
+    path = f"{ckpt}_qwen3_moe"
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        E.save_tiny_checkpoint(path, "qwen3_moe")
+    dist.barrier()
+    kw = dict(engine_kwargs={"expert_model_parallel_size": world}, transformer_overrides=MOE_CPU)
+    stock = build(path, zorro=None, remove_padding=False, **kw)
+    zorro = build(path, zorro=ZORRO, **kw)
+    routers = [m for m in E.gpt_of(zorro).modules() if type(m).__name__ == "TopKRouter"]
+    out = {"moe_built": {"ep": mpu.get_expert_model_parallel_world_size(), "routers": len(routers),
+                         "aux_loss_enabled": any(r.is_aux_loss_enabled() for r in routers),
+                         "coeff": E.gpt_of(zorro).config.moe_aux_loss_coeff,
+                         "type": E.gpt_of(zorro).config.moe_router_load_balancing_type,
+                         "local_experts": E.gpt_of(zorro).decoder.layers[0].mlp.num_local_experts}}
+    rows = slice(0, 8) if rank == 0 else slice(8, 12)
+    for mode in ("fixed", "dynamic"):
+        out[f"moe_ep2/{mode}"] = _compare_engines(
+            E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic", rows=rows), rank)
+    return out
+
+
 def _first(v):
     if isinstance(v, (list, tuple)):
         v = v[0] if v else None
@@ -204,6 +239,7 @@ def _run_bridge(E, build, rank: int, world: int, ckpt: str, layouts: str) -> dic
     out["bf16"] = _bf16(E, build, ckpt, world)
     if build.keywords["bridge"] == "megatron-bridge":  # verl's Megatron LoRA needs Megatron-Bridge
         out["lora"] = _lora(E, build, ckpt, world)
+        out.update(_moe(E, build, ckpt, rank, world))
     for family in FAMILIES:  # the other dense families verl's Megatron engine builds, TP = 2 + SP, fixed sizes
         path = f"{ckpt}_{family}"
         if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):

@@ -129,14 +129,19 @@ def _mbridge_patches() -> None:
 
 
 def save_tiny_checkpoint(path: str, family: str = "qwen3", layers: int = 2) -> str:
-    """A tiny checkpoint of ``family`` (``qwen3``: q/k norms; ``qwen2``: q/k/v biases; ``llama``) saved at ``path``
+    """A tiny checkpoint of ``family`` (``qwen3``: q/k norms; ``qwen2``: q/k/v biases; ``llama``; ``qwen3_moe``:
+    Qwen3-MoE, 4 experts, top-2) saved at ``path``
     from seed 0: ``layers`` layers (2), hidden 64, 4 heads in 2 KV groups, head dim 16, untied head, vocab
     :data:`VOCAB`."""
     import transformers
 
     cls_cfg, cls_model = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                          "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+                          "llama": ("LlamaConfig", "LlamaForCausalLM"),
+                          "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}[family]
     kw = {"head_dim": 16} if family != "qwen2" else {}
+    if family == "qwen3_moe":  # every layer a 4-expert top-2 MoE; the HF aux-loss coefficient as Qwen3-MoE ships it
+        kw.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                  norm_topk_prob=True, mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False)
     cfg = getattr(transformers, cls_cfg)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -168,7 +173,8 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
     a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys;
     ``transformer_overrides``: more ``override_transformer_config`` keys.
-    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline size change."""
+    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline or expert parallel size
+    change."""
     from megatron.core import parallel_state as mpu
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -185,9 +191,11 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         os.environ.pop(var, None)
     vpp = (engine_kwargs or {}).get("virtual_pipeline_model_parallel_size")
+    ep = (engine_kwargs or {}).get("expert_model_parallel_size", 1)
     if mpu.model_parallel_is_initialized() and (mpu.get_tensor_model_parallel_world_size() != tp
                                                 or mpu.get_pipeline_model_parallel_world_size() != pp
-                                                or mpu.get_virtual_pipeline_model_parallel_world_size() != vpp):
+                                                or mpu.get_virtual_pipeline_model_parallel_world_size() != vpp
+                                                or mpu.get_expert_model_parallel_world_size() != ep):
         mpu.destroy_model_parallel()
     model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=remove_padding,
                                  **(model_kwargs or {}))
