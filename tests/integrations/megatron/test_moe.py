@@ -193,6 +193,8 @@ def test_refusals(moe_pair):
              ({"moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.1}, "seq_aux_loss",
               "seq_aux_loss"),
              ({"moe_router_load_balancing_type": "sinkhorn"}, "sinkhorn", "sinkhorn"),
+             ({"moe_router_load_balancing_type": "quantile_balancing"}, None, "quantile_balancing"),
+             ({"moe_router_force_biased": 1.0}, None, "moe_router_force_biased"),
              ({"moe_enable_routing_replay": True}, None, "moe_enable_routing_replay"),
              ({"moe_router_force_load_balancing": True}, None, "moe_router_force_load_balancing"),
              ({"moe_input_jitter_eps": 0.01}, None, "moe_input_jitter_eps"),
