@@ -23,9 +23,11 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from zorro_verl.attention import attend
@@ -97,29 +99,41 @@ class ZorroCoreAttention:
         if not isinstance(packed_seq_params, ZorroPackedSeqParams):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
-        self._zorro_refusals(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params, kwargs)
+        self._zorro_refusals(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params,
+                             kwargs)
         zp = packed_seq_params
         plan, T = zp.plan, zp.plan.T
-        # [Tp, 1, H, D] -> [1, H, T, D]: the backends' layout; the padding rows (sequence parallelism) are left out
-        q, k, v = (x[:T, 0].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        # [Tp, 1, H, D] (or MLA's [Tp, H, D]) -> [1, H, T, D]: the backends' layout; the padding rows (sequence
+        # parallelism) are left out
+        q, k, v = ((x[:T, 0] if x.dim() == 4 else x[:T]).permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        q, k, v, dv = _common_head_dim(q, k, v)
         out = attend(plan, zp.backend, q, k, v, self._zorro_scale)  # [1, T, Hq_l, D]
-        out = out[0].reshape(T, 1, -1)
+        out = out[0, ..., :dv].reshape(T, 1, -1)
         if query.shape[0] > T:  # pad rows: no attention, output 0 (their hidden states never reach a real token)
             out = torch.cat([out, out.new_zeros(query.shape[0] - T, 1, out.shape[-1])], 0)
         zp.calls.count += 1
         return out
 
-    def _zorro_refusals(self, query, key, attention_mask, attn_mask_type, attention_bias, zp, kwargs) -> None:
+    def _zorro_refusals(self, query, key, value, attention_mask, attn_mask_type, attention_bias, zp,
+                        kwargs) -> None:
         cfg = self.config
         if zp.plan is None or zp.calls is None:
             raise ValueError("packed_seq_params: a ZorroPackedSeqParams without a plan; build it with "
                              "ZorroPackedSeqParams.for_plan(plan, backend, padded_len).")
-        if query.dim() != 4 or query.shape[1] != 1 or query.shape[0] != zp.padded_len:
+        # MLA hands [Tp, H, D] (it squeezes the batch dimension whenever packed_seq_params is given)
+        sbhd = query.dim() == 4 and query.shape[1] == 1
+        if not (sbhd or query.dim() == 3) or query.shape[0] != zp.padded_len:
             raise ValueError(f"query: expected [padded_len={zp.padded_len}, 1, heads, head_dim] (one packed row in "
-                             f"sbhd layout), got {tuple(query.shape)}. Run the model on the plan's packed row.")
-        if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
-            raise ValueError(f"key: expected a number of heads dividing the query's ({query.shape[2]}), got "
-                             f"{key.shape[2]}.")
+                             f"sbhd layout; [padded_len, heads, head_dim] from MLA), got {tuple(query.shape)}. Run "
+                             "the model on the plan's packed row.")
+        if key.dim() != query.dim() or value.dim() != query.dim() or key.shape[:-1] != value.shape[:-1] \
+                or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
+            raise ValueError(f"key / value: expected the query's layout with its q/k head dim ({query.shape[-1]}) "
+                             f"on the key, got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                             f"{tuple(value.shape)}.")
+        hq, hkv = query.shape[-2], key.shape[-2]
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"key: expected a number of heads dividing the query's ({hq}), got {hkv}.")
         mask_type = attn_mask_type if attn_mask_type is not None else self._zorro_attn_mask_type
         if mask_type is not None and mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type: expected AttnMaskType.causal (zorro runs causal decoders), got "
@@ -145,6 +159,19 @@ class ZorroCoreAttention:
         if getattr(cfg, "window_size", None) is not None:
             raise ValueError(f"window_size: expected None with zorro, got {cfg.window_size!r} (sliding windows are "
                              "not wired to zorro's megatron attention yet).")
+
+
+def _common_head_dim(q, k, v):
+    """``q, k [1, H, T, Dqk]``, ``v [1, Hkv, T, Dv]`` -> the three with one head dim ``max(Dqk, Dv)`` and ``Dv``:
+    the backends take one head dim, MLA has ``Dqk = qk_head_dim + qk_pos_emb_head_dim != Dv = v_head_dim``. Zero
+    columns are exact: on q and k they add 0 to every score, on v they give output columns of 0, cut off after
+    (their gradients are dropped by the pad's backward)."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        v = F.pad(v, (0, dqk - dv))
+    elif dqk < dv:
+        q, k = F.pad(q, (0, dv - dqk)), F.pad(k, (0, dv - dqk))
+    return q, k, v, dv
 
 
 _ZORRO_CLASSES: dict[type, type] = {}
@@ -185,22 +212,23 @@ def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
 
 
 def install_zorro_megatron(model: torch.nn.Module) -> int:
-    """Make every ``SelfAttention.core_attention`` of an already built model a zorro core attention (a class swap
+    """Make every ``SelfAttention`` / ``MultiLatentAttention`` ``.core_attention`` of an already built model a zorro core attention (a class swap
     of each instance: parameters, buffers and state-dict names unchanged; calls without a zorro plan behave as
     before). Returns how many were installed (idempotent); ``ValueError`` when the model has none."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, SelfAttention):
+        if isinstance(mod, (SelfAttention, MultiLatentAttention)):
             core = mod.core_attention
             if not isinstance(core, ZorroCoreAttention):
-                # the mixin's __init__ did not run: derive what it would have recorded from the instance
+                # the mixin's __init__ did not run: derive what it would have recorded from the instance (MLA
+                # passes its own scale, mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), to its core attention)
                 core.__class__ = zorro_core_attention(type(core))
-                scale = mod.config.softmax_scale
+                scale = mod.softmax_scale if isinstance(mod, MultiLatentAttention) else mod.config.softmax_scale
                 core._zorro_scale = float(scale) if scale is not None else 1.0 / math.sqrt(mod.config.kv_channels)
                 core._zorro_attn_mask_type = getattr(mod, "attn_mask_type", None)
             n += 1
     if n == 0:
-        raise ValueError(f"model: expected megatron SelfAttention layers, found none in {type(model).__name__}. "
+        raise ValueError(f"model: expected megatron SelfAttention / MultiLatentAttention layers, found none in {type(model).__name__}. "
                          "Pass a megatron-core GPTModel (or a wrapper around one).")
     return n
 

@@ -21,6 +21,7 @@ One step:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
 from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
 from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
@@ -79,9 +81,7 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
     if gpt.position_embedding_type != "rope":
         raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
                          "(yarn / mrope / learned positions are not wired yet).")
-    if getattr(cfg, "multi_latent_attention", False):
-        raise ValueError("multi_latent_attention: expected False with zorro (MLA applies RoPE inside its own "
-                         "attention; not supported yet).")
+    _check_mla(cfg)
     if getattr(cfg, "mtp_num_layers", None):
         raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
                          "prediction runs on the ordinary row layout).")
@@ -93,6 +93,28 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
                              "statistics (amax) are taken over the micro-batch's tokens, which deduplication changes. "
                              f"Set {name}=None.")
     _check_moe(cfg)
+
+
+def _check_mla(cfg) -> None:
+    """Multi-latent attention is exact with zorro on megatron's unfused RoPE (each layer's ``rotary_pos_emb`` gives
+    its table at the plan's positions, :class:`_PositionedRope`); the settings that bypass that table are refused."""
+    if not getattr(cfg, "multi_latent_attention", False):
+        return
+    if cfg.apply_rope_fusion:
+        raise ValueError("apply_rope_fusion: expected False with zorro on multi_latent_attention, got True: "
+                         "megatron's fused MLA RoPE kernels (fused_apply_mla_rope_for_q / _kv) take cos / sin by the "
+                         "token's index in its sequence (or cu_seqlens), not by its position in its ordinary row, "
+                         "and are not checked with zorro. Set apply_rope_fusion=False (the unfused MLA RoPE is "
+                         "exact).")
+    if cfg.rotary_interleaved:
+        raise ValueError("rotary_interleaved: expected False with zorro on multi_latent_attention, got True (MLA "
+                         "hands the packed row as [tokens, heads, dim], which megatron's interleaved rotate-half "
+                         "does not index). Set rotary_interleaved=False.")
+    for name in ("cache_mla_latents", "mla_down_proj_fusion"):
+        if getattr(cfg, name, False):
+            raise ValueError(f"{name}: expected False with zorro on multi_latent_attention, got True (an inference "
+                             "cache / Transformer Engine's fused down projection, not checked with zorro). Set "
+                             f"{name}=False.")
 
 
 def _check_moe(cfg) -> None:
@@ -123,10 +145,13 @@ def _check_moe(cfg) -> None:
 
 class _PositionedRope:
     """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
-    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit)."""
+    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit).
+    ``tokens_first``: ``[Tp, 1, D]`` instead, for multi-latent attention, which rotates ``[Tp, heads, D]`` (it
+    squeezes the batch dimension when ``packed_seq_params`` is given). A ``(table, mscale)`` pair (YaRN) keeps its
+    ``mscale``."""
 
-    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor):
-        self.rope, self.positions = rope, positions
+    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor, tokens_first: bool = False):
+        self.rope, self.positions, self.tokens_first = rope, positions, tokens_first
 
     def __enter__(self):
         had = "forward" in vars(self.rope)
@@ -134,10 +159,15 @@ class _PositionedRope:
             raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
                              "another?); run one zorro step at a time.")
         table_of = type(self.rope).forward.__get__(self.rope)
-        positions = self.positions
+        positions, tokens_first = self.positions, self.tokens_first
+
+        def at_positions(table):  # [S, 1, 1, D] -> [Tp, 1, 1, D] or [Tp, 1, D]
+            table = table[positions]
+            return table[:, 0] if tokens_first else table
 
         def forward(max_seq_len, *args, **kwargs):
-            return table_of(max_seq_len, *args, **kwargs)[positions]
+            out = table_of(max_seq_len, *args, **kwargs)
+            return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
 
         self.rope.forward = forward
         return self
@@ -145,6 +175,19 @@ class _PositionedRope:
     def __exit__(self, *exc):
         del self.rope.forward
         return False
+
+
+def _positioned_ropes(gpt: GPTModel, positions: torch.Tensor) -> contextlib.ExitStack:
+    """Every RoPE table of this stage at the plan's positions, for one forward: the model's ``rotary_pos_emb``, or
+    under multi-latent attention each MLA layer's own (``rope`` or ``yarn``; the model has none)."""
+    stack = contextlib.ExitStack()
+    if getattr(gpt.config, "multi_latent_attention", False):
+        ropes = [m.rotary_pos_emb for m in gpt.modules() if isinstance(m, MultiLatentAttention)]
+        for rope in ropes:
+            stack.enter_context(_PositionedRope(rope, positions, tokens_first=True))
+    else:
+        stack.enter_context(_PositionedRope(gpt.rotary_pos_emb, positions))
+    return stack
 
 
 def _head_rows(hidden_states: torch.Tensor, output_layer, output_weight, keep: torch.Tensor, call) -> torch.Tensor:
@@ -238,13 +281,13 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
         def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
             return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
-        with _PositionedRope(gpt.rotary_pos_emb, pos):
+        with _positioned_ropes(gpt, pos):
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
                         output_processor=head)
     else:
         # megatron-core < 0.19: no output_processor; the model's own head call runs on the kept rows (its output,
         # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back)
-        with _PositionedRope(gpt.rotary_pos_emb, pos), _RowsOutputLayer(gpt, keep):
+        with _positioned_ropes(gpt, pos), _RowsOutputLayer(gpt, keep):
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp)
         if gpt.post_process:
             out = out.transpose(0, 1)
