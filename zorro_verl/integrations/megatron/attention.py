@@ -34,7 +34,8 @@ from zorro_verl.attention import attend
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["ZorroPackedSeqParams", "ZorroCoreAttention", "zorro_core_attention", "zorro_layer_spec",
-           "install_zorro_megatron", "zorro_attention_modules", "ZORRO_QKV_FORMAT"]
+           "install_zorro_megatron", "zorro_attention_modules", "ZORRO_QKV_FORMAT", "ZorroMLA", "zorro_mla_attention",
+           "PositionedRope"]
 
 #: Megatron reads ``qkv_format == "thd"`` to switch to per-segment (packed) handling; any other value makes it treat
 #: the packed row as one sequence, which is what zorro wants (the plan carries the structure).
@@ -62,20 +63,25 @@ class ZorroPackedSeqParams(PackedSeqParams):
     Fields beyond megatron's: ``plan`` (the micro-batch's :class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a
     registered attention backend name), ``padded_len`` (tokens of the row the model runs: ``plan.T`` plus padding to
     a multiple of the tensor-parallel size under sequence parallelism; pad tokens attend to nothing and output 0),
-    ``calls`` (the step's :class:`LayerCallCounter`).
+    ``calls`` (the step's :class:`LayerCallCounter`), ``position_ids`` (``[padded_len] int64``, each token's position
+    in its ordinary row, 0 on pad tokens: multi-latent attention's RoPE, :class:`ZorroMLA`).
     """
 
     plan: Optional[ZorroPlan] = None
     backend: str = "sdpa"
     padded_len: int = 0
     calls: Optional[LayerCallCounter] = None
+    position_ids: Optional[torch.Tensor] = None
 
     @classmethod
     def for_plan(cls, plan: ZorroPlan, backend: str, padded_len: int) -> "ZorroPackedSeqParams":
         if padded_len < plan.T:
             raise ValueError(f"padded_len: expected >= plan.T ({plan.T}), got {padded_len}.")
+        pos = plan.position_ids
+        if padded_len > plan.T:  # pad tokens at position 0 (they attend to nothing and are never read)
+            pos = torch.cat([pos, pos.new_zeros(padded_len - plan.T)])
         return cls(qkv_format=ZORRO_QKV_FORMAT, max_seqlen_q=plan.max_row_len, max_seqlen_kv=plan.max_row_len,
-                   plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter())
+                   plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter(), position_ids=pos)
 
 
 class ZorroCoreAttention:
@@ -174,7 +180,76 @@ def _common_head_dim(q, k, v):
     return q, k, v, dv
 
 
+class PositionedRope:
+    """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
+    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit).
+    ``tokens_first``: ``[Tp, 1, D]`` instead, for multi-latent attention, which rotates ``[Tp, heads, D]`` (it
+    squeezes the batch dimension when ``packed_seq_params`` is given). A ``(table, mscale)`` pair (YaRN) keeps its
+    ``mscale``."""
+
+    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor, tokens_first: bool = False):
+        self.rope, self.positions, self.tokens_first = rope, positions, tokens_first
+
+    def __enter__(self):
+        had = "forward" in vars(self.rope)
+        if had:
+            raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
+                             "another?); run one zorro step at a time.")
+        table_of = type(self.rope).forward.__get__(self.rope)
+        positions, tokens_first = self.positions, self.tokens_first
+
+        def at_positions(table):  # [S, 1, 1, D] -> [Tp, 1, 1, D] or [Tp, 1, D]
+            table = table[positions]
+            return table[:, 0] if tokens_first else table
+
+        def forward(max_seq_len, *args, **kwargs):
+            out = table_of(max_seq_len, *args, **kwargs)
+            return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
+
+        self.rope.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.rope.forward
+        return False
+
+
+class ZorroMLA:
+    """Mixin placed in front of a megatron multi-latent-attention class (``MLASelfAttention``): MLA computes its
+    decoupled RoPE inside its q/k/v projections with its own ``rotary_pos_emb`` (RoPE or YaRN), by token index.
+    With a :class:`ZorroPackedSeqParams` the projections run with that table at ``packed_seq_params.position_ids``
+    (each token's position in its ordinary row, :class:`PositionedRope`, ``[Tp, 1, D]``); megatron's activation
+    recomputation calls them again with the same params, so the recomputed table is the same. Every other call is
+    the wrapped class's."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, inference_context=None, **kwargs):
+        if not isinstance(packed_seq_params, ZorroPackedSeqParams):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context=inference_context,
+                                                       **kwargs)
+        if packed_seq_params.position_ids is None:
+            raise ValueError("packed_seq_params.position_ids: expected the padded row's positions [padded_len] for "
+                             "multi-latent attention, got None; build it with ZorroPackedSeqParams.for_plan.")
+        with PositionedRope(self.rotary_pos_emb, packed_seq_params.position_ids, tokens_first=True):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context=inference_context,
+                                                       **kwargs)
+
+
 _ZORRO_CLASSES: dict[type, type] = {}
+_ZORRO_MLA_CLASSES: dict[type, type] = {}
+
+
+def zorro_mla_attention(cls: type) -> type:
+    """The zorro subclass of the multi-latent-attention class ``cls`` (cached; ``cls`` already one returns it)."""
+    if issubclass(cls, ZorroMLA):
+        return cls
+    sub = _ZORRO_MLA_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Zorro{cls.__name__}", (ZorroMLA, cls), {"__module__": __name__, "__doc__": ZorroMLA.__doc__})
+        _ZORRO_MLA_CLASSES[cls] = sub
+    return sub
 
 
 def zorro_core_attention(cls: type) -> type:
@@ -192,7 +267,8 @@ def zorro_core_attention(cls: type) -> type:
 
 def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a GPT layer spec (``get_gpt_layer_local_spec()`` / TE spec, a ``ModuleSpec`` of a
-    ``TransformerLayer``) whose self-attention core attention is the zorro subclass of the one it names. The
+    ``TransformerLayer``) whose self-attention core attention is the zorro subclass of the one it names (and a
+    multi-latent attention the :class:`ZorroMLA` subclass of its class). The
     original spec is not modified. ``ValueError`` when the spec has no self-attention core attention to wrap."""
     try:
         attn = spec.submodules.self_attention
@@ -208,6 +284,8 @@ def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
         raise ValueError(f"spec core_attention: expected a class or a ModuleSpec, got {type(core).__name__}.")
     new_attn_sub = dataclasses.replace(attn.submodules, core_attention=new_core)
     new_attn = dataclasses.replace(attn, submodules=new_attn_sub)
+    if isinstance(new_attn.module, type) and issubclass(new_attn.module, MultiLatentAttention):
+        new_attn = dataclasses.replace(new_attn, module=zorro_mla_attention(new_attn.module))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
 
 
@@ -218,6 +296,8 @@ def install_zorro_megatron(model: torch.nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, (SelfAttention, MultiLatentAttention)):
+            if isinstance(mod, MultiLatentAttention) and not isinstance(mod, ZorroMLA):
+                mod.__class__ = zorro_mla_attention(type(mod))
             core = mod.core_attention
             if not isinstance(core, ZorroCoreAttention):
                 # the mixin's __init__ did not run: derive what it would have recorded from the instance (MLA

@@ -31,7 +31,12 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
-from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
+from zorro_verl.integrations.megatron.attention import (
+    PositionedRope,
+    ZorroMLA,
+    ZorroPackedSeqParams,
+    zorro_attention_modules,
+)
 from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
 from zorro_verl.logprob import (
     DEFAULT_CHUNK,
@@ -81,7 +86,7 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
     if gpt.position_embedding_type != "rope":
         raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
                          "(yarn / mrope / learned positions are not wired yet).")
-    _check_mla(cfg)
+    _check_mla(gpt, cfg)
     if getattr(cfg, "mtp_num_layers", None):
         raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
                          "prediction runs on the ordinary row layout).")
@@ -95,11 +100,15 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
     _check_moe(cfg)
 
 
-def _check_mla(cfg) -> None:
+def _check_mla(gpt: GPTModel, cfg) -> None:
     """Multi-latent attention is exact with zorro on megatron's unfused RoPE (each layer's ``rotary_pos_emb`` gives
     its table at the plan's positions, :class:`_PositionedRope`); the settings that bypass that table are refused."""
     if not getattr(cfg, "multi_latent_attention", False):
         return
+    plain = [type(m).__name__ for m in gpt.modules() if isinstance(m, MultiLatentAttention) and not isinstance(m, ZorroMLA)]
+    if plain:
+        raise ValueError(f"multi_latent_attention: {len(plain)} MLA layer(s) ({plain[0]}) without zorro's RoPE "
+                         "positions; build the model with zorro_layer_spec(spec) or call install_zorro_megatron(model).")
     if cfg.apply_rope_fusion:
         raise ValueError("apply_rope_fusion: expected False with zorro on multi_latent_attention, got True: "
                          "megatron's fused MLA RoPE kernels (fused_apply_mla_rope_for_q / _kv) take cos / sin by the "
@@ -143,51 +152,13 @@ def _check_moe(cfg) -> None:
                              f"count once). Set it to {fix} (e.g. moe_router_load_balancing_type='none').")
 
 
-class _PositionedRope:
-    """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
-    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit).
-    ``tokens_first``: ``[Tp, 1, D]`` instead, for multi-latent attention, which rotates ``[Tp, heads, D]`` (it
-    squeezes the batch dimension when ``packed_seq_params`` is given). A ``(table, mscale)`` pair (YaRN) keeps its
-    ``mscale``."""
-
-    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor, tokens_first: bool = False):
-        self.rope, self.positions, self.tokens_first = rope, positions, tokens_first
-
-    def __enter__(self):
-        had = "forward" in vars(self.rope)
-        if had:
-            raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
-                             "another?); run one zorro step at a time.")
-        table_of = type(self.rope).forward.__get__(self.rope)
-        positions, tokens_first = self.positions, self.tokens_first
-
-        def at_positions(table):  # [S, 1, 1, D] -> [Tp, 1, 1, D] or [Tp, 1, D]
-            table = table[positions]
-            return table[:, 0] if tokens_first else table
-
-        def forward(max_seq_len, *args, **kwargs):
-            out = table_of(max_seq_len, *args, **kwargs)
-            return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
-
-        self.rope.forward = forward
-        return self
-
-    def __exit__(self, *exc):
-        del self.rope.forward
-        return False
-
-
-def _positioned_ropes(gpt: GPTModel, positions: torch.Tensor) -> contextlib.ExitStack:
-    """Every RoPE table of this stage at the plan's positions, for one forward: the model's ``rotary_pos_emb``, or
-    under multi-latent attention each MLA layer's own (``rope`` or ``yarn``; the model has none)."""
-    stack = contextlib.ExitStack()
+def _model_rope(gpt: GPTModel, positions: torch.Tensor):
+    """The model's RoPE table at the plan's positions for one forward (:class:`PositionedRope`); under multi-latent
+    attention the model has none: each zorro MLA layer positions its own table inside its projections
+    (:class:`~zorro_verl.integrations.megatron.attention.ZorroMLA`), also when megatron recomputes them."""
     if getattr(gpt.config, "multi_latent_attention", False):
-        ropes = [m.rotary_pos_emb for m in gpt.modules() if isinstance(m, MultiLatentAttention)]
-        for rope in ropes:
-            stack.enter_context(_PositionedRope(rope, positions, tokens_first=True))
-    else:
-        stack.enter_context(_PositionedRope(gpt.rotary_pos_emb, positions))
-    return stack
+        return contextlib.nullcontext()
+    return PositionedRope(gpt.rotary_pos_emb, positions)
 
 
 def _head_rows(hidden_states: torch.Tensor, output_layer, output_weight, keep: torch.Tensor, call) -> torch.Tensor:
@@ -273,21 +244,21 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     Tp = padded_length(gpt, plan)
     pad = Tp - plan.T
     ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
-    pos = plan.position_ids if not pad else torch.cat([plan.position_ids, plan.position_ids.new_zeros(pad)])
     keep = plan.logit_index if plan.head_index is None else plan.head_index
     zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
+    pos = zp.position_ids  # [Tp], 0 on the pad tokens
 
     if has_output_processor():
         def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
             return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
-        with _positioned_ropes(gpt, pos):
+        with _model_rope(gpt, pos):
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
                         output_processor=head)
     else:
         # megatron-core < 0.19: no output_processor; the model's own head call runs on the kept rows (its output,
         # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back)
-        with _positioned_ropes(gpt, pos), _RowsOutputLayer(gpt, keep):
+        with _model_rope(gpt, pos), _RowsOutputLayer(gpt, keep):
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp)
         if gpt.post_process:
             out = out.transpose(0, 1)
