@@ -187,15 +187,15 @@ def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1) -> N
 def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0,
               pipeline: int = 1, recompute: str | None = None, moe: bool = False, mla: bool = False,
               rope_type: str = "rope", q_lora_rank: int | None = 24, qk_layernorm: bool = True):
-    """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups (4 under MLA), RMSNorm, SwiGLU, RoPE, untied head) on the
-    local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from ``seed`` with CPU
-    initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline size of the
-    model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer recomputed in
-    backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention). ``moe``: every MLP a
-    4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing` first). ``mla``:
-    megatron's multi-latent attention (``MLASelfAttention`` on the local spec, :data:`_MLA`) with ``rope_type``
-    (``"rope"`` or ``"yarn"``), ``q_lora_rank`` (None: queries projected uncompressed) and ``qk_layernorm`` (the
-    RMSNorms on the compressed q / kv)."""
+    """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups (4 under MLA), RMSNorm, SwiGLU, RoPE, untied
+    head) on the local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from
+    ``seed`` with CPU initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline
+    size of the model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer
+    recomputed in backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention). ``moe``:
+    every MLP a 4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing`
+    first). ``mla``: megatron's multi-latent attention (``MLASelfAttention`` on the local spec, :data:`_MLA`) with
+    ``rope_type`` (``"rope"`` or ``"yarn"``), ``q_lora_rank`` (None: queries projected uncompressed) and
+    ``qk_layernorm`` (the RMSNorms on the compressed q / kv)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -290,9 +290,10 @@ def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
 
 
 def install_zorro_megatron(model: torch.nn.Module) -> int:
-    """Make every ``SelfAttention`` / ``MultiLatentAttention`` ``.core_attention`` of an already built model a zorro core attention (a class swap
-    of each instance: parameters, buffers and state-dict names unchanged; calls without a zorro plan behave as
-    before). Returns how many were installed (idempotent); ``ValueError`` when the model has none."""
+    """Make every ``SelfAttention`` / ``MultiLatentAttention`` ``.core_attention`` of an already built model a zorro
+    core attention, and every MLA layer a :class:`ZorroMLA` (class swaps of each instance: parameters, buffers and
+    state-dict names unchanged; calls without a zorro plan behave as before). Returns how many were installed
+    (idempotent); ``ValueError`` when the model has none."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, (SelfAttention, MultiLatentAttention)):
@@ -308,8 +309,8 @@ def install_zorro_megatron(model: torch.nn.Module) -> int:
                 core._zorro_attn_mask_type = getattr(mod, "attn_mask_type", None)
             n += 1
     if n == 0:
-        raise ValueError(f"model: expected megatron SelfAttention / MultiLatentAttention layers, found none in {type(model).__name__}. "
-                         "Pass a megatron-core GPTModel (or a wrapper around one).")
+        raise ValueError("model: expected megatron SelfAttention / MultiLatentAttention layers, found none in "
+                         f"{type(model).__name__}. Pass a megatron-core GPTModel (or a wrapper around one).")
     return n
 
 

@@ -105,10 +105,12 @@ def _check_mla(gpt: GPTModel, cfg) -> None:
     its table at the plan's positions, :class:`_PositionedRope`); the settings that bypass that table are refused."""
     if not getattr(cfg, "multi_latent_attention", False):
         return
-    plain = [type(m).__name__ for m in gpt.modules() if isinstance(m, MultiLatentAttention) and not isinstance(m, ZorroMLA)]
+    plain = [type(m).__name__ for m in gpt.modules()
+             if isinstance(m, MultiLatentAttention) and not isinstance(m, ZorroMLA)]
     if plain:
         raise ValueError(f"multi_latent_attention: {len(plain)} MLA layer(s) ({plain[0]}) without zorro's RoPE "
-                         "positions; build the model with zorro_layer_spec(spec) or call install_zorro_megatron(model).")
+                         "positions; build the model with zorro_layer_spec(spec) or call "
+                         "install_zorro_megatron(model).")
     if cfg.apply_rope_fusion:
         raise ValueError("apply_rope_fusion: expected False with zorro on multi_latent_attention, got True: "
                          "megatron's fused MLA RoPE kernels (fused_apply_mla_rope_for_q / _kv) take cos / sin by the "
