@@ -88,8 +88,12 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
                          "(yarn / mrope / learned positions are not wired yet).")
     _check_mla(gpt, cfg)
     if getattr(cfg, "mtp_num_layers", None):
-        raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
-                         "prediction runs on the ordinary row layout).")
+        raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers}: megatron's "
+                         "multi-token prediction layers roll the input ids, positions and hidden states one token "
+                         "along the row (cu_seqlens segments at best); on zorro's packed row a response's next token "
+                         "is not its neighbour (sibling responses follow one prompt) and the MTP loss counts "
+                         "prompt tokens once. Set mtp_num_layers=None (verl: model.mtp.enable=False) or run without "
+                         "zorro.")
     if getattr(cfg, "context_parallel_size", 1) != 1:
         raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}.")
     for name in ("fp8", "fp4"):
@@ -143,10 +147,15 @@ def _check_moe(cfg) -> None:
         ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
          "None"),
         ("moe_token_dropping", cfg.moe_token_dropping, cfg.moe_token_dropping, "False"),
-        ("moe_enable_routing_replay", cfg.moe_enable_routing_replay, cfg.moe_enable_routing_replay, "False"),
         ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing, cfg.moe_router_force_load_balancing,
          "False"),
     ]
+    if cfg.moe_enable_routing_replay:
+        raise ValueError("moe_enable_routing_replay: got True on an MoE model; with zorro it must be False: replayed "
+                         "routes are set per token of the ordinary rows, and zorro's step does not hand them to the "
+                         "packed row's routers (a deduplicated prompt token would replay its group's first row's "
+                         "routes, checked equal across the group by zorro_verl.packing.routes.packed_routes). Set "
+                         "moe_enable_routing_replay=False (verl: router_replay.mode=disabled) or run without zorro.")
     for name, got, bad, fix in checks:
         if bad:
             raise ValueError(f"{name}: got {got!r} on an MoE model; with zorro it must be {fix}: it depends on "

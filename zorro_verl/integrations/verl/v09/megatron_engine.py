@@ -18,8 +18,8 @@ holds the same batch)::
 
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly are refused at engine start (context parallelism, virtual pipeline stages, fused kernels, multi-token
-prediction, router replay, per-token loss, LoRA, vision-language, MLA and hybrid models; MoE auxiliary losses when the
-model is built), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
+prediction, router replay, per-token loss, LoRA, vision-language and hybrid models; MoE auxiliary losses and MLA
+settings zorro has not checked (fused MLA RoPE) when the model is built), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
 ``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's own).
 """
 
@@ -107,7 +107,8 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             return "multimodal inputs / 3-D position ids on the Megatron engine"
         if tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False) \
                 or "routed_experts" in data.keys():
-            return "router replay data in the batch (routed_experts / enable_routing_replay)"
+            return ("router replay data in the batch (routed_experts / enable_routing_replay): routes recorded per "
+                    "token of the ordinary rows are not handed to the packed row's routers yet")
         if "temperature" in data.keys() and isinstance(data["temperature"], torch.Tensor):
             t = data["temperature"].reshape(-1)
             if t.numel() > 1 and not bool((t == t[0]).all()):
