@@ -19,8 +19,9 @@ holds the same batch)::
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly are refused at engine start (context parallelism, virtual pipeline stages, fused kernels, multi-token
 prediction, router replay, per-token loss, LoRA, vision-language and hybrid models; MoE auxiliary losses and MLA
-settings zorro has not checked (fused MLA RoPE) when the model is built), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
-``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's own).
+settings zorro has not checked (fused MLA RoPE) when the model is built), or with ``on_unsupported = warn`` run the
+stock forward, warn once and count the batch in ``zorro/fallback_batches`` (the zorro core attention delegates every
+call without a zorro plan to the layer's own).
 """
 
 from __future__ import annotations
