@@ -145,6 +145,8 @@ class _NoStream:
         pass
 
     def __getattr__(self, name):
+        if name == "record_event":  # the MoE all-to-all dispatcher synchronizes on the event it records
+            return lambda *args, **kwargs: _NoStream()
         return lambda *args, **kwargs: True if name == "query" else None
 
 

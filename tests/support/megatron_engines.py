@@ -151,11 +151,12 @@ def _mask_hook(module, args, kwargs):
 
 def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, remove_padding: bool = True,
                  micro_batch: int = 2, max_tokens: int = 48, engine_kwargs: dict | None = None,
-                 model_kwargs: dict | None = None, dtype: str = "float32"):
+                 model_kwargs: dict | None = None, dtype: str = "float32", override: dict | None = None):
     """verl's Megatron LM engine for ``ckpt``, ``dtype`` (fp32 by default; ``bfloat16``: megatron's Float16Module),
     initialised: the class verl's ``EngineRegistry`` resolves for
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
-    a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys.
+    a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys;
+    ``override``: more ``override_transformer_config`` keys.
     Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` change."""
     from megatron.core import parallel_state as mpu
     from verl.trainer.config.config import CheckpointConfig
@@ -175,10 +176,10 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
               use_remove_padding=remove_padding, micro_batch_size_per_gpu=micro_batch,
               infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=max_tokens,
               infer_max_token_len_per_gpu=max_tokens, seed=1,
-              override_transformer_config=dict(gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+              override_transformer_config={**dict(gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                                                bias_activation_fusion=False, bias_dropout_fusion=False,
                                                apply_rope_fusion=False, persist_layer_norm=False,
-                                               use_cpu_initialization=True),
+                                               use_cpu_initialization=True), **(override or {})},
               **(engine_kwargs or {}))
     if zorro is None:
         engine_config = McoreEngineConfig(dtype="bfloat16", **kw)

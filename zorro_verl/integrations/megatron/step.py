@@ -86,7 +86,7 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
     if gpt.position_embedding_type != "rope":
         raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
                          "(yarn / mrope / learned positions are not wired yet).")
-    _check_mla(gpt, cfg)
+    _check_mla(gpt, cfg, installed=n_layers is not None)
     if getattr(cfg, "mtp_num_layers", None):
         raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers}: megatron's "
                          "multi-token prediction layers roll the input ids, positions and hidden states one token "
@@ -104,13 +104,13 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> None:
     _check_moe(cfg)
 
 
-def _check_mla(gpt: GPTModel, cfg) -> None:
+def _check_mla(gpt: GPTModel, cfg, installed: bool) -> None:
     """Multi-latent attention is exact with zorro on megatron's unfused RoPE (each layer's ``rotary_pos_emb`` gives
     its table at the plan's positions, :class:`_PositionedRope`); the settings that bypass that table are refused."""
     if not getattr(cfg, "multi_latent_attention", False):
         return
     plain = [type(m).__name__ for m in gpt.modules()
-             if isinstance(m, MultiLatentAttention) and not isinstance(m, ZorroMLA)]
+             if installed and isinstance(m, MultiLatentAttention) and not isinstance(m, ZorroMLA)]
     if plain:
         raise ValueError(f"multi_latent_attention: {len(plain)} MLA layer(s) ({plain[0]}) without zorro's RoPE "
                          "positions; build the model with zorro_layer_spec(spec) or call "
