@@ -14,6 +14,11 @@ attention the layer spec names (megatron's local ``DotProductAttention``, Transf
 other call runs the wrapped class's own ``forward`` unchanged. Being a subclass, it keeps the state-dict names (e.g.
 a learnable ``softmax_offset``) and can be put in place before the model is built (:func:`zorro_layer_spec`) or after
 (:func:`install_zorro_megatron`, a class swap of each instance).
+
+Multi-latent attention (``MLASelfAttention``) calls the same core attention with ``query / key [s, Hq_local, Dqk]``,
+``value [s, Hq_local, Dv]`` (it drops the batch dimension whenever ``packed_seq_params`` is given; ``Dqk =
+qk_head_dim + qk_pos_emb_head_dim``, ``Dv = v_head_dim``) and rotates with its own ``rotary_pos_emb`` inside its
+projections: its layers become :class:`ZorroMLA` (the same two ways), which positions that table per token.
 """
 
 from __future__ import annotations
@@ -89,7 +94,8 @@ class ZorroCoreAttention:
 
     ``forward(query [Tp, 1, Hq_l, D], key [Tp, 1, Hkv_l, D], value, attention_mask, ...)`` with a
     :class:`ZorroPackedSeqParams` returns ``[Tp, 1, Hq_l * D]`` (``Tp`` the padded row, ``Hq_l`` / ``Hkv_l`` the
-    rank's heads); any other call is the wrapped class's ``forward``.
+    rank's heads); from MLA ``query / key [Tp, Hq_l, Dqk]``, ``value [Tp, Hq_l, Dv]`` -> ``[Tp, 1, Hq_l * Dv]``; any
+    other call is the wrapped class's ``forward``.
     """
 
     def __init__(self, *args, **kwargs):

@@ -8,7 +8,9 @@ One step:
    plan to every layer's zorro core attention (:mod:`.attention`);
 2. RoPE: megatron's plain ``rope`` ignores ``position_ids`` (positions are the row index). For the call the model's
    ``rotary_pos_emb`` returns its table indexed by the plan's positions, ``[Tp, 1, 1, D]``, so every token is rotated
-   by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row);
+   by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row); multi-latent
+   attention layers (:class:`~zorro_verl.integrations.megatron.attention.ZorroMLA`) do the same with their own
+   table, at ``ZorroPackedSeqParams.position_ids``;
 3. the LM head runs only at the response-predicting rows, through ``GPTModel.forward(output_processor=...)``
    (megatron-core >= 0.19; feature-detected, older versions get the model's ``output_layer`` wrapped for the call):
    the post-norm hidden states (all-gathered first under sequence parallelism) are selected at ``plan.logit_index``
@@ -71,9 +73,10 @@ def find_gpt_model(model: torch.nn.Module) -> GPTModel:
 
 def check_zorro_gpt(model: torch.nn.Module, *, require_installed: bool = True) -> None:
     """``ValueError`` naming the setting when zorro cannot run ``model`` (a ``GPTModel`` or a wrapper) exactly:
-    other position embeddings, MLA, multi-token prediction, context parallelism, fp8 / fp4, MoE statistics over the
-    micro-batch's tokens, a megatron-core without ``output_processor``; with ``require_installed`` also no zorro core
-    attention in it."""
+    other position embeddings, MLA settings zorro has not checked (fused MLA RoPE, ...), multi-token prediction,
+    router replay, context parallelism, fp8 / fp4, MoE statistics over the micro-batch's tokens, a megatron-core
+    without ``output_processor``; with ``require_installed`` also no zorro core attention (or an MLA layer that is
+    not a ``ZorroMLA``) in it."""
     gpt = find_gpt_model(model)
     _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None)
 
