@@ -28,7 +28,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -118,9 +117,8 @@ class ZorroCoreAttention:
         # [Tp, 1, H, D] (or MLA's [Tp, H, D]) -> [1, H, T, D]: the backends' layout; the padding rows (sequence
         # parallelism) are left out
         q, k, v = ((x[:T, 0] if x.dim() == 4 else x[:T]).permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-        q, k, v, dv = _common_head_dim(q, k, v)
-        out = attend(plan, zp.backend, q, k, v, self._zorro_scale)  # [1, T, Hq_l, D]
-        out = out[0, ..., :dv].reshape(T, 1, -1)
+        out = attend(plan, zp.backend, q, k, v, self._zorro_scale)  # [1, T, Hq_l, Dv] (Dv: v's head dim)
+        out = out[0].reshape(T, 1, -1)
         if query.shape[0] > T:  # pad rows: no attention, output 0 (their hidden states never reach a real token)
             out = torch.cat([out, out.new_zeros(query.shape[0] - T, 1, out.shape[-1])], 0)
         zp.calls.count += 1
@@ -171,19 +169,6 @@ class ZorroCoreAttention:
         if getattr(cfg, "window_size", None) is not None:
             raise ValueError(f"window_size: expected None with zorro, got {cfg.window_size!r} (sliding windows are "
                              "not wired to zorro's megatron attention yet).")
-
-
-def _common_head_dim(q, k, v):
-    """``q, k [1, H, T, Dqk]``, ``v [1, Hkv, T, Dv]`` -> the three with one head dim ``max(Dqk, Dv)`` and ``Dv``:
-    the backends take one head dim, MLA has ``Dqk = qk_head_dim + qk_pos_emb_head_dim != Dv = v_head_dim``. Zero
-    columns are exact: on q and k they add 0 to every score, on v they give output columns of 0, cut off after
-    (their gradients are dropped by the pad's backward)."""
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv < dqk:
-        v = F.pad(v, (0, dqk - dv))
-    elif dqk < dv:
-        q, k = F.pad(q, (0, dv - dqk)), F.pad(k, (0, dv - dqk))
-    return q, k, v, dv
 
 
 class PositionedRope:
