@@ -36,6 +36,11 @@ def pytest_terminal_summary(terminalreporter):
         vals = "" if res["logprob"] is None else f"log-probs {res['logprob']:.2e}, entropy {res['entropy']:.2e}, "
         terminalreporter.write_line(f"zorro vs megatron (fp64, tiny GPTModel) {case}: {vals}gradients "
                                     f"{res['grad_rel']:.2e} (relative)")
+    mla = sys.modules.get("tests.integrations.megatron.test_mla")
+    for case, res in (getattr(mla, "WORST", None) or {}).items():
+        terminalreporter.write_line(f"zorro vs megatron (fp64, tiny MLA GPTModel) {case}: log-probs "
+                                    f"{res['logprob']:.2e}, entropy {res['entropy']:.2e}, gradients "
+                                    f"{res['grad_rel']:.2e} (relative)")
     mod = sys.modules.get("tests.integrations.verl.v09.test_ulysses")
     for case, line in (getattr(mod, "SUMMARY", None) or {}).items():
         for what, text in line.items():

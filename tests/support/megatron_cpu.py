@@ -26,6 +26,12 @@ _SHIMMED = False
 _MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0, "moe_token_dispatcher_type": "allgather", "moe_router_dtype": "fp64"}
 #: activation recomputation settings of :func:`build_gpt`: whole layers, or megatron's selective core attention
+#: :func:`build_gpt`'s MLA layers (DeepSeek-V3 shaped, tiny): q / k heads of 16 + 8 (decoupled RoPE part), v heads of
+#: 12 (!= 24), compressed queries and keys / values; ``rope_type`` and ``q_lora_rank`` come from the call
+_MLA = {"multi_latent_attention": True, "kv_lora_rank": 20, "qk_head_dim": 16, "qk_pos_emb_head_dim": 8,
+        "v_head_dim": 12, "kv_channels": 12, "rotary_base": 10000, "rotary_scaling_factor": 4.0,
+        "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+        "beta_slow": 1}
 _RECOMPUTE = {None: {}, "full": {"recompute_granularity": "full", "recompute_method": "uniform",
                                  "recompute_num_layers": 1},
               "core_attn": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}}
@@ -87,6 +93,27 @@ def fp64_moe_routing() -> None:
         moe_utils.torch = _Fp64RouterTorch()
 
 
+_MLA_DPA = None
+
+
+def mla_dot_product_attention() -> type:
+    """P9 (MLA on the local spec): ``MLASelfAttention`` builds its core attention with ``k_channels`` /
+    ``v_channels`` (TE's attention takes them), which megatron's local ``DotProductAttention`` does not accept. Its
+    math already handles q / k heads wider than v heads (scores from q·k, the context sized by ``kv_channels``, set
+    to ``v_head_dim``), so this subclass only takes the two arguments and checks them. Cached: one class."""
+    global _MLA_DPA
+    if _MLA_DPA is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+                assert v_channels in (None, config.kv_channels), (v_channels, config.kv_channels)
+                super().__init__(config, *args, **kwargs)
+
+        _MLA_DPA = MLADotProductAttention
+    return _MLA_DPA
+
+
 def _is_cuda(device) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -118,6 +145,8 @@ class _NoStream:
         pass
 
     def __getattr__(self, name):
+        if name == "record_event":  # the MoE all-to-all dispatcher synchronizes on the event it records
+            return lambda *args, **kwargs: _NoStream()
         return lambda *args, **kwargs: True if name == "query" else None
 
 
@@ -165,24 +194,30 @@ def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1, tens
 
 def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: bool = True, seed: int = 0,
               pipeline: int = 1, recompute: str | None = None, moe: bool = False, moe_overrides: dict | None = None,
-              config_hook=None):
-    """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups, RMSNorm, SwiGLU, RoPE, untied head) on the
-    local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from ``seed`` with CPU
-    initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline size of the
-    model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer recomputed in
-    backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention). ``moe``: every MLP a
-    4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing` first);
-    ``moe_overrides``: config fields over those MoE settings; ``config_hook(config)``: called on the built config
-    before the model is (a setting megatron's config validation would refuse, set past it)."""
+              config_hook=None, mla: bool = False, rope_type: str = "rope", q_lora_rank: int | None = 24,
+              qk_layernorm: bool = True):
+    """A tiny fp64 GPT (2 layers, hidden 64, 4 heads in 2 query groups (4 under MLA), RMSNorm, SwiGLU, RoPE, untied
+    head) on the local spec; ``zorro``: the spec's core attention wrapped by :func:`zorro_layer_spec`. Built from
+    ``seed`` with CPU initialisation, so every TP size shards the same master weights. ``pipeline``: the pipeline
+    size of the model-parallel groups; the model is this rank's stage. ``recompute``: None, ``"full"`` (every layer
+    recomputed in backward) or ``"core_attn"`` (megatron's selective recomputation of the core attention). ``moe``:
+    every MLP a 4-expert top-2 MoE layer (local experts, all-gather dispatcher; call :func:`fp64_moe_routing`
+    first); ``moe_overrides``: config fields over those MoE settings; ``config_hook(config)``: called on the built
+    config before the model is (a setting megatron's config validation would refuse, set past it). ``mla``:
+    megatron's multi-latent attention (``MLASelfAttention`` on the local spec, :data:`_MLA`) with ``rope_type``
+    (``"rope"`` or ``"yarn"``), ``q_lora_rank`` (None: queries projected uncompressed) and ``qk_layernorm`` (the
+    RMSNorms on the compressed q / kv)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.parallel_state import get_tensor_model_parallel_world_size
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     tp = get_tensor_model_parallel_world_size()
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+    # MLA keys have every query head (no GQA): num_query_groups = heads
+    mla_kw = {**_MLA, "rope_type": rope_type, "q_lora_rank": q_lora_rank, "qk_layernorm": qk_layernorm} if mla else {}
+    cfg = (MLATransformerConfig if mla else TransformerConfig)(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4 if mla else 2, ffn_hidden_size=96,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, params_dtype=torch.float64,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
@@ -190,11 +225,19 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
         attention_softmax_in_fp32=False,  # True would round fp64 scores to fp32
         pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute],
-        **({**_MOE, **(moe_overrides or {})} if moe else {}))
+        **({**_MOE, **(moe_overrides or {})} if moe else {}), **mla_kw)
     if config_hook is not None:
         config_hook(cfg)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", **({"num_experts": _MOE["num_moe_experts"],
-                                                                 "moe_grouped_gemm": False} if moe else {}))
+                                                                 "moe_grouped_gemm": False} if moe else {}),
+                                    **({"multi_latent_attention": True, "qk_layernorm": qk_layernorm} if mla else {}))
+    if mla:  # P9: the local core attention with MLA's extra constructor arguments
+        import dataclasses
+
+        att = spec.submodules.self_attention
+        att = dataclasses.replace(att, submodules=dataclasses.replace(att.submodules,
+                                                                      core_attention=mla_dot_product_attention()))
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att))
     if zorro:
         from zorro_verl.integrations.megatron import zorro_layer_spec
 

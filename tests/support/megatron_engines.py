@@ -205,14 +205,15 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
               use_remove_padding=remove_padding, micro_batch_size_per_gpu=micro_batch,
               infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=max_tokens,
               infer_max_token_len_per_gpu=max_tokens, seed=1,
-              override_transformer_config=dict(gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+              override_transformer_config={**dict(gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                                                bias_activation_fusion=False, bias_dropout_fusion=False,
                                                apply_rope_fusion=False, persist_layer_norm=False,
                                                use_cpu_initialization=True,
                                                # Megatron-Bridge's providers turn on TE's fused cross-entropy
                                                **({"cross_entropy_loss_fusion": False}
-                                                  if bridge == "megatron-bridge" else {}),
-                                               **(transformer_overrides or {})),
+                                                  if bridge == "megatron-bridge" else {})),
+                                          # (a merge: the overrides may also name a key set above)
+                                          **(transformer_overrides or {})},
               **(engine_kwargs or {}))
     if zorro is None:
         engine_config = McoreEngineConfig(dtype="bfloat16", **kw)

@@ -4,11 +4,13 @@ response-predicting rows. Imports megatron-core (``.venv-megatron``: ``scripts/s
 
 from zorro_verl.integrations.megatron.attention import (
     ZorroCoreAttention,
+    ZorroMLA,
     ZorroPackedSeqParams,
     install_zorro_megatron,
     zorro_attention_modules,
     zorro_core_attention,
     zorro_layer_spec,
+    zorro_mla_attention,
 )
 from zorro_verl.integrations.megatron.step import (
     find_gpt_model,
@@ -21,4 +23,4 @@ from zorro_verl.integrations.megatron.step import (
 
 __all__ = ["ZorroCoreAttention", "ZorroPackedSeqParams", "install_zorro_megatron", "zorro_attention_modules",
            "zorro_core_attention", "zorro_layer_spec", "zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs",
-           "padded_length", "find_gpt_model", "has_output_processor"]
+           "padded_length", "find_gpt_model", "has_output_processor", "ZorroMLA", "zorro_mla_attention"]

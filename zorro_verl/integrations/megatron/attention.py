@@ -14,6 +14,11 @@ attention the layer spec names (megatron's local ``DotProductAttention``, Transf
 other call runs the wrapped class's own ``forward`` unchanged. Being a subclass, it keeps the state-dict names (e.g.
 a learnable ``softmax_offset``) and can be put in place before the model is built (:func:`zorro_layer_spec`) or after
 (:func:`install_zorro_megatron`, a class swap of each instance).
+
+Multi-latent attention (``MLASelfAttention``) calls the same core attention with ``query / key [s, Hq_local, Dqk]``,
+``value [s, Hq_local, Dv]`` (it drops the batch dimension whenever ``packed_seq_params`` is given; ``Dqk =
+qk_head_dim + qk_pos_emb_head_dim``, ``Dv = v_head_dim``) and rotates with its own ``rotary_pos_emb`` inside its
+projections: its layers become :class:`ZorroMLA` (the same two ways), which positions that table per token.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from zorro_verl.attention import attend
 from zorro_verl.packing import ZorroPlan
 
 __all__ = ["ZorroPackedSeqParams", "ZorroCoreAttention", "zorro_core_attention", "zorro_layer_spec",
-           "install_zorro_megatron", "zorro_attention_modules", "ZORRO_QKV_FORMAT"]
+           "install_zorro_megatron", "zorro_attention_modules", "ZORRO_QKV_FORMAT", "ZorroMLA", "zorro_mla_attention",
+           "PositionedRope"]
 
 #: Megatron reads ``qkv_format == "thd"`` to switch to per-segment (packed) handling; any other value makes it treat
 #: the packed row as one sequence, which is what zorro wants (the plan carries the structure).
@@ -60,20 +67,25 @@ class ZorroPackedSeqParams(PackedSeqParams):
     Fields beyond megatron's: ``plan`` (the micro-batch's :class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a
     registered attention backend name), ``padded_len`` (tokens of the row the model runs: ``plan.T`` plus padding to
     a multiple of the tensor-parallel size under sequence parallelism; pad tokens attend to nothing and output 0),
-    ``calls`` (the step's :class:`LayerCallCounter`).
+    ``calls`` (the step's :class:`LayerCallCounter`), ``position_ids`` (``[padded_len] int64``, each token's position
+    in its ordinary row, 0 on pad tokens: multi-latent attention's RoPE, :class:`ZorroMLA`).
     """
 
     plan: Optional[ZorroPlan] = None
     backend: str = "sdpa"
     padded_len: int = 0
     calls: Optional[LayerCallCounter] = None
+    position_ids: Optional[torch.Tensor] = None
 
     @classmethod
     def for_plan(cls, plan: ZorroPlan, backend: str, padded_len: int) -> "ZorroPackedSeqParams":
         if padded_len < plan.T:
             raise ValueError(f"padded_len: expected >= plan.T ({plan.T}), got {padded_len}.")
+        pos = plan.position_ids
+        if padded_len > plan.T:  # pad tokens at position 0 (they attend to nothing and are never read)
+            pos = torch.cat([pos, pos.new_zeros(padded_len - plan.T)])
         return cls(qkv_format=ZORRO_QKV_FORMAT, max_seqlen_q=plan.max_row_len, max_seqlen_kv=plan.max_row_len,
-                   plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter())
+                   plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter(), position_ids=pos)
 
 
 class ZorroCoreAttention:
@@ -81,7 +93,8 @@ class ZorroCoreAttention:
 
     ``forward(query [Tp, 1, Hq_l, D], key [Tp, 1, Hkv_l, D], value, attention_mask, ...)`` with a
     :class:`ZorroPackedSeqParams` returns ``[Tp, 1, Hq_l * D]`` (``Tp`` the padded row, ``Hq_l`` / ``Hkv_l`` the
-    rank's heads); any other call is the wrapped class's ``forward``.
+    rank's heads); from MLA ``query / key [Tp, Hq_l, Dqk]``, ``value [Tp, Hq_l, Dv]`` -> ``[Tp, 1, Hq_l * Dv]``; any
+    other call is the wrapped class's ``forward``.
     """
 
     def __init__(self, *args, **kwargs):
@@ -97,29 +110,40 @@ class ZorroCoreAttention:
         if not isinstance(packed_seq_params, ZorroPackedSeqParams):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
-        self._zorro_refusals(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params, kwargs)
+        self._zorro_refusals(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params,
+                             kwargs)
         zp = packed_seq_params
         plan, T = zp.plan, zp.plan.T
-        # [Tp, 1, H, D] -> [1, H, T, D]: the backends' layout; the padding rows (sequence parallelism) are left out
-        q, k, v = (x[:T, 0].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-        out = attend(plan, zp.backend, q, k, v, self._zorro_scale)  # [1, T, Hq_l, D]
+        # [Tp, 1, H, D] (or MLA's [Tp, H, D]) -> [1, H, T, D]: the backends' layout; the padding rows (sequence
+        # parallelism) are left out
+        q, k, v = ((x[:T, 0] if x.dim() == 4 else x[:T]).permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        out = attend(plan, zp.backend, q, k, v, self._zorro_scale)  # [1, T, Hq_l, Dv] (Dv: v's head dim)
         out = out[0].reshape(T, 1, -1)
         if query.shape[0] > T:  # pad rows: no attention, output 0 (their hidden states never reach a real token)
             out = torch.cat([out, out.new_zeros(query.shape[0] - T, 1, out.shape[-1])], 0)
         zp.calls.count += 1
         return out
 
-    def _zorro_refusals(self, query, key, attention_mask, attn_mask_type, attention_bias, zp, kwargs) -> None:
+    def _zorro_refusals(self, query, key, value, attention_mask, attn_mask_type, attention_bias, zp,
+                        kwargs) -> None:
         cfg = self.config
         if zp.plan is None or zp.calls is None:
             raise ValueError("packed_seq_params: a ZorroPackedSeqParams without a plan; build it with "
                              "ZorroPackedSeqParams.for_plan(plan, backend, padded_len).")
-        if query.dim() != 4 or query.shape[1] != 1 or query.shape[0] != zp.padded_len:
+        # MLA hands [Tp, H, D] (it squeezes the batch dimension whenever packed_seq_params is given)
+        sbhd = query.dim() == 4 and query.shape[1] == 1
+        if not (sbhd or query.dim() == 3) or query.shape[0] != zp.padded_len:
             raise ValueError(f"query: expected [padded_len={zp.padded_len}, 1, heads, head_dim] (one packed row in "
-                             f"sbhd layout), got {tuple(query.shape)}. Run the model on the plan's packed row.")
-        if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
-            raise ValueError(f"key: expected a number of heads dividing the query's ({query.shape[2]}), got "
-                             f"{key.shape[2]}.")
+                             f"sbhd layout; [padded_len, heads, head_dim] from MLA), got {tuple(query.shape)}. Run "
+                             "the model on the plan's packed row.")
+        if key.dim() != query.dim() or value.dim() != query.dim() or key.shape[:-1] != value.shape[:-1] \
+                or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
+            raise ValueError(f"key / value: expected the query's layout with its q/k head dim ({query.shape[-1]}) "
+                             f"on the key, got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                             f"{tuple(value.shape)}.")
+        hq, hkv = query.shape[-2], key.shape[-2]
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"key: expected a number of heads dividing the query's ({hq}), got {hkv}.")
         mask_type = attn_mask_type if attn_mask_type is not None else self._zorro_attn_mask_type
         if mask_type is not None and mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type: expected AttnMaskType.causal (zorro runs causal decoders), got "
@@ -147,7 +171,76 @@ class ZorroCoreAttention:
                              "not wired to zorro's megatron attention yet).")
 
 
+class PositionedRope:
+    """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
+    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit).
+    ``tokens_first``: ``[Tp, 1, D]`` instead, for multi-latent attention, which rotates ``[Tp, heads, D]`` (it
+    squeezes the batch dimension when ``packed_seq_params`` is given). A ``(table, mscale)`` pair (YaRN) keeps its
+    ``mscale``."""
+
+    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor, tokens_first: bool = False):
+        self.rope, self.positions, self.tokens_first = rope, positions, tokens_first
+
+    def __enter__(self):
+        had = "forward" in vars(self.rope)
+        if had:
+            raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
+                             "another?); run one zorro step at a time.")
+        table_of = type(self.rope).forward.__get__(self.rope)
+        positions, tokens_first = self.positions, self.tokens_first
+
+        def at_positions(table):  # [S, 1, 1, D] -> [Tp, 1, 1, D] or [Tp, 1, D]
+            table = table[positions]
+            return table[:, 0] if tokens_first else table
+
+        def forward(max_seq_len, *args, **kwargs):
+            out = table_of(max_seq_len, *args, **kwargs)
+            return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
+
+        self.rope.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.rope.forward
+        return False
+
+
+class ZorroMLA:
+    """Mixin placed in front of a megatron multi-latent-attention class (``MLASelfAttention``): MLA computes its
+    decoupled RoPE inside its q/k/v projections with its own ``rotary_pos_emb`` (RoPE or YaRN), by token index.
+    With a :class:`ZorroPackedSeqParams` the projections run with that table at ``packed_seq_params.position_ids``
+    (each token's position in its ordinary row, :class:`PositionedRope`, ``[Tp, 1, D]``); megatron's activation
+    recomputation calls them again with the same params, so the recomputed table is the same. Every other call is
+    the wrapped class's."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, inference_context=None, **kwargs):
+        if not isinstance(packed_seq_params, ZorroPackedSeqParams):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context=inference_context,
+                                                       **kwargs)
+        if packed_seq_params.position_ids is None:
+            raise ValueError("packed_seq_params.position_ids: expected the padded row's positions [padded_len] for "
+                             "multi-latent attention, got None; build it with ZorroPackedSeqParams.for_plan.")
+        with PositionedRope(self.rotary_pos_emb, packed_seq_params.position_ids, tokens_first=True):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context=inference_context,
+                                                       **kwargs)
+
+
 _ZORRO_CLASSES: dict[type, type] = {}
+_ZORRO_MLA_CLASSES: dict[type, type] = {}
+
+
+def zorro_mla_attention(cls: type) -> type:
+    """The zorro subclass of the multi-latent-attention class ``cls`` (cached; ``cls`` already one returns it)."""
+    if issubclass(cls, ZorroMLA):
+        return cls
+    sub = _ZORRO_MLA_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Zorro{cls.__name__}", (ZorroMLA, cls), {"__module__": __name__, "__doc__": ZorroMLA.__doc__})
+        _ZORRO_MLA_CLASSES[cls] = sub
+    return sub
 
 
 def zorro_core_attention(cls: type) -> type:
@@ -165,7 +258,8 @@ def zorro_core_attention(cls: type) -> type:
 
 def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a GPT layer spec (``get_gpt_layer_local_spec()`` / TE spec, a ``ModuleSpec`` of a
-    ``TransformerLayer``) whose self-attention core attention is the zorro subclass of the one it names. The
+    ``TransformerLayer``) whose self-attention core attention is the zorro subclass of the one it names (and a
+    multi-latent attention the :class:`ZorroMLA` subclass of its class). The
     original spec is not modified. ``ValueError`` when the spec has no self-attention core attention to wrap."""
     try:
         attn = spec.submodules.self_attention
@@ -181,27 +275,33 @@ def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
         raise ValueError(f"spec core_attention: expected a class or a ModuleSpec, got {type(core).__name__}.")
     new_attn_sub = dataclasses.replace(attn.submodules, core_attention=new_core)
     new_attn = dataclasses.replace(attn, submodules=new_attn_sub)
+    if isinstance(new_attn.module, type) and issubclass(new_attn.module, MultiLatentAttention):
+        new_attn = dataclasses.replace(new_attn, module=zorro_mla_attention(new_attn.module))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
 
 
 def install_zorro_megatron(model: torch.nn.Module) -> int:
-    """Make every ``SelfAttention.core_attention`` of an already built model a zorro core attention (a class swap
-    of each instance: parameters, buffers and state-dict names unchanged; calls without a zorro plan behave as
-    before). Returns how many were installed (idempotent); ``ValueError`` when the model has none."""
+    """Make every ``SelfAttention`` / ``MultiLatentAttention`` ``.core_attention`` of an already built model a zorro
+    core attention, and every MLA layer a :class:`ZorroMLA` (class swaps of each instance: parameters, buffers and
+    state-dict names unchanged; calls without a zorro plan behave as before). Returns how many were installed
+    (idempotent); ``ValueError`` when the model has none."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, SelfAttention):
+        if isinstance(mod, (SelfAttention, MultiLatentAttention)):
+            if isinstance(mod, MultiLatentAttention) and not isinstance(mod, ZorroMLA):
+                mod.__class__ = zorro_mla_attention(type(mod))
             core = mod.core_attention
             if not isinstance(core, ZorroCoreAttention):
-                # the mixin's __init__ did not run: derive what it would have recorded from the instance
+                # the mixin's __init__ did not run: derive what it would have recorded from the instance (MLA
+                # passes its own scale, mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), to its core attention)
                 core.__class__ = zorro_core_attention(type(core))
-                scale = mod.config.softmax_scale
+                scale = mod.softmax_scale if isinstance(mod, MultiLatentAttention) else mod.config.softmax_scale
                 core._zorro_scale = float(scale) if scale is not None else 1.0 / math.sqrt(mod.config.kv_channels)
                 core._zorro_attn_mask_type = getattr(mod, "attn_mask_type", None)
             n += 1
     if n == 0:
-        raise ValueError(f"model: expected megatron SelfAttention layers, found none in {type(model).__name__}. "
-                         "Pass a megatron-core GPTModel (or a wrapper around one).")
+        raise ValueError("model: expected megatron SelfAttention / MultiLatentAttention layers, found none in "
+                         f"{type(model).__name__}. Pass a megatron-core GPTModel (or a wrapper around one).")
     return n
 
 

@@ -8,7 +8,9 @@ One step:
    plan to every layer's zorro core attention (:mod:`.attention`);
 2. RoPE: megatron's plain ``rope`` ignores ``position_ids`` (positions are the row index). For the call the model's
    ``rotary_pos_emb`` returns its table indexed by the plan's positions, ``[Tp, 1, 1, D]``, so every token is rotated
-   by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row);
+   by its position in its ordinary row (megatron's unfused sbhd RoPE applies freqs row by row); multi-latent
+   attention layers (:class:`~zorro_verl.integrations.megatron.attention.ZorroMLA`) do the same with their own
+   table, at ``ZorroPackedSeqParams.position_ids``;
 3. the LM head runs only at the response-predicting rows, through ``GPTModel.forward(output_processor=...)``
    (megatron-core >= 0.19; feature-detected, older versions get the model's ``output_layer`` wrapped for the call):
    the post-norm hidden states (all-gathered first under sequence parallelism) are selected at ``plan.logit_index``
@@ -31,8 +33,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
-from zorro_verl.integrations.megatron.attention import ZorroPackedSeqParams, zorro_attention_modules
+from zorro_verl.integrations.megatron.attention import (
+    PositionedRope,
+    ZorroMLA,
+    ZorroPackedSeqParams,
+    zorro_attention_modules,
+)
 from zorro_verl.integrations.megatron.moe import (
     TokenWeightedRouters,
     check_moe_statistics,
@@ -73,9 +81,10 @@ def find_gpt_model(model: torch.nn.Module) -> GPTModel:
 
 def check_zorro_gpt(model: torch.nn.Module, *, require_installed: bool = True) -> None:
     """``ValueError`` naming the setting when zorro cannot run ``model`` (a ``GPTModel`` or a wrapper) exactly:
-    other position embeddings, MLA, multi-token prediction, context parallelism, fp8 / fp4, MoE statistics over the
-    micro-batch's tokens that zorro does not count by multiplicity (:mod:`.moe`), a megatron-core without
-    ``output_processor``; with ``require_installed`` also no zorro core attention in it."""
+    other position embeddings, MLA settings zorro has not checked (fused MLA RoPE, ...), multi-token prediction,
+    router replay, context parallelism, fp8 / fp4, MoE statistics over the micro-batch's tokens that zorro does not
+    count by multiplicity (:mod:`.moe`), a megatron-core without ``output_processor``; with ``require_installed``
+    also no zorro core attention (or an MLA layer that is not a ``ZorroMLA``) in it."""
     gpt = find_gpt_model(model)
     _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None)
 
@@ -110,12 +119,14 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
     if gpt.position_embedding_type != "rope":
         raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
                          "(yarn / mrope / learned positions are not wired yet).")
-    if getattr(cfg, "multi_latent_attention", False):
-        raise ValueError("multi_latent_attention: expected False with zorro (MLA applies RoPE inside its own "
-                         "attention; not supported yet).")
+    _check_mla(gpt, cfg, installed=n_layers is not None)
     if getattr(cfg, "mtp_num_layers", None):
-        raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers} (multi-token "
-                         "prediction runs on the ordinary row layout).")
+        raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers}: megatron's "
+                         "multi-token prediction layers roll the input ids, positions and hidden states one token "
+                         "along the row (cu_seqlens segments at best); on zorro's packed row a response's next token "
+                         "is not its neighbour (sibling responses follow one prompt) and the MTP loss counts "
+                         "prompt tokens once. Set mtp_num_layers=None (verl: model.mtp.enable=False) or run without "
+                         "zorro.")
     if getattr(cfg, "context_parallel_size", 1) != 1:
         raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}.")
     for name in ("fp8", "fp4"):
@@ -126,30 +137,41 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
     return check_moe_statistics(gpt)
 
 
-class _PositionedRope:
-    """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
-    ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit)."""
+def _check_mla(gpt: GPTModel, cfg, installed: bool) -> None:
+    """Multi-latent attention is exact with zorro on megatron's unfused RoPE (each layer's ``rotary_pos_emb`` gives
+    its table at the plan's positions, :class:`_PositionedRope`); the settings that bypass that table are refused."""
+    if not getattr(cfg, "multi_latent_attention", False):
+        return
+    plain = [type(m).__name__ for m in gpt.modules()
+             if installed and isinstance(m, MultiLatentAttention) and not isinstance(m, ZorroMLA)]
+    if plain:
+        raise ValueError(f"multi_latent_attention: {len(plain)} MLA layer(s) ({plain[0]}) without zorro's RoPE "
+                         "positions; build the model with zorro_layer_spec(spec) or call "
+                         "install_zorro_megatron(model).")
+    if cfg.apply_rope_fusion:
+        raise ValueError("apply_rope_fusion: expected False with zorro on multi_latent_attention, got True: "
+                         "megatron's fused MLA RoPE kernels (fused_apply_mla_rope_for_q / _kv) take cos / sin by the "
+                         "token's index in its sequence (or cu_seqlens), not by its position in its ordinary row, "
+                         "and are not checked with zorro. Set apply_rope_fusion=False (the unfused MLA RoPE is "
+                         "exact).")
+    if cfg.rotary_interleaved:
+        raise ValueError("rotary_interleaved: expected False with zorro on multi_latent_attention, got True (MLA "
+                         "hands the packed row as [tokens, heads, dim], which megatron's interleaved rotate-half "
+                         "does not index). Set rotary_interleaved=False.")
+    for name in ("cache_mla_latents", "mla_down_proj_fusion"):
+        if getattr(cfg, name, False):
+            raise ValueError(f"{name}: expected False with zorro on multi_latent_attention, got True (an inference "
+                             "cache / Transformer Engine's fused down projection, not checked with zorro). Set "
+                             f"{name}=False.")
 
-    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor):
-        self.rope, self.positions = rope, positions
 
-    def __enter__(self):
-        had = "forward" in vars(self.rope)
-        if had:
-            raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
-                             "another?); run one zorro step at a time.")
-        table_of = type(self.rope).forward.__get__(self.rope)
-        positions = self.positions
-
-        def forward(max_seq_len, *args, **kwargs):
-            return table_of(max_seq_len, *args, **kwargs)[positions]
-
-        self.rope.forward = forward
-        return self
-
-    def __exit__(self, *exc):
-        del self.rope.forward
-        return False
+def _model_rope(gpt: GPTModel, positions: torch.Tensor):
+    """The model's RoPE table at the plan's positions for one forward (:class:`PositionedRope`); under multi-latent
+    attention the model has none: each zorro MLA layer positions its own table inside its projections
+    (:class:`~zorro_verl.integrations.megatron.attention.ZorroMLA`), also when megatron recomputes them."""
+    if getattr(gpt.config, "multi_latent_attention", False):
+        return contextlib.nullcontext()
+    return PositionedRope(gpt.rotary_pos_emb, positions)
 
 
 def _head_rows(hidden_states: torch.Tensor, output_layer, output_weight, keep: torch.Tensor, call) -> torch.Tensor:
@@ -239,9 +261,9 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     Tp = padded_length(gpt, plan)
     pad = Tp - plan.T
     ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
-    pos = plan.position_ids if not pad else torch.cat([plan.position_ids, plan.position_ids.new_zeros(pad)])
     keep = plan.logit_index if plan.head_index is None else plan.head_index
     zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
+    pos = zp.position_ids  # [Tp], 0 on the pad tokens
     # MoE statistics over the micro-batch's tokens (load-balancing / z losses, expert-bias counts): each packed token
     # counts as the ordinary tokens it stands for (pad tokens: 0)
     routers = contextlib.nullcontext()
@@ -254,13 +276,13 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
         def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
             return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
-        with _PositionedRope(gpt.rotary_pos_emb, pos), routers:
+        with _model_rope(gpt, pos), routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
                         output_processor=head)
     else:
         # megatron-core < 0.19: no output_processor; the model's own head call runs on the kept rows (its output,
         # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back)
-        with _PositionedRope(gpt.rotary_pos_emb, pos), _RowsOutputLayer(gpt, keep), routers:
+        with _model_rope(gpt, pos), _RowsOutputLayer(gpt, keep), routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp)
         if gpt.post_process:
             out = out.transpose(0, 1)

@@ -10,8 +10,6 @@ __all__ = ["megatron_setup_unsupported"]
 #: hf_config attributes of model families zorro's Megatron path does not run yet, with the reason.
 _HF_REFUSALS = (
     ("vision_config", "vision-language models on the Megatron engine (zorro runs VLMs in the FSDP engine)"),
-    ("kv_lora_rank", "multi-head latent attention (MLA, DeepSeek-style) on the Megatron engine: it applies RoPE "
-                     "inside its own attention"),
     ("linear_attention", "hybrid (linear-attention) models on the Megatron engine"),
 )
 
@@ -34,11 +32,17 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
     router = get(engine_config, "router_replay", None)
     mode = get(router, "mode", "disabled") if router is not None else "disabled"
     if mode != "disabled":
-        return (f"router replay (router_replay.mode={mode!r}): it records and replays routes per token of the "
-                "ordinary rows; set router_replay.mode=disabled")
+        return (f"router replay (router_replay.mode={mode!r}): verl records and replays MoE routes "
+                "(routed_experts) per token of the ordinary rows, and zorro's Megatron engine does not hand them to "
+                "the packed row's routers yet (a deduplicated prompt token would replay its group's first row's "
+                "routes, checked equal across the group: zorro_verl.packing.routes.packed_routes); set "
+                "router_replay.mode=disabled or run this job without zorro")
     mtp = get(model_config, "mtp", None)
     if mtp is not None and get(mtp, "enable", False):
-        return "multi-token prediction (model.mtp.enable=True): its heads run on the ordinary row layout"
+        return ("multi-token prediction (model.mtp.enable=True): megatron's MTP layers shift the ids and hidden "
+                "states one token along the row, and on zorro's packed row a response's next token is not its "
+                "neighbour (sibling responses follow one prompt); set model.mtp.enable=False or run this job "
+                "without zorro")
     lora = get(model_config, "lora", None)
     if lora is not None and int(get(lora, "rank", 0) or 0) > 0:
         # Megatron-Bridge's PEFT (model.lora; verl's Megatron engine ignores the FSDP key lora_rank): its adapters are

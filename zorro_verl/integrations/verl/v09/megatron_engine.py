@@ -25,10 +25,11 @@ memory point of the fused kernel), and the stock fallback keeps verl's fused pat
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly are refused at engine start (context parallelism, multi-token prediction, router replay, per-token loss,
 LoRA dropout, vision-language and hybrid models; when the model is built, MoE router statistics zorro does not count
-by multiplicity — sequence-level aux loss, token dropping, ... — and per-token random ops in training: dropout, MoE
-input jitter), or with ``on_unsupported = warn`` run the stock forward, warn once and count the batch in
-``zorro/fallback_batches`` (the zorro core attention delegates every call without a zorro plan to the layer's own).
-Every per-batch check that can fail on one rank (layout, positions, temperatures) runs before the ranks agree.
+by multiplicity — sequence-level aux loss, token dropping, ... —, MLA settings zorro has not checked (fused MLA RoPE)
+and per-token random ops in training: dropout, MoE input jitter), or with ``on_unsupported = warn`` run the stock
+forward, warn once and count the batch in ``zorro/fallback_batches`` (the zorro core attention delegates every call
+without a zorro plan to the layer's own). Every per-batch check that can fail on one rank (layout, positions,
+temperatures) runs before the ranks agree.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             return "multimodal inputs / 3-D position ids on the Megatron engine"
         if tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False) \
                 or "routed_experts" in data.keys():
-            return "router replay data in the batch (routed_experts / enable_routing_replay)"
+            return ("router replay data in the batch (routed_experts / enable_routing_replay): routes recorded per "
+                    "token of the ordinary rows are not handed to the packed row's routers yet")
         if "temperature" in data.keys() and isinstance(data["temperature"], torch.Tensor):
             t = data["temperature"].reshape(-1)
             if t.numel() > 1 and not bool((t == t[0]).all()):

@@ -1,0 +1,62 @@
+"""One rank of the DeepSeek-V3 (multi-latent attention + MoE) engine check (tests/integrations/megatron/
+test_engine_mla.py): verl 0.9.1's stock Megatron engine (padded bshd path, megatron's own attention) vs zorro's, fp32
+on the CPU, on a tiny DeepSeek-V3 checkpoint built by vanilla mbridge's ``DeepseekV3Bridge``
+(tests/support/megatron_deepseek.py), TP = ``world`` (+ sequence parallelism when > 1), fixed and dynamic
+micro-batches, then ``sharing=prefix``. Returns the maxima of :func:`megatron_engine_ranks._compare_engines` per case.
+
+Run as ``python -m tests.support.megatron_mla_engine_ranks RANK WORLD INIT_FILE CKPT_DIR OUT_JSON``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import partial
+
+import torch
+
+from tests.support.multi_rank import rank_main
+
+
+def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import torch.distributed as dist
+
+    from tests.support import megatron_deepseek as D
+    from tests.support import megatron_engines as E
+    from tests.support.megatron_engine_ranks import ZORRO, _compare_engines
+
+    E.setup_process()
+    D.patch_deepseek_bridge()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
+        D.save_tiny_deepseek_v3(ckpt, E.VOCAB)
+    dist.barrier()
+    # the legacy mbridge's DeepseekV3Bridge (adapted in megatron_deepseek.py); Megatron-Bridge's is not wired here
+    kw = dict(tp=world, transformer_overrides=D.OVERRIDE, bridge="mbridge")
+    stock = E.build_engine(ckpt, zorro=None, remove_padding=False, **kw)
+    zorro = E.build_engine(ckpt, zorro=ZORRO, **kw)
+    gpt = E.gpt_of(zorro)
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from zorro_verl.integrations.megatron import ZorroMLA
+
+    out = {"model": {"mla_layers": sum(isinstance(m, ZorroMLA) for m in gpt.modules()),
+                     "moe_layers": sum(isinstance(m, MoELayer) for m in gpt.modules()),
+                     "rope_type": gpt.config.rope_type, "tp": gpt.config.tensor_model_parallel_size,
+                     "sp": bool(gpt.config.sequence_parallel), "zorro": type(zorro).__name__}}
+    for mode in ("fixed", "dynamic"):
+        out[mode] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic"), rank)
+    # fresh engines (the ones above took an optimizer step)
+    stock = E.build_engine(ckpt, zorro=None, remove_padding=False, **kw)
+    zorro = E.build_engine(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, **kw)
+    out["prefix"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=True, shared_prefix=True), rank)
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    rank_main(run_rank, str)
