@@ -81,8 +81,9 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
     ``strategy="megatron"`` (launch with the ``zorro_megatron_trainer`` preset): the actor and reference on verl's
     Megatron engine in ``dtype`` (``fp32`` only: the CPU runs compute in fp32), tensor parallel size ``tp``, verl's
     default model builder (Megatron-Bridge), megatron-core without fused CUDA kernels
-    (:data:`MEGATRON_CPU_TRANSFORMER`) and without the distributed optimizer (as the Megatron engine tests); the
-    CPU patches come with ``ZORRO_E2E_MEGATRON`` in the environment (tests/support/verl_cpu_e2e.py)."""
+    (:data:`MEGATRON_CPU_TRANSFORMER`), without the distributed optimizer (megatron-core's refuses SGD: "Only Adam,
+    HybridDeviceOptimizer, and optimizers with an init_state_fn ... are currently supported"); the CPU patches
+    come with ``ZORRO_E2E_MEGATRON`` in the environment (tests/support/verl_cpu_e2e.py)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES} (verl's FSDP or Megatron engine), got {strategy!r}.")
     b = assets["num_prompts"]

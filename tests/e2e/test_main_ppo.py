@@ -19,6 +19,11 @@ fp32 actor/ref, the same seed):
   and finite, plausible metrics;
 * ``stock_lora`` / ``zorro_lora`` — LoRA (``model.lora_rank=8``, all-linear) on FSDP1, one worker, V1 trainer,
   dynamic batch size, 2 steps of 2 mini-batches, SGD: stock records, zorro replays; every step's metrics agree.
+* ``stock_megatron`` / ``zorro_megatron`` — verl's Megatron engine through the ``zorro_megatron_trainer`` preset
+  (Megatron-Bridge, verl's default builder; TP=1, fp32), one worker, V1 trainer, dynamic batch size, 2 steps of 2
+  mini-batches, SGD: stock (``megatron.zorro.enable=false``, on verl's padded path with megatron's own attention:
+  the THD path needs Transformer Engine's) records, zorro (verl's default remove-padding path) replays; both
+  engines (actor, reference) log zorro's Megatron engine line, every step's metrics agree.
 
 ``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir.
 The CPU platform, run-time patches and the rollout record/replay are in tests/support/verl_cpu_e2e.py.
@@ -184,7 +189,8 @@ def runs(work, assets):
                            python=sys.executable, timeout_s=RUN_TIMEOUT_S,
                            config_name=RUNS[name].get("config", "zorro_ppo_trainer"))
         print(f"\n[e2e] {name}: rc={res.returncode} {res.seconds:.0f}s peak {res.peak_rss_gb:.1f} GiB "
-              f"steps={sorted(res.steps)} engine ranks={sorted(res.engine_ranks)}", flush=True)
+              f"steps={sorted(res.steps)} engine ranks={sorted(res.engine_ranks)}"
+              + (f" megatron engines={res.megatron_engines}" if res.megatron_engines else ""), flush=True)
         if res.returncode != 0:
             print(f"[e2e] {name} log tail ({res.log_path}):\n{res.tail(80)}", flush=True)
         results[name] = res
@@ -274,8 +280,9 @@ def test_engine_and_dedup(e2e_required, runs, name):
         assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallbacks {fallbacks}"
         saved = [v for k, v in m.items() if k.endswith("zorro/prompt_tokens_saved")]
         if spec.get("mode") == "whole_groups" or spec["workers"] > 1 or megatron:
-            # whole groups per mini-batch, or rows regrouped across the 2 ranks inside each of verl's mini-batches:
-            # siblings there share a prompt (the logged ratio is a mean over mini-batches and ranks)
+            # whole groups per mini-batch, or rows regrouped across the 2 ranks inside each of verl's mini-batches, or
+            # (Megatron, one rank) mini-batches of 2 whole prompt groups in key order: siblings there share a prompt
+            # (the logged ratio is a mean over mini-batches and ranks)
             assert dedup > 1.0 and saved and all(v > 0 for v in saved), f"{name} step {step}: {dedup}, {saved}"
         else:  # one rank, verl's own mini-batches: dedup only where verl put siblings together
             assert dedup >= 1.0, f"{name} step {step}: {dedup}"

@@ -37,7 +37,9 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
   an fp32 ``McoreEngineConfig`` passes verl's bf16/fp16 assertion (V2; the actor and reference compute in fp32); and
   an engine on verl's padded path (``use_remove_padding=False``, bshd: the stock runs, whose THD path needs
   Transformer Engine's attention) hands megatron's ``DotProductAttention`` the 4-D causal mask built from verl's
-  ``[B, S]`` valid mask (V8), a forward pre-hook on each model chunk.
+  ``[B, S]`` valid mask (V8), a forward pre-hook on each model chunk; verl's ``load_megatron_model_to_gpu`` (run
+  before every weight export to vLLM) skips DDP buffers without ``param_data``: megatron-core allocates that only
+  for the distributed optimizer, which refuses SGD, and verl reads ``buffer.param_data.storage()`` unguarded.
 
 :func:`install_seeded_rollout` (also installed by :func:`install`; on its own for GPU runs through
 :mod:`tests.support.verl_seeded_rollout_plugin`) makes rollouts reproducible across runs: each vLLM request gets a
@@ -437,6 +439,39 @@ def _patch_megatron_bshd_mask(module) -> None:
 
     initialize._zorro_e2e = True
     cls.initialize = initialize
+    _patch_megatron_reload(module)
+
+
+def _patch_megatron_reload(module) -> None:
+    """verl's ``load_megatron_model_to_gpu`` (brings offloaded parameters back before a forward or a weight export)
+    reads each DDP buffer's ``param_data``, which megatron-core leaves ``None`` without the distributed optimizer
+    (the buffer's parameters are not remapped, nothing was offloaded): such buffers are skipped for the call."""
+    import verl.utils.megatron_utils as mu
+
+    orig = mu.load_megatron_model_to_gpu
+    if getattr(orig, "_zorro_e2e", False):
+        return
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    def load_megatron_model_to_gpu(models, *args, **kwargs):
+        skipped = []
+        for chunk in models:
+            if isinstance(chunk, DDP):
+                for buffers in (chunk.buffers, chunk.expert_parallel_buffers):
+                    for buffer in buffers:
+                        if buffer.param_data is None:
+                            skipped.append((buffers, buffer))
+        for buffers, buffer in skipped:
+            buffers.remove(buffer)
+        try:
+            return orig(models, *args, **kwargs)
+        finally:
+            for buffers, buffer in skipped:
+                buffers.append(buffer)
+
+    load_megatron_model_to_gpu._zorro_e2e = True
+    mu.load_megatron_model_to_gpu = load_megatron_model_to_gpu
+    module.load_megatron_model_to_gpu = load_megatron_model_to_gpu
 
 
 #: set (to anything): verl's stock engine computes log-probs with tests.support.cpu_stock_kernels.blocked_logprobs
@@ -534,7 +569,7 @@ def install() -> None:
     if os.environ.get(MEGATRON_ENV):
         _after_import("verl.workers.config.engine", _patch_mcore_fp32)
         _before_import("verl.workers.engine.megatron", _megatron_setup)
-        _after_import("verl.workers.engine.megatron.transformer_impl", _patch_megatron_bshd_mask)
+        _after_import("verl.workers.engine.megatron.transformer_impl", _patch_megatron_bshd_mask)  # + the reload
     install_seeded_rollout()
     install_ordered_batches()
     from tests.support.heap_peak import start as start_heap_peak
