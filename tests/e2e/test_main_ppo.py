@@ -91,6 +91,7 @@ LORA = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strateg
 # default THD path needs Transformer Engine's attention; zorro runs verl's default use_remove_padding=True
 MEGATRON = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strategy="megatron", optimizer="SGD",
                 recording="megatron", config="zorro_megatron_trainer", tp=1)
+MEGATRON_TP2 = dict(MEGATRON, workers=2, tp=2, recording="megatron_tp2")
 RUNS = {
     "stock": dict(PAIR, zorro=False, rollouts="record"),
     "zorro": dict(PAIR, zorro=True, rollouts="replay"),
@@ -100,10 +101,17 @@ RUNS = {
     "zorro_lora": dict(LORA, zorro=True, rollouts="replay"),
     "stock_megatron": dict(MEGATRON, zorro=False, rollouts="record"),
     "zorro_megatron": dict(MEGATRON, zorro=True, rollouts="replay"),
+    # opt-in (not in the default selection: about twice a TP=1 run's time): TP=2 + sequence parallel over 2 workers
+    "stock_megatron_tp2": dict(MEGATRON_TP2, zorro=False, rollouts="record"),
+    "zorro_megatron_tp2": dict(MEGATRON_TP2, zorro=True, rollouts="replay"),
 }
+#: runs that only an explicit ZORRO_E2E_RUNS selects
+OPT_IN = ("stock_megatron_tp2", "zorro_megatron_tp2")
 #: (stock run, zorro run) pairs compared step by step on identical (replayed) rollouts
-PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"), ("stock_megatron", "zorro_megatron"))
-SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(RUNS)).split(",") if r.strip()]
+PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"), ("stock_megatron", "zorro_megatron"),
+         ("stock_megatron_tp2", "zorro_megatron_tp2"))
+SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(r for r in RUNS if r not in OPT_IN)).split(",")
+            if r.strip()]
 ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
 
 # metrics that must agree between zorro and stock at every step (same rollouts): losses, entropy, grad norm, and
