@@ -19,10 +19,13 @@ from pathlib import Path
 
 __all__ = ["RunResult", "STRATEGIES", "base_overrides", "set_override", "run_main_ppo", "parse_step_metrics",
            "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role", "fallback_metrics",
-           "REPO_ROOT", "ENGINE_LINE"]
+           "REPO_ROOT", "ENGINE_LINE", "MEGATRON_ENGINE_LINE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank (\d+)")
+#: the Megatron engine's line (one per engine: actor and reference on every worker); group 1 says whether the
+#: engine deduplicates ("deduplicated forward") or runs stock ("stock forward: <reason>")
+MEGATRON_ENGINE_LINE = re.compile(r"zorro: Megatron engine active \((deduplicated forward|stock forward: [^;]*);")
 # a run that logs one of these never finishes on its own (e.g. a failed weight sync leaves the trainer waiting):
 # it is stopped FATAL_GRACE_S seconds later instead of at its time limit
 FATAL = re.compile(r"Worker failed with error|EngineDeadError|Error executing job")
@@ -40,6 +43,7 @@ class RunResult:
     rollout_dir: Path
     steps: dict = field(default_factory=dict)  # step -> {metric: float}
     engine_ranks: set = field(default_factory=set)
+    megatron_engines: list = field(default_factory=list)  # MEGATRON_ENGINE_LINE's group 1, one per engine line
     timed_out: bool = False
     role_peak_gb: dict = field(default_factory=dict)  # process role -> peak RSS of one process of that role (GiB)
 
@@ -48,13 +52,21 @@ class RunResult:
         return "\n".join(lines[-n:])
 
 
-#: FSDP strategies of verl's FSDP engine: FSDP2, and FSDP1 (``fsdp``, verl's default).
-STRATEGIES = ("fsdp2", "fsdp")
+#: FSDP strategies of verl's FSDP engine: FSDP2, and FSDP1 (``fsdp``, verl's default); ``megatron``: verl's Megatron
+#: engine (the ``zorro_megatron_trainer`` preset, ``model_engine=megatron``).
+STRATEGIES = ("fsdp2", "fsdp", "megatron")
+#: megatron-core settings of the Megatron runs on the CPU (as the Megatron engine tests build verl's engine): no fused
+#: CUDA kernels (gradient-accumulation fusion needs a CUDA extension; the fused softmax / bias / RoPE / norm /
+#: cross-entropy paths are CUDA or Transformer Engine kernels) and CPU initialisation
+MEGATRON_CPU_TRANSFORMER = {"gradient_accumulation_fusion": False, "masked_softmax_fusion": False,
+                            "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
+                            "persist_layer_norm": False, "use_cpu_initialization": True,
+                            "cross_entropy_loss_fusion": False}
 
 
 def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, seed: int = 7,
                    dtype: str = "fp32", lr: float = 2e-3, strategy: str = "fsdp2",
-                   param_dtype: str | None = None) -> list[str]:
+                   param_dtype: str | None = None, tp: int = 1) -> list[str]:
     """GRPO on the tiny assets: all prompts in one batch (train_batch_size = number of prompts), ``n`` rollouts
     each, reference model + low-var KL loss, entropy bonus, actor/ref under ``strategy`` (``fsdp2`` or ``fsdp``) in
     ``dtype`` (computing in ``param_dtype``, default ``dtype``: verl's mixed precision), vLLM rollouts with rollout
@@ -64,11 +76,35 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
     config makes ``actor_rollout_ref.ref.strategy`` follow it, and its actor config copies each role's strategy into
     its ``fsdp_config.strategy``, also set here explicitly). FSDP1 needs no other override on CPU: what it needs
     there (module-state broadcast of CPU tensors, the reference model's parameter offload without pinning, verl's
-    weight export) is adapted in every process by tests/support/verl_cpu_e2e.py (tests/support/fsdp1_cpu.py)."""
+    weight export) is adapted in every process by tests/support/verl_cpu_e2e.py (tests/support/fsdp1_cpu.py).
+
+    ``strategy="megatron"`` (launch with the ``zorro_megatron_trainer`` preset): the actor and reference on verl's
+    Megatron engine in ``dtype`` (``fp32`` only: the CPU runs compute in fp32), tensor parallel size ``tp``, verl's
+    default model builder (Megatron-Bridge), megatron-core without fused CUDA kernels
+    (:data:`MEGATRON_CPU_TRANSFORMER`), without the distributed optimizer (megatron-core's refuses SGD: "Only Adam,
+    HybridDeviceOptimizer, and optimizers with an init_state_fn ... are currently supported"); the CPU patches
+    come with ``ZORRO_E2E_MEGATRON`` in the environment (tests/support/verl_cpu_e2e.py)."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: expected one of {STRATEGIES} (verl's FSDP engine), got {strategy!r}.")
+        raise ValueError(f"strategy: expected one of {STRATEGIES} (verl's FSDP or Megatron engine), got {strategy!r}.")
     b = assets["num_prompts"]
     mp = f"{{param_dtype:{param_dtype or dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
+    if strategy == "megatron":
+        if dtype != "fp32" or param_dtype not in (None, "fp32"):
+            raise ValueError(f"dtype: the Megatron CPU runs compute in fp32, got dtype={dtype!r}, "
+                             f"param_dtype={param_dtype!r}.")
+        meg = "actor_rollout_ref.actor.megatron"
+        engine = [f"{meg}.tensor_model_parallel_size={tp}", f"{meg}.dtype=float32",
+                  "actor_rollout_ref.ref.megatron.dtype=float32", f"{meg}.seed={seed}",
+                  f"{meg}.use_distributed_optimizer=False", f"{meg}.vanilla_mbridge=False",
+                  *(f"+{meg}.override_transformer_config.{k}={v}" for k, v in MEGATRON_CPU_TRANSFORMER.items())]
+    else:
+        engine = [f"actor_rollout_ref.actor.fsdp_config.strategy={strategy}",
+                  f"actor_rollout_ref.actor.fsdp_config.model_dtype={dtype}",
+                  f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={mp}",
+                  f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
+                  f"actor_rollout_ref.ref.fsdp_config.strategy={strategy}",
+                  f"actor_rollout_ref.ref.fsdp_config.model_dtype={dtype}",
+                  f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={mp}"]
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
@@ -92,13 +128,7 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
         "actor_rollout_ref.actor.calculate_entropy=True",
         f"actor_rollout_ref.actor.data_loader_seed={seed}",
         f"actor_rollout_ref.actor.strategy={strategy}",
-        f"actor_rollout_ref.actor.fsdp_config.strategy={strategy}",
-        f"actor_rollout_ref.actor.fsdp_config.model_dtype={dtype}",
-        f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={mp}",
-        f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
-        f"actor_rollout_ref.ref.fsdp_config.strategy={strategy}",
-        f"actor_rollout_ref.ref.fsdp_config.model_dtype={dtype}",
-        f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={mp}",
+        *engine,
         "actor_rollout_ref.rollout.name=vllm",
         f"actor_rollout_ref.rollout.n={n}",
         f"actor_rollout_ref.rollout.seed={seed}",
@@ -332,7 +362,8 @@ def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, pyth
     text = log_path.read_text(errors="replace")
     return RunResult(name=name, returncode=rc, seconds=seconds, peak_rss_gb=peak / 2**30, log_path=log_path,
                      rollout_dir=out_dir / "rollouts", steps=parse_step_metrics(text),
-                     engine_ranks={int(m) for m in ENGINE_LINE.findall(text)}, timed_out=timed_out,
+                     engine_ranks={int(m) for m in ENGINE_LINE.findall(text)},
+                     megatron_engines=MEGATRON_ENGINE_LINE.findall(text), timed_out=timed_out,
                      role_peak_gb={k: v / 2**30 for k, v in roles.items()})
 
 

@@ -19,6 +19,13 @@ fp32 actor/ref, the same seed):
   and finite, plausible metrics;
 * ``stock_lora`` / ``zorro_lora`` — LoRA (``model.lora_rank=8``, all-linear) on FSDP1, one worker, V1 trainer,
   dynamic batch size, 2 steps of 2 mini-batches, SGD: stock records, zorro replays; every step's metrics agree.
+* ``stock_megatron`` / ``zorro_megatron`` — verl's Megatron engine through the ``zorro_megatron_trainer`` preset
+  (Megatron-Bridge, verl's default builder; TP=1, fp32), one worker, V1 trainer, dynamic batch size, 2 steps of 2
+  mini-batches, SGD: stock (``megatron.zorro.enable=false``, on verl's padded path with megatron's own attention:
+  the THD path needs Transformer Engine's) records, zorro (verl's default remove-padding path) replays; both
+  engines (actor, reference) log zorro's Megatron engine line, every step's metrics agree.
+  ``stock_megatron_tp2`` / ``zorro_megatron_tp2`` (opt-in, only when named in ``ZORRO_E2E_RUNS``): the same on two
+  workers with TP=2 + sequence parallel.
 
 ``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir.
 The CPU platform, run-time patches and the rollout record/replay are in tests/support/verl_cpu_e2e.py.
@@ -52,7 +59,13 @@ from tests.e2e.runner import (  # noqa: E402
     run_main_ppo,
     set_override,
 )
-from tests.support.verl_cpu_e2e import ROLLOUT_FILE_ENV, ROLLOUT_MODE_ENV, cpu_overrides, e2e_env  # noqa: E402
+from tests.support.verl_cpu_e2e import (  # noqa: E402
+    MEGATRON_ENV,
+    ROLLOUT_FILE_ENV,
+    ROLLOUT_MODE_ENV,
+    cpu_overrides,
+    e2e_env,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +87,13 @@ V0 = dict(zorro=True, v1=False, workers=1, dynamic=False, steps=2, mini=1, epoch
 # ~1e-5 and its relative difference measures the cancellation in it, not the two runs
 LORA = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strategy="fsdp", optimizer="SGD", lora=8,
             recording="lora", lr=1.0)
+# verl's Megatron engine (the zorro_megatron_trainer preset; Megatron-Bridge, verl's default builder), one worker,
+# TP=1, fp32, the V1 trainer, dynamic batch size, 2 steps of 2 mini-batches, SGD: stock records, zorro replays. The
+# stock run is verl's padded path (use_remove_padding=False, bshd, megatron's own DotProductAttention): verl's
+# default THD path needs Transformer Engine's attention; zorro runs verl's default use_remove_padding=True
+MEGATRON = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strategy="megatron", optimizer="SGD",
+                recording="megatron", config="zorro_megatron_trainer", tp=1)
+MEGATRON_TP2 = dict(MEGATRON, workers=2, tp=2, recording="megatron_tp2")
 RUNS = {
     "stock": dict(PAIR, zorro=False, rollouts="record"),
     "zorro": dict(PAIR, zorro=True, rollouts="replay"),
@@ -81,10 +101,20 @@ RUNS = {
     "zorro_whole": dict(V0, mode="whole_groups"),
     "stock_lora": dict(LORA, zorro=False, rollouts="record"),
     "zorro_lora": dict(LORA, zorro=True, rollouts="replay"),
+    "stock_megatron": dict(MEGATRON, zorro=False, rollouts="record"),
+    "zorro_megatron": dict(MEGATRON, zorro=True, rollouts="replay"),
+    # opt-in (not in the default selection, to keep the CI's e2e stage short: the pair costs about as much wall time
+    # as the TP=1 pair, ~8 min on two cores, and peaks at ~15 GiB): TP=2 + sequence parallel over 2 workers
+    "stock_megatron_tp2": dict(MEGATRON_TP2, zorro=False, rollouts="record"),
+    "zorro_megatron_tp2": dict(MEGATRON_TP2, zorro=True, rollouts="replay"),
 }
+#: runs that only an explicit ZORRO_E2E_RUNS selects
+OPT_IN = ("stock_megatron_tp2", "zorro_megatron_tp2")
 #: (stock run, zorro run) pairs compared step by step on identical (replayed) rollouts
-PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"))
-SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(RUNS)).split(",") if r.strip()]
+PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"), ("stock_megatron", "zorro_megatron"),
+         ("stock_megatron_tp2", "zorro_megatron_tp2"))
+SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(r for r in RUNS if r not in OPT_IN)).split(",")
+            if r.strip()]
 ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
 
 # metrics that must agree between zorro and stock at every step (same rollouts): losses, entropy, grad norm, and
@@ -105,16 +135,23 @@ REPORT: list[str] = []
 def _overrides(name: str, assets: dict, work: Path) -> list[str]:
     spec = RUNS[name]
     sgd = spec["optimizer"] == "SGD"  # lr 0.1 moves each weight about a tenth as far as AdamW's lr 2e-3 does here
+    megatron = spec["strategy"] == "megatron"
     o = base_overrides(assets, out_dir=work / name, steps=spec["steps"], n=N, strategy=spec["strategy"],
-                       **({"lr": spec.get("lr", 0.1)} if sgd else {}))
+                       **({"lr": spec.get("lr", 0.1)} if sgd else {}), **({"tp": spec["tp"]} if megatron else {}))
     o += cpu_overrides(spec["workers"])
     o += micro_batch_overrides(dynamic=spec["dynamic"])
     o.append(f"trainer.use_v1={spec['v1']}")
     set_override(o, "actor_rollout_ref.actor.ppo_mini_batch_size", spec["mini"])
     set_override(o, "actor_rollout_ref.actor.ppo_epochs", spec["epochs"])
-    if sgd:
-        o += ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.weight_decay=0.0"]
-    if not spec["zorro"]:
+    if sgd:  # megatron's optimizer names are lower case
+        o += [f"actor_rollout_ref.actor.optim.optimizer={'sgd' if megatron else 'SGD'}",
+              "actor_rollout_ref.actor.optim.weight_decay=0.0"]
+    if megatron and not spec["zorro"]:
+        # verl's padded path with megatron's own attention (its THD path needs Transformer Engine's); the ref follows
+        o += ["actor_rollout_ref.actor.megatron.zorro.enable=false",
+              "actor_rollout_ref.actor.megatron.use_remove_padding=False",
+              "actor_rollout_ref.model.use_remove_padding=False"]
+    elif not spec["zorro"]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
     if spec.get("mode"):
         o.append(f"actor_rollout_ref.actor.fsdp_config.zorro.group_balance_mode={spec['mode']}")
@@ -131,6 +168,8 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
 def _env(name: str, work: Path) -> dict:
     """The run's environment; the pair's rollouts go through one recording (``stock`` writes, the others read)."""
     env = e2e_env()
+    if RUNS[name]["strategy"] == "megatron":
+        env[MEGATRON_ENV] = "1"
     mode = RUNS[name].get("rollouts")
     rec = work / f"{RUNS[name].get('recording', 'stock')}_rollouts.jsonl"
     if mode == "record" or (mode == "replay" and rec.exists()):
@@ -158,9 +197,11 @@ def runs(work, assets):
     results = {}
     for name in SELECTED:
         res = run_main_ppo(name, _overrides(name, assets, work), work=work, env=_env(name, work),
-                           python=sys.executable, timeout_s=RUN_TIMEOUT_S)
+                           python=sys.executable, timeout_s=RUN_TIMEOUT_S,
+                           config_name=RUNS[name].get("config", "zorro_ppo_trainer"))
         print(f"\n[e2e] {name}: rc={res.returncode} {res.seconds:.0f}s peak {res.peak_rss_gb:.1f} GiB "
-              f"steps={sorted(res.steps)} engine ranks={sorted(res.engine_ranks)}", flush=True)
+              f"steps={sorted(res.steps)} engine ranks={sorted(res.engine_ranks)}"
+              + (f" megatron engines={res.megatron_engines}" if res.megatron_engines else ""), flush=True)
         if res.returncode != 0:
             print(f"[e2e] {name} log tail ({res.log_path}):\n{res.tail(80)}", flush=True)
         results[name] = res
@@ -233,11 +274,15 @@ def test_run_completes(e2e_required, runs, name):
 def test_engine_and_dedup(e2e_required, runs, name):
     r = _get(runs, name)
     spec = RUNS[name]
+    megatron = spec["strategy"] == "megatron"
     if not spec["zorro"]:
-        assert not r.engine_ranks, "stock run logged the zorro engine line"
+        assert not r.engine_ranks and not r.megatron_engines, "stock run logged the zorro engine line"
         assert not any("zorro/dedup_ratio" in k for k in r.steps.get(1, {}))
         return
-    assert r.engine_ranks == set(range(spec["workers"])), f"zorro engine line on ranks {sorted(r.engine_ranks)}"
+    if megatron:  # one line per engine: the actor's and the reference's on every worker, both deduplicating
+        assert r.megatron_engines == ["deduplicated forward"] * (2 * spec["workers"]), r.megatron_engines
+    else:
+        assert r.engine_ranks == set(range(spec["workers"])), f"zorro engine line on ranks {sorted(r.engine_ranks)}"
     for step in range(1, spec["steps"] + 1):
         m = r.steps[step]
         dedup = _dedup(m)
@@ -245,9 +290,10 @@ def test_engine_and_dedup(e2e_required, runs, name):
         fallbacks = list(fallback_metrics(m).values())
         assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallbacks {fallbacks}"
         saved = [v for k, v in m.items() if k.endswith("zorro/prompt_tokens_saved")]
-        if spec.get("mode") == "whole_groups" or spec["workers"] > 1:
-            # whole groups per mini-batch, or rows regrouped across the 2 ranks inside each of verl's mini-batches:
-            # siblings there share a prompt (the logged ratio is a mean over mini-batches and ranks)
+        if spec.get("mode") == "whole_groups" or spec["workers"] > 1 or megatron:
+            # whole groups per mini-batch, or rows regrouped across the 2 ranks inside each of verl's mini-batches, or
+            # (Megatron, one rank) mini-batches of 2 whole prompt groups in key order: siblings there share a prompt
+            # (the logged ratio is a mean over mini-batches and ranks)
             assert dedup > 1.0 and saved and all(v > 0 for v in saved), f"{name} step {step}: {dedup}, {saved}"
         else:  # one rank, verl's own mini-batches: dedup only where verl put siblings together
             assert dedup >= 1.0, f"{name} step {step}: {dedup}"

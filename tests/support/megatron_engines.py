@@ -32,14 +32,16 @@ VOCAB = 128
 _DONE = False
 
 
-def setup_process() -> None:
-    """Every patch, once per process, before verl's engine module is imported."""
+def setup_process(cpu_platform: bool = True) -> None:
+    """Every patch, once per process, before verl's engine module is imported; ``cpu_platform=False`` leaves verl's
+    platform to the caller (the end-to-end runs register their own, tests/support/verl_cpu_e2e.py)."""
     global _DONE
     if _DONE:
         return
-    from tests.support import verl_cpu_platform
+    if cpu_platform:
+        from tests.support import verl_cpu_platform
 
-    verl_cpu_platform.use_cpu_platform()  # V1
+        verl_cpu_platform.use_cpu_platform()  # V1
     from tests.support import megatron_cpu
 
     megatron_cpu._cpu_shims(sequence_parallel_norms=True)  # P1-P3

@@ -30,6 +30,16 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
 * keeps vLLM's CPU linear layers on ``torch.nn.functional.linear`` over their own weights: vLLM's CPU GEMM dispatch
   (oneDNN) repacks each weight after loading and replaces the layer's parameter by an empty one without a
   ``weight_loader``, so the trainer's weight sync into the running server fails with ``AttributeError``.
+* with ``ZORRO_E2E_MEGATRON`` set (the runs on verl's Megatron engine, ``model_engine=megatron``): right before a
+  process first imports ``verl.workers.engine.megatron`` (the training workers; verl's engine package imports it),
+  the Megatron engine tests' CPU patches (:func:`tests.support.megatron_engines.setup_process` without its own
+  platform: megatron-core shims P1-P6/P9, mbridge V4-V6, Megatron-Bridge's import stand-ins and local layer spec);
+  an fp32 ``McoreEngineConfig`` passes verl's bf16/fp16 assertion (V2; the actor and reference compute in fp32); and
+  an engine on verl's padded path (``use_remove_padding=False``, bshd: the stock runs, whose THD path needs
+  Transformer Engine's attention) hands megatron's ``DotProductAttention`` the 4-D causal mask built from verl's
+  ``[B, S]`` valid mask (V8), a forward pre-hook on each model chunk; verl's ``load_megatron_model_to_gpu`` (run
+  before every weight export to vLLM) skips DDP buffers without ``param_data``: megatron-core allocates that only
+  for the distributed optimizer, which refuses SGD, and verl reads ``buffer.param_data.storage()`` unguarded.
 
 :func:`install_seeded_rollout` (also installed by :func:`install`; on its own for GPU runs through
 :mod:`tests.support.verl_seeded_rollout_plugin`) makes rollouts reproducible across runs: each vLLM request gets a
@@ -57,7 +67,7 @@ import torch
 
 __all__ = ["install", "install_seeded_rollout", "e2e_env", "cpu_overrides", "REPO_ROOT", "ROLLOUT_MODE_ENV",
            "ROLLOUT_FILE_ENV", "POLL_INTERVAL_ENV",
-           "STOCK_KERNELS_ENV"]
+           "STOCK_KERNELS_ENV", "MEGATRON_ENV"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _installed = False
@@ -138,6 +148,32 @@ class _PostImportHook:
 
         loader.exec_module = exec_module
         return spec
+
+
+class _PreImportHook:
+    """Runs ``fn()`` once, right before the module ``name`` is first imported (a ``sys.meta_path`` finder that finds
+    nothing itself: the ordinary finders then import the module). ``fn`` must not import ``name``."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            import sys
+
+            sys.meta_path.remove(self)
+            self.fn()
+        return None
+
+
+def _before_import(name: str, fn) -> None:
+    """``fn()`` now if ``name`` is imported, else right before its first import."""
+    import sys
+
+    if name in sys.modules:
+        fn()
+    else:
+        sys.meta_path.insert(0, _PreImportHook(name, fn))
 
 
 def _after_import(name: str, fn) -> None:
@@ -347,6 +383,97 @@ def _patch_uids(module) -> None:
     module.uuid = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(counter)), UUID=uuid.UUID, _zorro_e2e=True)
 
 
+#: set (to anything) in runs on verl's Megatron engine: the Megatron CPU patches in every process that imports it
+MEGATRON_ENV = "ZORRO_E2E_MEGATRON"
+
+
+def _megatron_setup() -> None:
+    """The Megatron engine tests' CPU patches (P1-P6, P9, V4-V6, the bridge's S1/S2/S2a/B1/L1), this module's
+    platform kept."""
+    from tests.support import megatron_engines
+
+    megatron_engines.setup_process(cpu_platform=False)
+
+
+def _patch_mcore_fp32(module) -> None:
+    """V2: verl's ``McoreEngineConfig`` asserts ``dtype`` bf16 / fp16; an fp32 config (the actor and reference
+    compute in fp32 here, as the FSDP runs do) passes the check and keeps ``float32``."""
+    cls = getattr(module, "McoreEngineConfig", None)
+    if cls is None or getattr(cls.__post_init__, "_zorro_e2e", False):
+        return
+    orig = cls.__post_init__
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "fp32"):
+            return orig(self)
+        dtype = self.dtype
+        object.__setattr__(self, "dtype", "bfloat16")
+        try:
+            orig(self)
+        finally:
+            object.__setattr__(self, "dtype", dtype)
+
+    __post_init__._zorro_e2e = True
+    cls.__post_init__ = __post_init__
+
+
+def _patch_megatron_bshd_mask(module) -> None:
+    """V8: an engine on verl's padded path (``use_remove_padding=False``) passes megatron's model a ``[B, S]`` valid
+    mask (Transformer Engine's convention); megatron's own ``DotProductAttention`` wants the ``[B, 1, S, S]`` causal
+    mask, which :func:`tests.support.megatron_engines._mask_hook` builds with verl's helper."""
+    cls = getattr(module, "MegatronEngine", None)
+    if cls is None or getattr(cls.initialize, "_zorro_e2e", False):
+        return
+    orig = cls.initialize
+
+    def initialize(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if not self.engine_config.use_remove_padding:
+            from verl.utils.megatron_utils import unwrap_model
+
+            from tests.support.megatron_engines import _mask_hook
+
+            for chunk in self.module:
+                unwrap_model(chunk).register_forward_pre_hook(_mask_hook, with_kwargs=True)
+        return out
+
+    initialize._zorro_e2e = True
+    cls.initialize = initialize
+    _patch_megatron_reload(module)
+
+
+def _patch_megatron_reload(module) -> None:
+    """verl's ``load_megatron_model_to_gpu`` (brings offloaded parameters back before a forward or a weight export)
+    reads each DDP buffer's ``param_data``, which megatron-core leaves ``None`` without the distributed optimizer
+    (the buffer's parameters are not remapped, nothing was offloaded): such buffers are skipped for the call."""
+    import verl.utils.megatron_utils as mu
+
+    orig = mu.load_megatron_model_to_gpu
+    if getattr(orig, "_zorro_e2e", False):
+        return
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    def load_megatron_model_to_gpu(models, *args, **kwargs):
+        skipped = []
+        for chunk in models:
+            if isinstance(chunk, DDP):
+                for buffers in (chunk.buffers, chunk.expert_parallel_buffers):
+                    for buffer in buffers:
+                        if buffer.param_data is None:
+                            skipped.append((buffers, buffer))
+        for buffers, buffer in skipped:
+            buffers.remove(buffer)
+        try:
+            return orig(models, *args, **kwargs)
+        finally:
+            for buffers, buffer in skipped:
+                buffers.append(buffer)
+
+    load_megatron_model_to_gpu._zorro_e2e = True
+    mu.load_megatron_model_to_gpu = load_megatron_model_to_gpu
+    module.load_megatron_model_to_gpu = load_megatron_model_to_gpu
+
+
 #: set (to anything): verl's stock engine computes log-probs with tests.support.cpu_stock_kernels.blocked_logprobs
 STOCK_KERNELS_ENV = "ZORRO_E2E_STOCK_KERNELS"
 #: seconds between the V1 replay buffer's polls for finished rollouts (verl's default 2.0 rounds the ``gen`` phase,
@@ -439,6 +566,10 @@ def install() -> None:
     _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
     _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)
     _after_import("vllm.distributed.device_communicators.shm_broadcast", _patch_vllm_idle_spin)
+    if os.environ.get(MEGATRON_ENV):
+        _after_import("verl.workers.config.engine", _patch_mcore_fp32)
+        _before_import("verl.workers.engine.megatron", _megatron_setup)
+        _after_import("verl.workers.engine.megatron.transformer_impl", _patch_megatron_bshd_mask)  # + the reload
     install_seeded_rollout()
     install_ordered_batches()
     from tests.support.heap_peak import start as start_heap_peak

@@ -114,4 +114,34 @@ def test_e2e_overrides_select_the_strategy(strategy):
         assert c.strategy == c.engine.strategy == strategy and settings_of(c.engine).enable
         assert getattr(EngineRegistry.get_engine_cls("language_model", c.engine.strategy), "zorro_engine", False)
     with pytest.raises(ValueError, match="strategy"):
-        base_overrides(assets, out_dir=Path("/tmp/run"), strategy="megatron")
+        base_overrides(assets, out_dir=Path("/tmp/run"), strategy="dp")
+
+
+def test_e2e_megatron_overrides_compose():
+    """The end-to-end Megatron runs' overrides (``base_overrides(strategy="megatron")`` with the CPU and micro-batch
+    overrides) compose with the ``zorro_megatron_trainer`` preset: verl's Megatron engine for actor and reference,
+    fp32 both (the CPU runs' V2), the requested TP size, verl's default builder (Megatron-Bridge), megatron-core
+    without fused CUDA kernels and without the distributed optimizer (megatron's refuses SGD); other dtypes are
+    refused by name."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.e2e.runner import MEGATRON_CPU_TRANSFORMER, base_overrides, micro_batch_overrides
+    from tests.support.verl_cpu_e2e import cpu_overrides
+    from zorro_verl.integrations.verl.presets import preset_dir
+
+    assets = {"num_prompts": 4, "model": "/m", "train": "/t.parquet", "reward": "/r.py"}
+    overrides = (base_overrides(assets, out_dir=Path("/tmp/run"), strategy="megatron", tp=2) + cpu_overrides(2)
+                 + micro_batch_overrides(dynamic=True))
+    with initialize_config_dir(config_dir=preset_dir(), version_base=None):
+        cfg = compose(config_name="zorro_megatron_trainer", overrides=overrides)
+    assert cfg.model_engine == "megatron"
+    actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
+    assert actor.strategy == ref.strategy == "megatron"
+    for m in (actor.megatron, ref.megatron):
+        assert m.dtype == "float32" and m.tensor_model_parallel_size == 2 and not m.vanilla_mbridge
+        assert m.zorro.enable and m.use_remove_padding
+        for k, v in MEGATRON_CPU_TRANSFORMER.items():
+            assert m.override_transformer_config[k] == v, k
+    assert actor.megatron.use_distributed_optimizer is False
+    with pytest.raises(ValueError, match="fp32"):
+        base_overrides(assets, out_dir=Path("/tmp/run"), strategy="megatron", dtype="bf16")
