@@ -150,8 +150,8 @@ MOE_CPU = {"moe_permute_fusion": False, "moe_grouped_gemm": False, "moe_router_f
 
 
 def _moe(E, build, ckpt: str, rank: int, world: int) -> dict:
-    """Qwen3-MoE through Megatron-Bridge with expert parallelism over the world (EP = 2: each rank its DP share of
-    the rows, as the dp2 layout, and half of the experts; megatron's all-to-all token dispatcher over gloo), fixed
+    """Qwen3-MoE through Megatron-Bridge with expert parallelism over the world (EP = 2: each rank an equal DP share
+    of the rows and half of the experts; megatron's all-to-all token dispatcher over gloo), fixed
     and dynamic micro-batches, as verl configures it: ``moe_router_load_balancing_type='none'`` with the HF
     coefficient (megatron computes no load-balancing loss). Plus the routers' settings as built."""
     import torch.distributed as dist
@@ -173,7 +173,9 @@ def _moe(E, build, ckpt: str, rank: int, world: int) -> dict:
                          "coeff": E.gpt_of(zorro).config.moe_aux_loss_coeff,
                          "type": E.gpt_of(zorro).config.moe_router_load_balancing_type,
                          "local_experts": E.gpt_of(zorro).decoder.layers[0].mlp.num_local_experts}}
-    rows = slice(0, 8) if rank == 0 else slice(8, 12)
+    # equal DP shares: the all-to-all dispatcher is a collective inside every forward, so the stock engine needs the
+    # same micro-batch count on every rank (verl's trainer hands the DP ranks equal shares)
+    rows = slice(0, 6) if rank == 0 else slice(6, 12)
     for mode in ("fixed", "dynamic"):
         out[f"moe_ep2/{mode}"] = _compare_engines(
             E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic", rows=rows), rank)
