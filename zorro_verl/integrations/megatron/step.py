@@ -134,6 +134,13 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
             raise ValueError(f"{name}: expected None with zorro, got {getattr(cfg, name)!r}: low-precision scaling "
                              "statistics (amax) are taken over the micro-batch's tokens, which deduplication changes. "
                              f"Set {name}=None.")
+    if getattr(cfg, "num_moe_experts", None) and getattr(cfg, "moe_enable_routing_replay", False):
+        # decided on the config (a stage may hold no router): replay is set up for every MoE layer of the model
+        raise ValueError("moe_enable_routing_replay: got True on an MoE model; with zorro it must be False: replayed "
+                         "routes are set per token of the ordinary rows, and zorro's step does not hand them to the "
+                         "packed row's routers (a deduplicated prompt token would replay its group's first row's "
+                         "routes, checked equal across the group by zorro_verl.packing.routes.packed_routes). Set "
+                         "moe_enable_routing_replay=False (verl: router_replay.mode=disabled) or run without zorro.")
     return check_moe_statistics(gpt)
 
 
