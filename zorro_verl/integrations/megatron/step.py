@@ -145,8 +145,8 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
 
 
 def _check_mla(gpt: GPTModel, cfg, installed: bool) -> None:
-    """Multi-latent attention is exact with zorro on megatron's unfused RoPE (each layer's ``rotary_pos_emb`` gives
-    its table at the plan's positions, :class:`_PositionedRope`); the settings that bypass that table are refused."""
+    """Multi-latent attention is exact with zorro on megatron's unfused RoPE (each :class:`ZorroMLA` layer looks its
+    own table up at the plan's positions inside its projections); the settings that bypass that table are refused."""
     if not getattr(cfg, "multi_latent_attention", False):
         return
     plain = [type(m).__name__ for m in gpt.modules()
