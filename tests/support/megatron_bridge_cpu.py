@@ -11,7 +11,8 @@ as in the code).
   (with the stub present, ``is_te_min_version`` would look for the package's metadata and raise).
 * [B1] the bridge's providers default to the Transformer Engine layer spec (``default_layer_spec``), which cannot be
   built without TE: each provider gets the bridge's own ``local_layer_spec`` (megatron's local modules), set by a wrap
-  of ``AutoBridge.to_megatron_provider``.
+  of ``AutoBridge.to_megatron_provider``; a provider whose spec is a whole decoder block (DeepSeek's:
+  ``get_gpt_decoder_block_spec``, dense first layers, multi-latent attention) gets that block without TE.
 * [L1] the bridge's PEFT module decides ``HAVE_TE`` from names that megatron-core defines as ``None`` without TE;
   set it False so its ``isinstance`` checks skip TE classes.
 
@@ -24,6 +25,7 @@ import importlib.util
 import sys
 import types
 import typing
+from functools import partial
 
 __all__ = ["AVAILABLE", "install", "BRIDGES", "INSTALL_HINT"]
 
@@ -81,18 +83,37 @@ def _import_bridge() -> None:
 
 
 def _local_spec_providers() -> None:
-    """B1: every provider the bridge makes builds megatron's local layer spec."""
+    """B1: every provider the bridge makes builds megatron's local modules: the bridge's own ``local_layer_spec``
+    (one spec for every layer), or, where the bridge gives a whole decoder block (``get_gpt_decoder_block_spec``:
+    DeepSeek's first dense layers, its multi-latent attention), that block built without Transformer Engine (MLA's
+    core attention: P9)."""
     from megatron.bridge import AutoBridge
     from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     original = AutoBridge.to_megatron_provider
 
     def to_megatron_provider(self, *args, **kwargs):
         provider = original(self, *args, **kwargs)
-        provider.transformer_layer_spec = local_layer_spec
+        spec = provider.transformer_layer_spec
+        if isinstance(spec, partial) and spec.func is get_gpt_decoder_block_spec:
+            kw = {k: v for k, v in spec.keywords.items() if k != "use_transformer_engine"}
+            provider.transformer_layer_spec = partial(_local_block_spec, **kw)
+        else:
+            provider.transformer_layer_spec = local_layer_spec
         return provider
 
     AutoBridge.to_megatron_provider = to_megatron_provider
+
+
+def _local_block_spec(config, vp_stage=None, **kw):
+    """B1's decoder block: megatron's local modules, MLA's core attention taking its ``k_channels`` / ``v_channels``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from tests.support.megatron_cpu import with_mla_core_attention
+
+    return with_mla_core_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                              vp_stage=vp_stage, **kw), config)
 
 
 def install() -> None:

@@ -114,6 +114,22 @@ def mla_dot_product_attention() -> type:
     return _MLA_DPA
 
 
+def with_mla_core_attention(block, config):
+    """P9 in a decoder block spec (``TransformerBlockSubmodules``) built for the local modules: each multi-latent
+    attention layer's core attention is :func:`mla_dot_product_attention`. Other blocks are returned unchanged."""
+    import dataclasses
+
+    if not getattr(config, "multi_latent_attention", False):
+        return block
+    specs = []
+    for spec in block.layer_specs:
+        att = spec.submodules.self_attention
+        att = dataclasses.replace(att, submodules=dataclasses.replace(
+            att.submodules, core_attention=mla_dot_product_attention()))
+        specs.append(dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att)))
+    return dataclasses.replace(block, layer_specs=specs)
+
+
 def _is_cuda(device) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")

@@ -21,7 +21,6 @@ overlap); routing itself (sigmoid scores, top-2 of 4, one shared expert, the fir
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -44,7 +43,7 @@ def patch_deepseek_bridge() -> None:
     from mbridge.core.bridge import Bridge
     from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
-    from tests.support.megatron_cpu import mla_dot_product_attention
+    from tests.support.megatron_cpu import with_mla_core_attention
 
     build_config = DeepseekV3Bridge._build_config
 
@@ -80,16 +79,7 @@ def patch_deepseek_bridge() -> None:
     block_spec = llm_bridge.get_gpt_decoder_block_spec  # megatron_engines' V5 (the local spec)
 
     def _block_spec(config, use_transformer_engine=True, **kw):  # D5
-        block = block_spec(config, use_transformer_engine, **kw)
-        if not getattr(config, "multi_latent_attention", False):
-            return block
-        specs = []
-        for spec in block.layer_specs:
-            att = spec.submodules.self_attention
-            att = dataclasses.replace(att, submodules=dataclasses.replace(
-                att.submodules, core_attention=mla_dot_product_attention()))
-            specs.append(dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att)))
-        return dataclasses.replace(block, layer_specs=specs)
+        return with_mla_core_attention(block_spec(config, use_transformer_engine, **kw), config)
 
     llm_bridge.get_gpt_decoder_block_spec = _block_spec
     _DONE = True

@@ -150,7 +150,7 @@ MOE_CPU = {"moe_permute_fusion": False, "moe_grouped_gemm": False, "moe_router_f
 
 
 def _moe(E, build, ckpt: str, rank: int, world: int) -> dict:
-    """Qwen3-MoE through Megatron-Bridge with expert parallelism over the world (EP = 2: each rank an equal DP share
+    """Qwen3-MoE through the bridge with expert parallelism over the world (EP = 2: each rank an equal DP share
     of the rows and half of the experts; megatron's all-to-all token dispatcher over gloo), fixed
     and dynamic micro-batches, as verl configures it: ``moe_router_load_balancing_type='none'`` with the HF
     coefficient (megatron computes no load-balancing loss). Plus the routers' settings as built."""
@@ -172,7 +172,8 @@ def _moe(E, build, ckpt: str, rank: int, world: int) -> dict:
                          "aux_loss_enabled": any(r.is_aux_loss_enabled() for r in routers),
                          "coeff": E.gpt_of(zorro).config.moe_aux_loss_coeff,
                          "type": E.gpt_of(zorro).config.moe_router_load_balancing_type,
-                         "local_experts": E.gpt_of(zorro).decoder.layers[0].mlp.num_local_experts}}
+                         "local_experts": E.gpt_of(zorro).decoder.layers[0].mlp.num_local_experts,
+                         "experts_from_checkpoint": _experts_from_checkpoint(E.gpt_of(zorro), path)}}
     # equal DP shares: the all-to-all dispatcher is a collective inside every forward, so the stock engine needs the
     # same micro-batch count on every rank (verl's trainer hands the DP ranks equal shares)
     rows = slice(0, 6) if rank == 0 else slice(6, 12)
@@ -180,6 +181,23 @@ def _moe(E, build, ckpt: str, rank: int, world: int) -> dict:
         out[f"moe_ep2/{mode}"] = _compare_engines(
             E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic", rows=rows), rank)
     return out
+
+
+def _experts_from_checkpoint(gpt, path: str) -> list:
+    """Which checkpoint expert each of this rank's local experts holds (layer 0; ``None`` where its weights match
+    none): the bridge's expert-parallel mapping puts global expert ``ep_rank * local + i`` at local index ``i``."""
+    from megatron.core import parallel_state as mpu
+    from safetensors.torch import load_file
+
+    hf = load_file(os.path.join(path, "model.safetensors"))
+    n = gpt.config.num_moe_experts
+    held = []
+    for expert in gpt.decoder.layers[0].mlp.experts.local_experts:
+        w = expert.linear_fc2.weight.detach().float()
+        held.append(next((g for g in range(n) if torch.equal(hf[f"model.layers.0.mlp.experts.{g}.down_proj.weight"]
+                                                             .float(), w)), None))
+    assert mpu.get_tensor_model_parallel_world_size() == 1  # fc2 unsplit: compared whole
+    return held
 
 
 def _first(v):
@@ -241,7 +259,7 @@ def _run_bridge(E, build, rank: int, world: int, ckpt: str, layouts: str) -> dic
     out["bf16"] = _bf16(E, build, ckpt, world)
     if build.keywords["bridge"] == "megatron-bridge":  # verl's Megatron LoRA needs Megatron-Bridge
         out["lora"] = _lora(E, build, ckpt, world)
-        out.update(_moe(E, build, ckpt, rank, world))
+    out.update(_moe(E, build, ckpt, rank, world))
     for family in FAMILIES:  # the other dense families verl's Megatron engine builds, TP = 2 + SP, fixed sizes
         path = f"{ckpt}_{family}"
         if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):

@@ -1,9 +1,10 @@
 """One rank of the zorro-vs-stock Megatron engine check with virtual pipeline stages
 (tests/integrations/megatron/test_engine_vpp.py): PP = 2 x VPP = 2 on a 4-layer Qwen3 checkpoint (one layer per model
 chunk, megatron's interleaved 1F1B schedule with verl's ``overlap_p2p_comm=True`` / ``batch_p2p_comm=False``), fp32 on
-the CPU over gloo, verl's stock engine (padded bshd path, megatron's own attention) as the reference. Then, in the
-same processes: ``use_fused_kernels=True`` on the zorro engine against the stock (non-fused) engine, the dropout
-refusal at ``initialize`` and a batch with bad position ids on one rank only (every rank must raise, none wait).
+the CPU over gloo, verl's stock engine (padded bshd path, megatron's own attention) as the reference;
+``use_fused_kernels=True`` on the zorro engine against the stock (non-fused) engine; a batch with bad position ids on
+one rank only (every rank must raise, none wait) — once per installed model builder (Megatron-Bridge first, then
+vanilla mbridge: ``{bridge: {case: result}}``). Then, on the first builder, the dropout refusal at ``initialize``.
 
 Run as ``python -m tests.support.megatron_engine_vpp_ranks RANK WORLD INIT_FILE CKPT_DIR OUT_JSON``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from functools import partial
 
 import torch
 
@@ -117,24 +119,14 @@ def _batch(E, *, dynamic: bool, fused: bool = False, bad_positions: bool = False
     return td
 
 
-def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    import torch.distributed as dist
-
-    from tests.support import megatron_engines as E
-
-    E.setup_process()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
-        E.save_tiny_checkpoint(ckpt, layers=4)
-    dist.barrier()
+def _compare_cases(E, build, ckpt: str, rank: int, world: int) -> dict:
+    """The zorro-vs-stock comparisons on the engines ``build`` makes: layout, fixed / dynamic / fixed4 micro-batches,
+    a batch with bad position ids on one rank, ``use_fused_kernels``."""
     out = {}
     t0 = time.time()
-    stock = E.build_engine(ckpt, zorro=None, pp=world, remove_padding=False, engine_kwargs=VPP)
-    zorro = E.build_engine(ckpt, zorro=ZORRO, pp=world, engine_kwargs=VPP)
+    stock = build(ckpt, zorro=None, pp=world, remove_padding=False, engine_kwargs=VPP)
+    zorro = build(ckpt, zorro=ZORRO, pp=world, engine_kwargs=VPP)
+    out["vanilla"] = bool(zorro.vanilla_bridge)
     assert type(zorro).__name__ == "ZorroMegatronEngineWithLMHead", type(zorro)
     out["chunks"] = _chunks(zorro)
     out["tf_config"] = {k: getattr(zorro.tf_config, k) for k in (
@@ -161,26 +153,48 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
 
     # use_fused_kernels=True: zorro's head replaces verl's fused one (Triton, CUDA only: the stock reference runs
     # the non-fused head), fresh engines
-    stock = E.build_engine(ckpt, zorro=None, pp=world, remove_padding=False, engine_kwargs=VPP)
-    fused = E.build_engine(ckpt, zorro=ZORRO, pp=world, engine_kwargs={**VPP, "use_fused_kernels": True})
+    stock = build(ckpt, zorro=None, pp=world, remove_padding=False, engine_kwargs=VPP)
+    fused = build(ckpt, zorro=ZORRO, pp=world, engine_kwargs={**VPP, "use_fused_kernels": True})
     out["fused_engine_setting"] = bool(fused.engine_config.use_fused_kernels)
     out["fused_static_reason"] = fused._zorro_static_reason
     out["fused/dynamic"] = _compare(E, stock, fused,
                                     lambda n: _batch(E, dynamic=True, fused=n == "zorro"))
+    return out
 
+
+def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import torch.distributed as dist
+
+    from tests.support import megatron_bridge_cpu
+    from tests.support import megatron_engines as E
+
+    E.setup_process()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
+        E.save_tiny_checkpoint(ckpt, layers=4)
+    dist.barrier()
+
+    bridges = [b for b in megatron_bridge_cpu.BRIDGES if b != "megatron-bridge" or megatron_bridge_cpu.AVAILABLE]
+    # the comparisons once per model builder (Megatron-Bridge, verl's default, first), the refusals on the first
+    out = {bridge: _compare_cases(E, partial(E.build_engine, bridge=bridge), ckpt, rank, world) for bridge in bridges}
+    build = partial(E.build_engine, bridge=bridges[0])
     # dropout in training: refused by name when the model is built
     for name, overrides in (("hidden_dropout", {"hidden_dropout": 0.1}),
                             ("attention_dropout", {"attention_dropout": 0.1})):
         try:
-            E.build_engine(ckpt, zorro=ZORRO, pp=world, engine_kwargs=VPP, transformer_overrides=overrides)
+            build(ckpt, zorro=ZORRO, pp=world, engine_kwargs=VPP, transformer_overrides=overrides)
             out[f"refused/{name}"] = None
         except ValueError as e:
             out[f"refused/{name}"] = str(e)
     # a forward-only engine (the reference model) runs in eval mode, where dropout is off: accepted
-    ref = E.build_engine(ckpt, zorro=ZORRO, pp=world, engine_kwargs={**VPP, "forward_only": True},
-                         transformer_overrides={"hidden_dropout": 0.1})
+    ref = build(ckpt, zorro=ZORRO, pp=world, engine_kwargs={**VPP, "forward_only": True},
+                transformer_overrides={"hidden_dropout": 0.1})
     out["forward_only_dropout_reason"] = ref._zorro_static_reason
-    stock = E.build_engine(ckpt, zorro=None, pp=world, remove_padding=False, engine_kwargs=VPP)
+    stock = build(ckpt, zorro=None, pp=world, remove_padding=False, engine_kwargs=VPP)
     res = {}
     for name, eng in (("stock", stock), ("ref", ref)):
         with eng.eval_mode():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from functools import partial
 from types import SimpleNamespace
 
@@ -49,7 +50,7 @@ def setup_process(cpu_platform: bool = True) -> None:
     _fake_streams()  # P5
     _cpu_grad_clip()  # P6
     torch.nn.Module.cuda = lambda self, device=None: self  # mbridge's get_model moves the model .cuda()
-    _mbridge_patches()  # V4-V6
+    _mbridge_patches()  # V4-V6, V9
     from tests.support import megatron_bridge_cpu
 
     if megatron_bridge_cpu.AVAILABLE:
@@ -104,8 +105,10 @@ def _cpu_grad_clip() -> None:
 def _mbridge_patches() -> None:
     import mbridge.core.util as mbu
     from mbridge.core import llm_bridge
+    from mbridge.core.bridge import Bridge
     from mbridge.models.llama import LLaMABridge
     from mbridge.models.qwen2 import Qwen2Bridge
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -128,6 +131,25 @@ def _mbridge_patches() -> None:
                                  "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
         bridge._MLP_MAPPING = {**bridge._MLP_MAPPING, "pre_mlp_layernorm.weight":
                                ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+    # ... and the MoE bridges' (Qwen3-MoE's is Qwen2-MoE's subclass; their pre-MLP norm is mapped already)
+    Qwen2MoEBridge._OTHER_MAPPING = {**Qwen2MoEBridge._OTHER_MAPPING,
+                                     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    # V9: the local spec's experts are SequentialMLP's ``mlp.experts.local_experts.{i}.linear_fc{1,2}.weight`` (TE's
+    # grouped GEMM, which mbridge's MoE bridges name ``mlp.experts.linear_fc{1,2}.weight{i}``, needs a GPU): each local
+    # name is given the grouped name of its global expert (EP rank offset), which the bridge's MoE mapping reads
+    local_to_global = Bridge._weight_name_mapping_mcore_local_to_global
+
+    def _local_to_global(self, model, consider_ep=True):
+        names = local_to_global(self, model, consider_ep=consider_ep)
+        per_rank = (self.config.num_moe_experts or 0) // max(self.mpu.ep_size, 1)
+        offset = per_rank * self.mpu.ep_rank if consider_ep else 0
+        for k, v in names.items():
+            m = re.match(r"(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$", v)
+            if m:
+                names[k] = f"{m.group(1)}{m.group(3)}.weight{int(m.group(2)) + offset}"
+        return names
+
+    Bridge._weight_name_mapping_mcore_local_to_global = _local_to_global
 
 
 def save_tiny_checkpoint(path: str, family: str = "qwen3", layers: int = 2) -> str:

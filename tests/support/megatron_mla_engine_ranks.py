@@ -1,8 +1,9 @@
 """One rank of the DeepSeek-V3 (multi-latent attention + MoE) engine check (tests/integrations/megatron/
 test_engine_mla.py): verl 0.9.1's stock Megatron engine (padded bshd path, megatron's own attention) vs zorro's, fp32
-on the CPU, on a tiny DeepSeek-V3 checkpoint built by vanilla mbridge's ``DeepseekV3Bridge``
-(tests/support/megatron_deepseek.py), TP = ``world`` (+ sequence parallelism when > 1), fixed and dynamic
-micro-batches, then ``sharing=prefix``. Returns the maxima of :func:`megatron_engine_ranks._compare_engines` per case.
+on the CPU, on a tiny DeepSeek-V3 checkpoint built by each installed model builder in turn (Megatron-Bridge's
+``DeepSeekV3Bridge``, verl's default, then vanilla mbridge's ``DeepseekV3Bridge``: tests/support/megatron_deepseek.py),
+TP = ``world`` (+ sequence parallelism when > 1), fixed and dynamic micro-batches, then ``sharing=prefix``. Returns
+``{bridge: {case: the maxima of megatron_engine_ranks._compare_engines}}``.
 
 Run as ``python -m tests.support.megatron_mla_engine_ranks RANK WORLD INIT_FILE CKPT_DIR OUT_JSON``.
 """
@@ -18,6 +19,36 @@ import torch
 from tests.support.multi_rank import rank_main
 
 
+def _cases(E, D, ckpt: str, rank: int, world: int, bridge: str) -> dict:
+    """The model's shape and the three comparisons on the engines ``bridge`` builds (Megatron-Bridge: its
+    ``DeepSeekV3Bridge`` with B1's local decoder block; mbridge: its ``DeepseekV3Bridge``, D1-D5)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from safetensors.torch import load_file
+
+    from tests.support.megatron_engine_ranks import MOE_CPU, ZORRO, _compare_engines
+    from zorro_verl.integrations.megatron import ZorroMLA
+
+    kw = dict(tp=world, transformer_overrides={**D.OVERRIDE, **MOE_CPU}, bridge=bridge)
+    stock = E.build_engine(ckpt, zorro=None, remove_padding=False, **kw)
+    zorro = E.build_engine(ckpt, zorro=ZORRO, **kw)
+    gpt = E.gpt_of(zorro)
+    # the MoE layer's router as loaded (the router is replicated over TP): the checkpoint's gate
+    gate = load_file(os.path.join(ckpt, "model.safetensors"))["model.layers.1.mlp.gate.weight"]
+    out = {"model": {"mla_layers": sum(isinstance(m, ZorroMLA) for m in gpt.modules()),
+                     "moe_layers": sum(isinstance(m, MoELayer) for m in gpt.modules()),
+                     "rope_type": gpt.config.rope_type, "tp": gpt.config.tensor_model_parallel_size,
+                     "sp": bool(gpt.config.sequence_parallel), "zorro": type(zorro).__name__,
+                     "vanilla": bool(zorro.vanilla_bridge),
+                     "router_from_checkpoint": torch.equal(gpt.decoder.layers[1].mlp.router.weight.detach(), gate)}}
+    for mode in ("fixed", "dynamic"):
+        out[mode] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic"), rank)
+    # fresh engines (the ones above took an optimizer step)
+    stock = E.build_engine(ckpt, zorro=None, remove_padding=False, **kw)
+    zorro = E.build_engine(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, **kw)
+    out["prefix"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=True, shared_prefix=True), rank)
+    return out
+
+
 def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -26,7 +57,6 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
 
     from tests.support import megatron_deepseek as D
     from tests.support import megatron_engines as E
-    from tests.support.megatron_engine_ranks import ZORRO, _compare_engines
 
     E.setup_process()
     D.patch_deepseek_bridge()
@@ -35,25 +65,10 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
         D.save_tiny_deepseek_v3(ckpt, E.VOCAB)
     dist.barrier()
-    # the legacy mbridge's DeepseekV3Bridge (adapted in megatron_deepseek.py); Megatron-Bridge's is not wired here
-    kw = dict(tp=world, transformer_overrides=D.OVERRIDE, bridge="mbridge")
-    stock = E.build_engine(ckpt, zorro=None, remove_padding=False, **kw)
-    zorro = E.build_engine(ckpt, zorro=ZORRO, **kw)
-    gpt = E.gpt_of(zorro)
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from tests.support import megatron_bridge_cpu
 
-    from zorro_verl.integrations.megatron import ZorroMLA
-
-    out = {"model": {"mla_layers": sum(isinstance(m, ZorroMLA) for m in gpt.modules()),
-                     "moe_layers": sum(isinstance(m, MoELayer) for m in gpt.modules()),
-                     "rope_type": gpt.config.rope_type, "tp": gpt.config.tensor_model_parallel_size,
-                     "sp": bool(gpt.config.sequence_parallel), "zorro": type(zorro).__name__}}
-    for mode in ("fixed", "dynamic"):
-        out[mode] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=mode == "dynamic"), rank)
-    # fresh engines (the ones above took an optimizer step)
-    stock = E.build_engine(ckpt, zorro=None, remove_padding=False, **kw)
-    zorro = E.build_engine(ckpt, zorro={**ZORRO, "sharing": "prefix", "min_shared_len": 1}, **kw)
-    out["prefix"] = _compare_engines(E, stock, zorro, partial(E.make_batch, dynamic=True, shared_prefix=True), rank)
+    bridges = [b for b in megatron_bridge_cpu.BRIDGES if b != "megatron-bridge" or megatron_bridge_cpu.AVAILABLE]
+    out = {bridge: _cases(E, D, ckpt, rank, world, bridge) for bridge in bridges}
     dist.barrier()
     return out
 

@@ -3,8 +3,11 @@ attention + MoE), fp32 on the CPU (docs/DESIGN.md §8 "Megatron", §10).
 
 The checkpoint (tests/support/megatron_deepseek.py): MLA with compressed q / kv, q / k heads of 16 + 8 (decoupled
 RoPE) and v heads of 12; the first layer dense, the second a top-2-of-4 sigmoid-routed MoE with a shared expert;
-built by vanilla mbridge's ``DeepseekV3Bridge`` (its CPU adaptations there), without the expert-bias updates and
-the auxiliary loss (statistics over the micro-batch's tokens, refused by zorro). The reference is verl's own engine
+built by each of verl's model builders in turn — Megatron-Bridge's ``DeepSeekV3Bridge`` (verl's default; its decoder
+block on megatron's local modules, tests/support/megatron_bridge_cpu.py B1) and vanilla mbridge's
+``DeepseekV3Bridge`` (its CPU adaptations in megatron_deepseek.py) —, with the expert-bias updates and
+the auxiliary loss off (statistics over the micro-batch's tokens, which zorro weighs by multiplicity: compared in
+tests/integrations/megatron/test_moe.py). The reference is verl's own engine
 on its padded path (megatron's ``DotProductAttention``), as tests/integrations/megatron/test_engine.py, with its
 tolerances: TP = 2 + sequence parallelism in one 2-process gloo group (tests/support/megatron_mla_engine_ranks.py),
 fixed micro-batch size, a dynamic token budget and ``sharing=prefix``.
@@ -19,11 +22,17 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed here (run scripts/test_megatron.sh: "
                                             ".venv-megatron)")
 
-from tests.integrations.megatron.test_engine import TOL_GRAD, TOL_PARAM, TOL_SCALAR_REL, TOL_VALUE  # noqa: E402
+from tests.integrations.megatron.test_engine import (  # noqa: E402
+    BRIDGES,
+    TOL_GRAD,
+    TOL_PARAM,
+    TOL_SCALAR_REL,
+    TOL_VALUE,
+)
 
 
 @pytest.fixture(scope="module")
-def engine_results(tmp_path_factory):
+def all_results(tmp_path_factory):
     from tests.support.multi_rank import run_ranks
 
     tmp = tmp_path_factory.mktemp("megatron_mla_engine")
@@ -31,10 +40,27 @@ def engine_results(tmp_path_factory):
                      timeout_s=int(os.environ.get("ZORRO_MEGATRON_RANK_TIMEOUT", "900")))
 
 
-def test_model_is_deepseek_v3_shaped(engine_results):
+@pytest.fixture(params=BRIDGES)
+def engine_results(all_results, request):
+    """Each rank's results on one model builder (Megatron-Bridge required where scripts/test_megatron.sh runs)."""
+    bridge = request.param
+    if bridge not in all_results[0]:
+        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
+            pytest.fail(f"{bridge} is not installed in this environment (scripts/setup_megatron_env.sh installs it)")
+        pytest.skip(f"{bridge} is not installed here (scripts/setup_megatron_env.sh installs it)")
+    return [res[bridge] for res in all_results]
+
+
+def test_model_is_deepseek_v3_shaped(engine_results, request):
+    """MLA in both layers, the second MoE, its router loaded from the checkpoint. Megatron-Bridge builds MLA's RoPE as
+    YaRN with scaling factor 1 and mscale 1 (the checkpoint has no rope scaling; megatron's MLA default would be
+    DeepSeek-V3's factor 40), mbridge as plain RoPE: zorro's MLA runs both tables."""
+    vanilla = request.node.callspec.params["engine_results"] == "mbridge"
     for rank, res in enumerate(engine_results):
-        assert res["model"] == {"mla_layers": 2, "moe_layers": 1, "rope_type": "rope", "tp": 2, "sp": True,
-                                "zorro": "ZorroMegatronEngineWithLMHead"}, (rank, res["model"])
+        assert res["model"] == {"mla_layers": 2, "moe_layers": 1, "rope_type": "rope" if vanilla else "yarn",
+                                "tp": 2, "sp": True,
+                                "zorro": "ZorroMegatronEngineWithLMHead", "vanilla": vanilla,
+                                "router_from_checkpoint": True}, (rank, res["model"])
 
 
 @pytest.mark.parametrize("case", ["fixed", "dynamic", "prefix"])
