@@ -32,7 +32,7 @@ import torch
 from zorro_verl.packing.plan import ZorroPlan, build_plan
 
 __all__ = ["MediaTokens", "MediaItem", "BatchMedia", "PackedMedia", "MEDIA_FIELDS", "IGNORED_MEDIA_KEYS",
-           "batch_media", "pack_media", "packed_positions", "build_media_plan", "keyed_id"]
+           "batch_media", "pack_media", "packed_positions", "build_media_plan", "keyed_id", "check_shared_positions"]
 
 #: Per media kind: (pixel field, grid field) of a row's inputs, as Hugging Face's Qwen-VL processors name them.
 MEDIA_FIELDS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
@@ -218,6 +218,34 @@ def packed_positions(plan: ZorroPlan, positions: torch.Tensor) -> torch.Tensor:
                          "a shared prompt once, so its positions must equal in every row of its group. Pass the "
                          "positions the model's get_rope_index gives for each row.")
     return packed[:, None, :]
+
+
+def check_shared_positions(keyed_ids: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
+                           shared_cap: Optional[torch.Tensor] = None) -> None:
+    """Before any plan exists (so before the ranks agree on a batch's path): rows whose valid tokens start alike must
+    have equal 3-D positions on what they share, as :func:`packed_positions` later requires of a plan.
+
+    ``keyed_ids [B, S] int64`` (right-padded valid tokens, media placeholders keyed by content:
+    :attr:`BatchMedia.keyed_ids`), ``lengths [B] int64`` (valid tokens per row), ``positions [k, B, S]`` int
+    (``k`` = 3 or 4, the last three the rotary axes), ``shared_cap [B] int64`` (optional: the most a row can share,
+    its prompt length, for prompt sharing; None: any common prefix, for a prefix tree). The rows are compared in
+    lexicographic order of their tokens, each with its neighbour on their common prefix: every pair's common prefix
+    is covered through the chain. One host read of the tokens per batch. ValueError naming the two rows."""
+    B = keyed_ids.shape[0]
+    if B < 2:
+        return
+    ids, pos = keyed_ids.cpu(), positions[-3:].cpu()  # the batch's one host read; the rest runs on the host
+    n = lengths.tolist()
+    order = sorted(range(B), key=lambda b: ids[b, :n[b]].tolist())
+    cap = None if shared_cap is None else shared_cap.tolist()
+    for a, b in zip(order, order[1:]):
+        m = min(n[a], n[b]) if cap is None else min(n[a], n[b], cap[a], cap[b])
+        lcp = int((ids[a, :m] == ids[b, :m]).cumprod(0).sum())
+        if lcp and bool((pos[:, a, :lcp] != pos[:, b, :lcp]).any()):
+            raise ValueError(f"position_ids: rows {a} and {b} share their first {lcp} tokens but have different 3-D "
+                             "positions on them; zorro computes shared tokens once, so their positions must be equal "
+                             "in every row that shares them. Pass the positions the model's get_rope_index gives for "
+                             "each row.")
 
 
 def pack_media(plan: ZorroPlan, media: BatchMedia, positions: torch.Tensor) -> PackedMedia:

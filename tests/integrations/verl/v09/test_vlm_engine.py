@@ -301,3 +301,34 @@ def test_zorro_engine_matches_hf_per_row(vlm_case, family, strategy, variant, sh
     assert 0 < res["hashed"] == res["items"], res
     key = (family, variant, sharing)
     ZORRO_WORST[key] = max(ZORRO_WORST.get(key, 0.0), res["log_probs"], res["grad_rel"])
+
+
+def test_other_positions_in_a_group_refused_before_the_ranks_agree(vlm_case, family):
+    """A row whose 3-D positions differ from its group's on the shared prompt: the engine's batch checks refuse it
+    before the ranks agree on the batch's path (the error reaches the agreement, which every rank passes, so all
+    raise), not later in ``forward_step`` on that rank alone while its peers wait in a collective."""
+    if family != "qwen3_vl":
+        pytest.skip("one family: the check is the packing layer's (tests/packing/test_shared_positions.py)")
+    from tests.support.verl_engines import build_engine, infer
+    from tests.support.verl_vlm import reset_verl_patches
+
+    td, opts, _ = _variant(vlm_case, "rmpad")
+    reset_verl_patches()
+    eng = build_engine(vlm_case["ckpt"], zorro=True, strategy="fsdp2", optim_overrides=NO_CLIP,
+                       **{"max_token_len": 128, **opts})
+    from zorro_verl.integrations.verl.v09.batching import row_lengths
+
+    p, _ = row_lengths(td)
+    ids, pos = td["input_ids"], td["position_ids"]  # jagged [B, S_b], [B, 4, S_b] (values: [4, total])
+    prompt = [tuple(ids[b].tolist()[:int(p[b])]) for b in range(ids.shape[0])]
+    first = next(b for b in range(1, len(prompt)) if prompt[b] == prompt[0])  # a sibling of row 0
+    vals, off = pos.values().clone(), pos.offsets()
+    vals[2, int(off[first])] += 1  # its first prompt token's height axis
+    bad = td.clone()
+    bad["position_ids"] = torch.nested.nested_tensor_from_jagged(vals, off)
+    seen = []
+    agree = eng._zorro_agreed_reason
+    eng._zorro_agreed_reason = lambda reason, error=None: seen.append(error) or agree(reason, error)
+    with pytest.raises(ValueError, match="different 3-D positions"):
+        infer(eng, bad)
+    assert len(seen) == 1 and isinstance(seen[0], ValueError), seen  # raised by the checks, carried to the agreement

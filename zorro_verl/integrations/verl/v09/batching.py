@@ -24,7 +24,7 @@ from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
 from zorro_verl.packing import ZorroPlan, build_plan, group_ids
 from zorro_verl.packing.microbatch import dynamic_microbatches, fixed_size_microbatches, split_to_count
-from zorro_verl.packing.multimodal import batch_media, build_media_plan
+from zorro_verl.packing.multimodal import batch_media, build_media_plan, check_shared_positions
 from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs",
@@ -334,6 +334,10 @@ class ZorroBatchingMixin:
             media = self._zorro_media(data, ids_pad, am, int(r.max()))
             if media is not None:
                 ids_pad = media.keyed_ids
+                if "position_ids" in data.keys():  # what the plans will require, checked before the ranks agree
+                    check_shared_positions(ids_pad, p + r, _positions_3d(data["position_ids"], row, col,
+                                                                         ids_pad.shape[1]),
+                                           shared_cap=None if self.zorro.sharing == "prefix" else p)
         if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
             tc = tree_row_costs(ids_pad, am, int(r.max()), self.zorro.min_shared_len)
             g, p, r, r_split = tc["cluster"], tc["root_len"], tc["own"], tc["below_root"]
