@@ -375,3 +375,60 @@ def test_actor_loads_a_model_without_sdpa_and_matches_ordinary(tmp_path):
         lp_ref, _ = ordinary_logprobs(tiny_window_model("gpt_oss", window=4), b["input_ids"], b["attention_mask"], 4)
         assert (actor.forward(b).logprobs - lp_ref).abs().max().item() <= 1e-12
     assert actor.model.zorro_features["sinks"] == [0, 1, 2]
+
+
+def _ppo_step_ordinary(ref, b, R, temperature):
+    """The API's training step on the ordinary model: the same PPO + KL loss over ``response_mask``, backward."""
+    lp, _ = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], R, temperature=temperature)
+    valid = b["attention_mask"][:, -R:].bool()
+    sel = b["response_mask"][valid].bool()
+    pick = lambda k: b[k][valid][sel]  # noqa: E731
+    loss, _ = packed_ppo_policy_loss(lp[sel], pick("old_log_probs"), pick("advantages"), pick("ref_log_prob"))
+    loss.backward()
+    return loss
+
+
+def test_actor_loads_a_peft_adapter_trainable_and_trains_as_ordinary(model_dir, tmp_path):
+    """A PEFT LoRA adapter directory loads onto its base as a trainable ``PeftModel`` (the LoRA parameters require
+    grad, the base's do not, as PEFT trains an adapter; transformers' own adapter loading attaches it frozen, and the
+    step's backward found nothing to train); one training step equals the ordinary forward's on an identical
+    ``PeftModel`` (loss and every LoRA gradient, fp64, 1e-9)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.lora import wrap_lora
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)  # the adapter names it as its base
+    wrap_lora(base, targets, seed=5).save_pretrained(tmp_path / "adapter")
+    actor = _actor(str(tmp_path / "adapter"), attn_implementation="sdpa")
+    params = dict(actor.model.named_parameters())
+    lora = {n for n in params if ".lora_A." in n or ".lora_B." in n}
+    assert len(lora) == 2 * 2 * len(targets)  # A and B per target per layer
+    assert {n for n, p in params.items() if p.requires_grad} == lora  # base frozen
+    ref = wrap_lora(tiny_model("qwen3"), targets, seed=5)  # same seeds -> the saved adapter on the same base
+    b = create_dummy_batch(8, 2, 16, 6, device="cpu", include_training_fields=True, add_padding=True, shuffle=True,
+                           vocab_size=128, seed=4)
+    actor.train()
+    ref.train()
+    metrics = actor.compute_policy_loss_and_backward(b, temperature=0.7)
+    loss = _ppo_step_ordinary(ref, b, 6, 0.7)
+    assert abs(metrics["actor/policy_loss"] - loss.item()) <= 1e-9
+    ref_grads = grads_of(ref)
+    assert set(ref_grads) == lora and all(g.abs().max() > 0 for g in ref_grads.values())
+    err, name = max_rel_grad_error(ref_grads, grads_of(actor.model))
+    assert err <= 1e-9, name
+    # an adapter on top of another adapter: transformers would attach the inner one frozen under the outer one
+    shutil.copytree(tmp_path / "adapter", tmp_path / "stacked")
+    cfg_path = tmp_path / "stacked" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "base_model_name_or_path":
+                                    str(tmp_path / "adapter")}))
+    with pytest.raises(ValueError, match="holds an adapter itself"):
+        DeduplicatedActor(str(tmp_path / "stacked"), device="cpu", dtype=torch.float64)
+    # an adapter saved from a model built from a config names no base
+    wrap_lora(tiny_model("qwen3"), targets).save_pretrained(tmp_path / "baseless")
+    with pytest.raises(ValueError, match="names no base_model_name_or_path"):
+        DeduplicatedActor(str(tmp_path / "baseless"), device="cpu", dtype=torch.float64)
+
