@@ -432,3 +432,16 @@ def test_actor_loads_a_peft_adapter_trainable_and_trains_as_ordinary(model_dir, 
     with pytest.raises(ValueError, match="names no base_model_name_or_path"):
         DeduplicatedActor(str(tmp_path / "baseless"), device="cpu", dtype=torch.float64)
 
+
+def test_memory_mode_names_a_lora_head_by_its_qualified_class():
+    """A PEFT LoRA layer on the head (``peft.tuners.lora.layer.Linear``, not an ``nn.Linear``): the memory mode
+    refuses it naming the qualified class, why, and what runs it."""
+    from tests.support.lora import wrap_lora
+
+    actor = DeduplicatedActor.from_model(wrap_lora(tiny_model("qwen3"), ["q_proj", "lm_head"]),
+                                         logits_optimization="memory")
+    b = create_dummy_batch(4, 2, 8, 3, device="cpu", vocab_size=128)
+    with pytest.raises(ValueError, match=r"got peft\.tuners\.lora\.layer\.Linear, whose forward would be skipped"
+                                         r".*'none' or 'compute'.*out of the adapter's target_modules"):
+        actor.forward(b)
+
