@@ -445,3 +445,20 @@ def test_memory_mode_names_a_lora_head_by_its_qualified_class():
                                          r".*'none' or 'compute'.*out of the adapter's target_modules"):
         actor.forward(b)
 
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig", "PromptEncoderConfig"])
+def test_actor_refuses_peft_prompt_learning_before_any_forward(kind):
+    """Prompt tuning / prefix tuning / p-tuning add virtual tokens to every row (prepended embeddings or per-layer
+    prefix keys / values) that zorro's packed row has no place for: refused by name before the model runs (it
+    used to fail inside the install probe's attention on a query longer than the plan)."""
+    import peft
+
+    model = peft.get_peft_model(tiny_model("qwen3"), getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    calls = []
+    model.get_input_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    actor = DeduplicatedActor.from_model(model)
+    b = create_dummy_batch(4, 2, 8, 3, device="cpu", vocab_size=128)
+    with pytest.raises(ValueError, match=r"PEFT prompt learning \(adapter 'default' is P.*num_virtual_tokens=3.*not "
+                                         r"supported by zorro; use a LoRA adapter or set zorro off"):
+        actor.forward(b)
+    assert calls == []
