@@ -375,3 +375,90 @@ def test_actor_loads_a_model_without_sdpa_and_matches_ordinary(tmp_path):
         lp_ref, _ = ordinary_logprobs(tiny_window_model("gpt_oss", window=4), b["input_ids"], b["attention_mask"], 4)
         assert (actor.forward(b).logprobs - lp_ref).abs().max().item() <= 1e-12
     assert actor.model.zorro_features["sinks"] == [0, 1, 2]
+
+
+def _ppo_step_ordinary(ref, b, R, temperature):
+    """The API's training step on the ordinary model: the same PPO + KL loss over ``response_mask``, backward."""
+    lp, _ = ordinary_logprobs(ref, b["input_ids"], b["attention_mask"], R, temperature=temperature)
+    valid = b["attention_mask"][:, -R:].bool()
+    sel = b["response_mask"][valid].bool()
+    pick = lambda k: b[k][valid][sel]  # noqa: E731
+    loss, _ = packed_ppo_policy_loss(lp[sel], pick("old_log_probs"), pick("advantages"), pick("ref_log_prob"))
+    loss.backward()
+    return loss
+
+
+def test_actor_loads_a_peft_adapter_trainable_and_trains_as_ordinary(model_dir, tmp_path):
+    """A PEFT LoRA adapter directory loads onto its base as a trainable ``PeftModel`` (the LoRA parameters require
+    grad, the base's do not, as PEFT trains an adapter; transformers' own adapter loading attaches it frozen, and the
+    step's backward found nothing to train); one training step equals the ordinary forward's on an identical
+    ``PeftModel`` (loss and every LoRA gradient, fp64, 1e-9)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.lora import wrap_lora
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)  # the adapter names it as its base
+    wrap_lora(base, targets, seed=5).save_pretrained(tmp_path / "adapter")
+    actor = _actor(str(tmp_path / "adapter"), attn_implementation="sdpa")
+    params = dict(actor.model.named_parameters())
+    lora = {n for n in params if ".lora_A." in n or ".lora_B." in n}
+    assert len(lora) == 2 * 2 * len(targets)  # A and B per target per layer
+    assert {n for n, p in params.items() if p.requires_grad} == lora  # base frozen
+    ref = wrap_lora(tiny_model("qwen3"), targets, seed=5)  # same seeds -> the saved adapter on the same base
+    b = create_dummy_batch(8, 2, 16, 6, device="cpu", include_training_fields=True, add_padding=True, shuffle=True,
+                           vocab_size=128, seed=4)
+    actor.train()
+    ref.train()
+    metrics = actor.compute_policy_loss_and_backward(b, temperature=0.7)
+    loss = _ppo_step_ordinary(ref, b, 6, 0.7)
+    assert abs(metrics["actor/policy_loss"] - loss.item()) <= 1e-9
+    ref_grads = grads_of(ref)
+    assert set(ref_grads) == lora and all(g.abs().max() > 0 for g in ref_grads.values())
+    err, name = max_rel_grad_error(ref_grads, grads_of(actor.model))
+    assert err <= 1e-9, name
+    # an adapter on top of another adapter: transformers would attach the inner one frozen under the outer one
+    shutil.copytree(tmp_path / "adapter", tmp_path / "stacked")
+    cfg_path = tmp_path / "stacked" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "base_model_name_or_path":
+                                    str(tmp_path / "adapter")}))
+    with pytest.raises(ValueError, match="holds an adapter itself"):
+        DeduplicatedActor(str(tmp_path / "stacked"), device="cpu", dtype=torch.float64)
+    # an adapter saved from a model built from a config names no base
+    wrap_lora(tiny_model("qwen3"), targets).save_pretrained(tmp_path / "baseless")
+    with pytest.raises(ValueError, match="names no base_model_name_or_path"):
+        DeduplicatedActor(str(tmp_path / "baseless"), device="cpu", dtype=torch.float64)
+
+
+def test_memory_mode_names_a_lora_head_by_its_qualified_class():
+    """A PEFT LoRA layer on the head (``peft.tuners.lora.layer.Linear``, not an ``nn.Linear``): the memory mode
+    refuses it naming the qualified class, why, and what runs it."""
+    from tests.support.lora import wrap_lora
+
+    actor = DeduplicatedActor.from_model(wrap_lora(tiny_model("qwen3"), ["q_proj", "lm_head"]),
+                                         logits_optimization="memory")
+    b = create_dummy_batch(4, 2, 8, 3, device="cpu", vocab_size=128)
+    with pytest.raises(ValueError, match=r"got peft\.tuners\.lora\.layer\.Linear, whose forward would be skipped"
+                                         r".*'none' or 'compute'.*out of the adapter's target_modules"):
+        actor.forward(b)
+
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig", "PromptEncoderConfig"])
+def test_actor_refuses_peft_prompt_learning_before_any_forward(kind):
+    """Prompt tuning / prefix tuning / p-tuning add virtual tokens to every row (prepended embeddings or per-layer
+    prefix keys / values) that zorro's packed row has no place for: refused by name before the model runs (it
+    used to fail inside the install probe's attention on a query longer than the plan)."""
+    import peft
+
+    model = peft.get_peft_model(tiny_model("qwen3"), getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    calls = []
+    model.get_input_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    actor = DeduplicatedActor.from_model(model)
+    b = create_dummy_batch(4, 2, 8, 3, device="cpu", vocab_size=128)
+    with pytest.raises(ValueError, match=r"PEFT prompt learning \(adapter 'default' is P.*num_virtual_tokens=3.*not "
+                                         r"supported by zorro; use a LoRA adapter or set zorro off"):
+        actor.forward(b)
+    assert calls == []

@@ -467,9 +467,12 @@ def linear_head_params(module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(weight [V, H], bias [V] | None)`` of an LM head whose forward is ``torch.nn.Linear``'s (also when FSDP2
     wraps it: its class then derives from ``nn.Linear`` without a forward of its own); ``ValueError`` otherwise."""
     if not isinstance(module, torch.nn.Linear) or type(module).forward is not torch.nn.Linear.forward:
+        name = f"{type(module).__module__}.{type(module).__qualname__}"
         raise ValueError(f"lm_head: logits_optimization='memory' computes the head as F.linear(hidden, weight, bias) "
-                         f"from its parameters; expected a torch.nn.Linear head, got {type(module).__name__}. Use "
-                         "logits_optimization='none' or 'compute' for this model.")
+                         f"from its parameters and never calls the module; expected a torch.nn.Linear head (with "
+                         f"nn.Linear's forward), got {name}, whose forward would be skipped (a PEFT LoRA layer on the "
+                         "head, for one, adds its low-rank update there). Use logits_optimization='none' or 'compute' "
+                         "(they call the head), or leave the head out of the adapter's target_modules.")
     return module.weight, module.bias
 
 

@@ -33,11 +33,20 @@ def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def lora_unsupported(model: torch.nn.Module) -> Optional[str]:
-    """Why zorro cannot run ``model``'s LoRA adapters exactly, or None: a dropout probability > 0 on any adapter
-    (see the module docstring), or an activated LoRA (aLoRA): PEFT looks for each input row's invocation tokens
-    (``alora_invocation_tokens``) in that row and applies the adapter from there on; on zorro's packed row (all
-    groups in one row) it would find one invocation only, and the other groups' responses would run without it."""
+    """Why zorro cannot run ``model``'s PEFT adapters exactly, or None: a prompt-learning adapter (prompt tuning,
+    prefix tuning, p-tuning: PEFT adds virtual tokens to every input row, as prepended embeddings or as per-layer
+    prefix keys / values, which zorro's plan of the packed row does not hold), a LoRA dropout probability > 0 on
+    any adapter (see the module docstring), or an activated LoRA (aLoRA): PEFT looks for each input row's invocation
+    tokens (``alora_invocation_tokens``) in that row and applies the adapter from there on; on zorro's packed row
+    (all groups in one row) it would find one invocation only, and the other groups' responses would run without
+    it."""
     for adapter, cfg in (getattr(model, "peft_config", None) or {}).items():
+        if getattr(cfg, "is_prompt_learning", False):
+            kind = getattr(cfg.peft_type, "value", cfg.peft_type)
+            return (f"PEFT prompt learning (adapter {adapter!r} is {kind}; prompt tuning / prefix tuning / p-tuning) "
+                    f"adds virtual tokens (num_virtual_tokens={getattr(cfg, 'num_virtual_tokens', None)}) to every "
+                    "input row, which zorro's packed row of deduplicated prompts has no place for: not supported by "
+                    "zorro; use a LoRA adapter or set zorro off")
         if getattr(cfg, "alora_invocation_tokens", None):
             return (f"activated LoRA (aLoRA: adapter {adapter!r} has alora_invocation_tokens): PEFT finds the "
                     "invocation per input row, and zorro's packed row holds several prompts, so responses would lose "
