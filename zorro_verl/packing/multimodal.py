@@ -37,7 +37,8 @@ __all__ = ["MediaTokens", "MediaItem", "BatchMedia", "PackedMedia", "MEDIA_FIELD
 #: Per media kind: (pixel field, grid field) of a row's inputs, as Hugging Face's Qwen-VL processors name them.
 MEDIA_FIELDS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 #: Per-row input keys accepted and not passed on: ``second_per_grid_ts`` only feeds the 3-D positions (the caller
-#: supplies them), ``images_seqlens`` (verl's agent loop) restates the grids for verl's own vision forward.
+#: supplies them: verl, or ``vision.rope_positions``, which reads it), ``images_seqlens`` (verl's agent loop) restates
+#: the grids for verl's own vision forward.
 IGNORED_MEDIA_KEYS = ("second_per_grid_ts", "images_seqlens")
 _KEY_BITS = 62
 

@@ -256,3 +256,72 @@ def test_prefix_tree_shares_an_image_in_the_system_prompt(kind):
     w = torch.zeros(plan.B, plan.R, dtype=torch.float64).index_put_((plan.out_row, plan.out_col), torch.cat(weights))
     (lp * plan.from_padded(w)).sum().backward()
     assert max_rel_grad_error(ref_grads, grads_of(model))[0] <= GRAD_REL_TOL
+
+
+def _video_row(seed: int, frames: int, ts) -> tuple:
+    """A Qwen2.5-VL prompt with a video of ``frames`` temporal patches (2x2 merged tokens each, one run of
+    placeholders) and ``second_per_grid_ts = ts`` (None: absent)."""
+    g = torch.Generator().manual_seed(seed)
+    vgrid = torch.tensor([[frames, 2 * MERGE, 2 * MERGE]])
+    media = {"pixel_values_videos": torch.randn(int(vgrid.prod()), PATCH_DIM, generator=g, dtype=torch.float64),
+             "video_grid_thw": vgrid}
+    if ts is not None:
+        media["second_per_grid_ts"] = torch.tensor([ts], dtype=torch.float64)
+    toks = [1, V_START] + [VIDEO] * (int(vgrid.prod()) // MERGE ** 2) + [V_END, 2, 3]
+    return toks, media
+
+
+def _own_forward_logprobs(model, rows) -> list:
+    """Each row alone through the model's own forward with *no* positions given: the model computes its 3-D
+    positions itself from ``mm_token_type_ids`` and the row's media (``second_per_grid_ts`` included)."""
+    out = []
+    for r in rows:
+        ids = torch.tensor([r.prompt + r.response])
+        types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        logits = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **(r.media or {})).logits[0]
+        p, n = len(r.prompt), len(r.response)
+        out.append(torch.log_softmax(logits[p - 1:p + n - 1], -1).gather(-1, ids[0, p:p + n, None])[:, 0])
+    return out
+
+
+def test_second_per_grid_ts_feeds_qwen2_5_vl_positions():
+    """Qwen2.5-VL spaces a video's temporal positions by ``tokens_per_second * int(second_per_grid_ts)``:
+    rope_positions must pass each row's values (it ignored them: every video got the 1 s default, silently other
+    positions than the model's own forward). Rows: a 3-frame video at 2.0 s (twice), another at 0.5 s (int: 0), an
+    image row, a video without the field (default 1)."""
+    model = tiny_vlm_model("qwen2_5_vl", seed=6)
+    v2, m2 = _video_row(21, 3, 2.0)
+    v05, m05 = _video_row(22, 2, 0.5)
+    v1, m1 = _video_row(23, 2, None)
+    img, mi = prompt_with_media([[4, 5], image(24), [6]])
+    rows = [VlmRow(v2, [20, 21, 22], m2), VlmRow(v05, [30, 31], m05), VlmRow(img, [40], mi),
+            VlmRow(v2, [23], m2), VlmRow(v1, [50, 51], m1)]
+    batch = vlm_batch(rows)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = rope_positions(model, ids, am, batch["media"])
+    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    own, _ = model.model.get_rope_index(ids, types, image_grid_thw=mi["image_grid_thw"],
+                                        video_grid_thw=torch.cat([m2["video_grid_thw"], m05["video_grid_thw"],
+                                                                  m2["video_grid_thw"], m1["video_grid_thw"]]),
+                                        second_per_grid_ts=torch.tensor([2.0, 0.5, 2.0, 1.0]), attention_mask=am)
+    assert pos.dtype == torch.int64 and torch.equal(pos, own.long())
+    # the field is seen: without it rows 0, 1 and 3 get other temporal positions (rows 2 and 4 the same)
+    plain = [{k: v for k, v in (m or {}).items() if k != "second_per_grid_ts"} for m in batch["media"]]
+    at_1s = rope_positions(model, ids, am, plain)
+    differs = [not torch.equal(pos[:, b], at_1s[:, b]) for b in range(len(rows))]
+    assert differs == [True, True, False, True, False]
+    # the standalone path (rope_positions + build_media_plan + zorro_step) equals each row's own forward, whose
+    # log-probs the field changes
+    ref = _own_forward_logprobs(model, rows)
+    ref_1s = _own_forward_logprobs(model, [VlmRow(r.prompt, r.response, m) for r, m in zip(rows, plain)])
+    assert (ref[0] - ref_1s[0]).abs().max().item() > 1e-6
+    install_zorro(model)
+    plan, packed = _plan(model, rows, "prompt")
+    got = plan.to_padded(zorro_step(model, plan, media=packed)[0].detach())
+    err = max((got[b, :len(r.response)] - ref[b]).abs().max().item() for b, r in enumerate(rows))
+    assert err <= LP_ABS_TOL, f"log-probs {err:.2e}"
+    bad = list(batch["media"])
+    bad[0] = {**bad[0], "second_per_grid_ts": torch.tensor([2.0, 2.0])}
+    with pytest.raises(ValueError, match=r"media\[0\].second_per_grid_ts: expected one value per video of the row "
+                                         r"\(1, as video_grid_thw's rows\), got 2"):
+        rope_positions(model, ids, am, bad)
