@@ -203,7 +203,8 @@ def test_bad_inputs_raise_naming_the_field():
     # placeholders without pixels
     media = list(batch["media"])
     media[0] = None
-    with pytest.raises(ValueError, match=r"media\[0\]: the row has 4 image placeholder tokens but no pixel_values"):
+    with pytest.raises(ValueError, match=r"media\[0\]: the row has 4 image placeholder tokens \(id 120\) but no "
+                                         r"pixel_values"):
         batch_media(ids, am, R, media, tokens)
     # a grid that does not match the placeholders
     media = list(batch["media"])
@@ -325,3 +326,27 @@ def test_second_per_grid_ts_feeds_qwen2_5_vl_positions():
     with pytest.raises(ValueError, match=r"media\[0\].second_per_grid_ts: expected one value per video of the row "
                                          r"\(1, as video_grid_thw's rows\), got 2"):
         rope_positions(model, ids, am, bad)
+
+
+def test_placeholders_and_media_must_match_per_row():
+    """A row with placeholders but no media ran as text (the model scatters no features; get_rope_index failed with
+    a bare TypeError), a row with media but no placeholders shifted the later rows' grids: both raise, naming the
+    row, the placeholder token and count and what is missing."""
+    model = tiny_vlm_model("qwen2_5_vl")
+    batch = vlm_batch(_rows(reps=1))  # rows A B C D: C has no image
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    media = list(batch["media"])
+    media[1] = None
+    with pytest.raises(ValueError, match=r"media\[1\]: row 1 has 4 image placeholder tokens \(id 120\) but no "
+                                         r"image_grid_thw/pixel_values: pass the row's media or remove the "
+                                         r"placeholders"):
+        rope_positions(model, ids, am, media)
+    media = list(batch["media"])
+    media[2] = batch["media"][0]
+    with pytest.raises(ValueError, match=r"media\[2\]: row 2 has 0 image placeholder tokens \(id 120\) but "
+                                         r"image_grid_thw \[\[1, 4, 4\]\] gives 4"):
+        rope_positions(model, ids, am, media)
+    media = list(batch["media"])
+    media[0] = {"image_grid_thw": media[0]["image_grid_thw"]}
+    with pytest.raises(ValueError, match=r"media\[0\]: row 0 has image_grid_thw but no pixel_values"):
+        rope_positions(model, ids, am, media)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from zorro_verl.packing.multimodal import MEDIA_FIELDS, MediaTokens
+from zorro_verl.packing.multimodal import MEDIA_FIELDS, MediaTokens, check_media_placeholders
 
 __all__ = ["is_multimodal", "sub_attention", "zorro_attention_request", "media_tokens", "rope_positions",
            "token_types"]
@@ -83,12 +83,14 @@ def rope_positions(model, input_ids: torch.Tensor, attention_mask: Optional[torc
     ``get_rope_index`` leaves). Used by the lower-level standalone path (``rope_positions`` + ``build_media_plan`` +
     ``zorro_step``), the tests' oracle and the benchmark; verl hands the engine its own.
 
-    ``second_per_grid_ts`` (one value per video of the row, as ``video_grid_thw``'s
+    Each row's placeholders must match its media (:func:`~zorro_verl.packing.multimodal.check_media_placeholders`,
+    ValueError naming the row). ``second_per_grid_ts`` (one value per video of the row, as ``video_grid_thw``'s
     rows; a row without it gets the model's default, 1) is passed where ``get_rope_index`` takes it (Qwen2.5-VL:
     the videos' temporal positions); models whose ``get_rope_index`` does not name it (Qwen3-VL: timestamps in the
     text) ignore it in their own forward, and so does this."""
     inner = getattr(model, "model", model)
     tokens = media_tokens(model)
+    check_media_placeholders(input_ids, attention_mask, media, tokens)
     grids = {}
     for kind, (_, grid_field) in MEDIA_FIELDS.items():
         rows = [m[grid_field] for m in media if m and m.get(grid_field) is not None]
