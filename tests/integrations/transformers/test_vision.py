@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 
+from zorro_verl.api import DeduplicatedActor
 from zorro_verl.integrations.transformers import install_zorro, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.vision import media_tokens, rope_positions
 from zorro_verl.packing import build_plan
@@ -350,3 +351,27 @@ def test_placeholders_and_media_must_match_per_row():
     media[0] = {"image_grid_thw": media[0]["image_grid_thw"]}
     with pytest.raises(ValueError, match=r"media\[0\]: row 0 has image_grid_thw but no pixel_values"):
         rope_positions(model, ids, am, media)
+
+
+def test_standalone_actor_refuses_media_it_cannot_take():
+    """DeduplicatedActor runs text batches: on a vision-language model a row with placeholder tokens ran as plain
+    text (no features, 1-D positions) without a word; multimodal keys in the batch were dropped. Both raise; a text
+    batch on the same model still equals the ordinary forward."""
+    model = tiny_vlm_model("qwen2_5_vl")
+    rows = _rows(reps=1)
+    batch = vlm_batch(rows)
+    mb = {k: batch[k] for k in ("input_ids", "attention_mask", "responses")}
+    text = [VlmRow([5, 6, 7], [11, 12]), VlmRow([5, 6, 7], [13]), VlmRow([8, 9], [14, 15, 16])]
+    ref = ordinary_vlm_logprobs(model, text)  # before the actor installs zorro
+    actor = DeduplicatedActor.from_model(model)
+    with pytest.raises(ValueError, match=r"micro_batch\['input_ids'\]: row 0 has 4 image placeholder tokens "
+                                         r"\(id 120\) but no image_grid_thw/pixel_values: DeduplicatedActor takes no "
+                                         r"media"):
+        actor.forward(mb)
+    with pytest.raises(ValueError, match=r"micro_batch: multimodal inputs \['pixel_values', 'image_grid_thw'\] are "
+                                         r"not taken by DeduplicatedActor"):
+        actor.forward({**mb, "pixel_values": rows[0].media["pixel_values"],
+                       "image_grid_thw": rows[0].media["image_grid_thw"]})
+    tb = vlm_batch(text)
+    got = actor.forward({k: tb[k] for k in ("input_ids", "attention_mask", "responses")}).logprobs.detach()
+    assert (got - torch.cat(ref)).abs().max().item() <= LP_ABS_TOL
