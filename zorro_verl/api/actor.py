@@ -17,9 +17,11 @@ import torch
 from zorro_verl.api.loss import packed_ppo_policy_loss
 from zorro_verl.attention import BACKEND_NAMES, get_backend
 from zorro_verl.integrations.transformers import install_zorro, is_installed, load_causal_lm, zorro_step
+from zorro_verl.integrations.transformers.vision import is_multimodal
 from zorro_verl.logprob import check_logits_optimization
 from zorro_verl.packing import ZorroPlan, build_plan
 from zorro_verl.packing.microbatch import dynamic_microbatches
+from zorro_verl.packing.multimodal import IGNORED_MEDIA_KEYS, MEDIA_FIELDS, MediaTokens, placeholder_counts
 from zorro_verl.packing.tree import DEFAULT_MIN_SHARED_LEN, check_min_shared_len, check_sharing, tree_row_costs
 
 __all__ = ["DeduplicatedActor", "Qwen3ModelOncePatcher", "ModelOutput", "backend_for"]
@@ -28,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 _REQUIRED = ("input_ids", "attention_mask", "responses")
 _TRAINING = ("old_log_probs", "advantages")
+#: Multimodal keys of a batch (per-row fields and verl's per-row dicts): the API takes none of them.
+_MEDIA_KEYS = tuple(f for pair in MEDIA_FIELDS.values() for f in pair) + IGNORED_MEDIA_KEYS + ("multi_modal_inputs",)
+_LOWER_LEVEL = ("for a vision-language batch use the lower-level path: vision.rope_positions + "
+                "packing.multimodal.build_media_plan + zorro_step(model, plan, media=...)")
 
 
 #: The API's ``attn_implementation`` names the kernel zorro uses inside its split attention.
@@ -97,6 +103,29 @@ def _check_batch(micro_batch, need_training: bool = False) -> tuple[torch.Tensor
     return ids, mask, R
 
 
+def _check_text_batch(model, micro_batch, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """The API runs text batches: ValueError for multimodal keys (they would be dropped) and, on a vision-language
+    model, for image / video placeholder tokens (the model would embed them as text: no features, 1-D positions).
+    One host read per placeholder kind, vision-language models only."""
+    given = [k for k in _MEDIA_KEYS if micro_batch.get(k) is not None]
+    if given:
+        raise ValueError(f"micro_batch: multimodal inputs {given} are not taken by DeduplicatedActor (it runs text "
+                         f"batches and would drop them); {_LOWER_LEVEL}.")
+    if not is_multimodal(model):
+        return
+    # the placeholder ids only (not vision.media_tokens, which refuses towers outside the Qwen2-VL family: their
+    # text batches run here)
+    cfg = model.config
+    tokens = MediaTokens(getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None), 1)
+    for kind, counts in placeholder_counts(ids, mask, tokens).items():
+        for b, n in enumerate(counts):
+            if n:
+                pix_field, grid_field = MEDIA_FIELDS[kind]
+                raise ValueError(f"micro_batch['input_ids']: row {b} has {n} {kind} placeholder tokens (id "
+                                 f"{tokens.token_id(kind)}) but no {grid_field}/{pix_field}: DeduplicatedActor "
+                                 f"takes no media, so remove the placeholders, or {_LOWER_LEVEL}.")
+
+
 class Qwen3ModelOncePatcher:
     """Installs the deduplicated forward on a model once; builds one plan per micro-batch.
 
@@ -130,6 +159,7 @@ class Qwen3ModelOncePatcher:
     def plan(self, micro_batch: Dict[str, torch.Tensor]) -> ZorroPlan:
         """Build the micro-batch's plan (the only host syncs of the step happen here)."""
         ids, mask, R = _check_batch(micro_batch)
+        _check_text_batch(self.model, micro_batch, ids, mask)
         return build_plan(ids, mask, R, position_ids=micro_batch.get("position_ids"), **self.plan_kwargs)
 
     def forward(self, micro_batch: Dict[str, torch.Tensor], temperature: Optional[float] = None,

@@ -32,12 +32,14 @@ import torch
 from zorro_verl.packing.plan import ZorroPlan, build_plan
 
 __all__ = ["MediaTokens", "MediaItem", "BatchMedia", "PackedMedia", "MEDIA_FIELDS", "IGNORED_MEDIA_KEYS",
-           "batch_media", "pack_media", "packed_positions", "build_media_plan", "keyed_id", "check_shared_positions"]
+           "batch_media", "pack_media", "packed_positions", "build_media_plan", "keyed_id", "placeholder_counts",
+           "check_media_placeholders", "check_shared_positions"]
 
 #: Per media kind: (pixel field, grid field) of a row's inputs, as Hugging Face's Qwen-VL processors name them.
 MEDIA_FIELDS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 #: Per-row input keys accepted and not passed on: ``second_per_grid_ts`` only feeds the 3-D positions (the caller
-#: supplies them), ``images_seqlens`` (verl's agent loop) restates the grids for verl's own vision forward.
+#: supplies them: verl, or ``vision.rope_positions``, which reads it), ``images_seqlens`` (verl's agent loop) restates
+#: the grids for verl's own vision forward.
 IGNORED_MEDIA_KEYS = ("second_per_grid_ts", "images_seqlens")
 _KEY_BITS = 62
 
@@ -133,6 +135,57 @@ def _row_inputs(b: int, inputs) -> Mapping:
     return inputs
 
 
+def placeholder_counts(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                       tokens: MediaTokens) -> dict:
+    """``input_ids [B, S]`` int, ``attention_mask [B, S]`` or None -> ``{kind: [B] host list}``: each row's
+    placeholder tokens of each kind the model has a token id for, on valid tokens (one host read per kind)."""
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    out = {}
+    for kind in MEDIA_FIELDS:
+        tid = tokens.token_id(kind)
+        if tid is not None:
+            out[kind] = ((input_ids == tid) & valid).sum(-1).tolist()
+    return out
+
+
+def check_media_placeholders(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                             media: Sequence[Optional[Mapping]], tokens: MediaTokens) -> None:
+    """ValueError naming the row unless each row's placeholders of each kind are exactly those of its media
+    (``t*h*w / merge**2`` per grid row; both the pixels and the grid, or neither). ``input_ids [B, S]`` int,
+    ``attention_mask [B, S]`` or None, ``media[b]`` row ``b``'s inputs (None or ``{}`` for a text row).
+
+    Without it a row with placeholders and no media runs as text (the model scatters no features) and a row with
+    media but no placeholders shifts every later row's grids in ``get_rope_index`` (it reads a batch's grids in
+    order)."""
+    B = input_ids.shape[0]
+    if len(media) != B:
+        raise ValueError(f"media: expected one entry per row ({B}), got {len(media)}.")
+    merge2 = tokens.spatial_merge_size ** 2
+    for kind, counts in placeholder_counts(input_ids, attention_mask, tokens).items():
+        pix_field, grid_field = MEDIA_FIELDS[kind]
+        tid = tokens.token_id(kind)
+        for b, n in enumerate(counts):
+            inputs = _row_inputs(b, media[b])
+            pix, grid = inputs.get(pix_field), inputs.get(grid_field)
+            if pix is None and grid is None:
+                if n:
+                    raise ValueError(f"media[{b}]: row {b} has {n} {kind} placeholder tokens (id {tid}) but no "
+                                     f"{grid_field}/{pix_field}: pass the row's media or remove the placeholders.")
+                continue
+            if pix is None or grid is None:
+                raise ValueError(f"media[{b}]: row {b} has {grid_field if pix is None else pix_field} but no "
+                                 f"{pix_field if pix is None else grid_field}: pass both or neither.")
+            if grid.dim() != 2 or grid.shape[1] != 3:
+                raise ValueError(f"media[{b}].{grid_field}: expected a [k, 3] grid per {kind}, got "
+                                 f"{tuple(grid.shape)}.")
+            need = sum(int(x) // merge2 for x in grid.long().prod(-1).tolist())
+            if need != n:
+                raise ValueError(f"media[{b}]: row {b} has {n} {kind} placeholder tokens (id {tid}) but "
+                                 f"{grid_field} {grid.tolist()} gives {need} (spatial_merge_size "
+                                 f"{tokens.spatial_merge_size}): pass the row's own media with one placeholder per "
+                                 "merged patch, or remove the media.")
+
+
 def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], response_width: int,
                 media: Sequence[Optional[Mapping]], tokens: MediaTokens, memo: Optional[dict] = None) -> BatchMedia:
     """Items and keyed ids of a batch in verl's ``[B, S]`` layout (``input_ids [B, S]`` int, ``attention_mask
@@ -175,8 +228,8 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
             cols = cols_of[b]
             if pix is None:
                 if cols:
-                    raise ValueError(f"media[{b}]: the row has {len(cols)} {kind} placeholder tokens but no "
-                                     f"{pix_field}; pass the row's multimodal inputs.")
+                    raise ValueError(f"media[{b}]: the row has {len(cols)} {kind} placeholder tokens (id {tid}) but "
+                                     f"no {pix_field}; pass the row's multimodal inputs or remove the placeholders.")
                 continue
             if grid is None or grid.dim() != 2 or grid.shape[1] != 3:
                 raise ValueError(f"media[{b}].{grid_field}: expected a [k, 3] grid per {kind}, got "

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 
+from zorro_verl.api import DeduplicatedActor
 from zorro_verl.integrations.transformers import install_zorro, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.vision import media_tokens, rope_positions
 from zorro_verl.packing import build_plan
@@ -203,7 +204,8 @@ def test_bad_inputs_raise_naming_the_field():
     # placeholders without pixels
     media = list(batch["media"])
     media[0] = None
-    with pytest.raises(ValueError, match=r"media\[0\]: the row has 4 image placeholder tokens but no pixel_values"):
+    with pytest.raises(ValueError, match=r"media\[0\]: the row has 4 image placeholder tokens \(id 120\) but no "
+                                         r"pixel_values"):
         batch_media(ids, am, R, media, tokens)
     # a grid that does not match the placeholders
     media = list(batch["media"])
@@ -256,3 +258,120 @@ def test_prefix_tree_shares_an_image_in_the_system_prompt(kind):
     w = torch.zeros(plan.B, plan.R, dtype=torch.float64).index_put_((plan.out_row, plan.out_col), torch.cat(weights))
     (lp * plan.from_padded(w)).sum().backward()
     assert max_rel_grad_error(ref_grads, grads_of(model))[0] <= GRAD_REL_TOL
+
+
+def _video_row(seed: int, frames: int, ts) -> tuple:
+    """A Qwen2.5-VL prompt with a video of ``frames`` temporal patches (2x2 merged tokens each, one run of
+    placeholders) and ``second_per_grid_ts = ts`` (None: absent)."""
+    g = torch.Generator().manual_seed(seed)
+    vgrid = torch.tensor([[frames, 2 * MERGE, 2 * MERGE]])
+    media = {"pixel_values_videos": torch.randn(int(vgrid.prod()), PATCH_DIM, generator=g, dtype=torch.float64),
+             "video_grid_thw": vgrid}
+    if ts is not None:
+        media["second_per_grid_ts"] = torch.tensor([ts], dtype=torch.float64)
+    toks = [1, V_START] + [VIDEO] * (int(vgrid.prod()) // MERGE ** 2) + [V_END, 2, 3]
+    return toks, media
+
+
+def _own_forward_logprobs(model, rows) -> list:
+    """Each row alone through the model's own forward with *no* positions given: the model computes its 3-D
+    positions itself from ``mm_token_type_ids`` and the row's media (``second_per_grid_ts`` included)."""
+    out = []
+    for r in rows:
+        ids = torch.tensor([r.prompt + r.response])
+        types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        logits = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **(r.media or {})).logits[0]
+        p, n = len(r.prompt), len(r.response)
+        out.append(torch.log_softmax(logits[p - 1:p + n - 1], -1).gather(-1, ids[0, p:p + n, None])[:, 0])
+    return out
+
+
+def test_second_per_grid_ts_feeds_qwen2_5_vl_positions():
+    """Qwen2.5-VL spaces a video's temporal positions by ``tokens_per_second * int(second_per_grid_ts)``:
+    rope_positions must pass each row's values (it ignored them: every video got the 1 s default, silently other
+    positions than the model's own forward). Rows: a 3-frame video at 2.0 s (twice), another at 0.5 s (int: 0), an
+    image row, a video without the field (default 1)."""
+    model = tiny_vlm_model("qwen2_5_vl", seed=6)
+    v2, m2 = _video_row(21, 3, 2.0)
+    v05, m05 = _video_row(22, 2, 0.5)
+    v1, m1 = _video_row(23, 2, None)
+    img, mi = prompt_with_media([[4, 5], image(24), [6]])
+    rows = [VlmRow(v2, [20, 21, 22], m2), VlmRow(v05, [30, 31], m05), VlmRow(img, [40], mi),
+            VlmRow(v2, [23], m2), VlmRow(v1, [50, 51], m1)]
+    batch = vlm_batch(rows)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = rope_positions(model, ids, am, batch["media"])
+    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    own, _ = model.model.get_rope_index(ids, types, image_grid_thw=mi["image_grid_thw"],
+                                        video_grid_thw=torch.cat([m2["video_grid_thw"], m05["video_grid_thw"],
+                                                                  m2["video_grid_thw"], m1["video_grid_thw"]]),
+                                        second_per_grid_ts=torch.tensor([2.0, 0.5, 2.0, 1.0]), attention_mask=am)
+    assert pos.dtype == torch.int64 and torch.equal(pos, own.long())
+    # the field is seen: without it rows 0, 1 and 3 get other temporal positions (rows 2 and 4 the same)
+    plain = [{k: v for k, v in (m or {}).items() if k != "second_per_grid_ts"} for m in batch["media"]]
+    at_1s = rope_positions(model, ids, am, plain)
+    differs = [not torch.equal(pos[:, b], at_1s[:, b]) for b in range(len(rows))]
+    assert differs == [True, True, False, True, False]
+    # the standalone path (rope_positions + build_media_plan + zorro_step) equals each row's own forward, whose
+    # log-probs the field changes
+    ref = _own_forward_logprobs(model, rows)
+    ref_1s = _own_forward_logprobs(model, [VlmRow(r.prompt, r.response, m) for r, m in zip(rows, plain)])
+    assert (ref[0] - ref_1s[0]).abs().max().item() > 1e-6
+    install_zorro(model)
+    plan, packed = _plan(model, rows, "prompt")
+    got = plan.to_padded(zorro_step(model, plan, media=packed)[0].detach())
+    err = max((got[b, :len(r.response)] - ref[b]).abs().max().item() for b, r in enumerate(rows))
+    assert err <= LP_ABS_TOL, f"log-probs {err:.2e}"
+    bad = list(batch["media"])
+    bad[0] = {**bad[0], "second_per_grid_ts": torch.tensor([2.0, 2.0])}
+    with pytest.raises(ValueError, match=r"media\[0\].second_per_grid_ts: expected one value per video of the row "
+                                         r"\(1, as video_grid_thw's rows\), got 2"):
+        rope_positions(model, ids, am, bad)
+
+
+def test_placeholders_and_media_must_match_per_row():
+    """A row with placeholders but no media ran as text (the model scatters no features; get_rope_index failed with
+    a bare TypeError), a row with media but no placeholders shifted the later rows' grids: both raise, naming the
+    row, the placeholder token and count and what is missing."""
+    model = tiny_vlm_model("qwen2_5_vl")
+    batch = vlm_batch(_rows(reps=1))  # rows A B C D: C has no image
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    media = list(batch["media"])
+    media[1] = None
+    with pytest.raises(ValueError, match=r"media\[1\]: row 1 has 4 image placeholder tokens \(id 120\) but no "
+                                         r"image_grid_thw/pixel_values: pass the row's media or remove the "
+                                         r"placeholders"):
+        rope_positions(model, ids, am, media)
+    media = list(batch["media"])
+    media[2] = batch["media"][0]
+    with pytest.raises(ValueError, match=r"media\[2\]: row 2 has 0 image placeholder tokens \(id 120\) but "
+                                         r"image_grid_thw \[\[1, 4, 4\]\] gives 4"):
+        rope_positions(model, ids, am, media)
+    media = list(batch["media"])
+    media[0] = {"image_grid_thw": media[0]["image_grid_thw"]}
+    with pytest.raises(ValueError, match=r"media\[0\]: row 0 has image_grid_thw but no pixel_values"):
+        rope_positions(model, ids, am, media)
+
+
+def test_standalone_actor_refuses_media_it_cannot_take():
+    """DeduplicatedActor runs text batches: on a vision-language model a row with placeholder tokens ran as plain
+    text (no features, 1-D positions) without a word; multimodal keys in the batch were dropped. Both raise; a text
+    batch on the same model still equals the ordinary forward."""
+    model = tiny_vlm_model("qwen2_5_vl")
+    rows = _rows(reps=1)
+    batch = vlm_batch(rows)
+    mb = {k: batch[k] for k in ("input_ids", "attention_mask", "responses")}
+    text = [VlmRow([5, 6, 7], [11, 12]), VlmRow([5, 6, 7], [13]), VlmRow([8, 9], [14, 15, 16])]
+    ref = ordinary_vlm_logprobs(model, text)  # before the actor installs zorro
+    actor = DeduplicatedActor.from_model(model)
+    with pytest.raises(ValueError, match=r"micro_batch\['input_ids'\]: row 0 has 4 image placeholder tokens "
+                                         r"\(id 120\) but no image_grid_thw/pixel_values: DeduplicatedActor takes no "
+                                         r"media"):
+        actor.forward(mb)
+    with pytest.raises(ValueError, match=r"micro_batch: multimodal inputs \['pixel_values', 'image_grid_thw'\] are "
+                                         r"not taken by DeduplicatedActor"):
+        actor.forward({**mb, "pixel_values": rows[0].media["pixel_values"],
+                       "image_grid_thw": rows[0].media["image_grid_thw"]})
+    tb = vlm_batch(text)
+    got = actor.forward({k: tb[k] for k in ("input_ids", "attention_mask", "responses")}).logprobs.detach()
+    assert (got - torch.cat(ref)).abs().max().item() <= LP_ABS_TOL

@@ -10,11 +10,12 @@ different rows follow one another).
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 
-from zorro_verl.packing.multimodal import MEDIA_FIELDS, MediaTokens
+from zorro_verl.packing.multimodal import MEDIA_FIELDS, MediaTokens, check_media_placeholders
 
 __all__ = ["is_multimodal", "sub_attention", "zorro_attention_request", "media_tokens", "rope_positions",
            "token_types"]
@@ -79,14 +80,44 @@ def rope_positions(model, input_ids: torch.Tensor, attention_mask: Optional[torc
                    media: list) -> torch.Tensor:
     """The rows' 3-D rotary positions as the model computes them for its ordinary forward: ``input_ids [B, S]``,
     ``attention_mask [B, S]`` (or None), ``media[b]`` row ``b``'s inputs -> ``[3, B, S] int64`` (pads: whatever
-    ``get_rope_index`` leaves). Used by the standalone API and the tests; verl hands the engine its own."""
+    ``get_rope_index`` leaves). Used by the lower-level standalone path (``rope_positions`` + ``build_media_plan`` +
+    ``zorro_step``), the tests' oracle and the benchmark; verl hands the engine its own.
+
+    Each row's placeholders must match its media (:func:`~zorro_verl.packing.multimodal.check_media_placeholders`,
+    ValueError naming the row). ``second_per_grid_ts`` (one value per video of the row, as ``video_grid_thw``'s
+    rows; a row without it gets the model's default, 1) is passed where ``get_rope_index`` takes it (Qwen2.5-VL:
+    the videos' temporal positions); models whose ``get_rope_index`` does not name it (Qwen3-VL: timestamps in the
+    text) ignore it in their own forward, and so does this."""
     inner = getattr(model, "model", model)
     tokens = media_tokens(model)
+    check_media_placeholders(input_ids, attention_mask, media, tokens)
     grids = {}
     for kind, (_, grid_field) in MEDIA_FIELDS.items():
         rows = [m[grid_field] for m in media if m and m.get(grid_field) is not None]
         grids[kind] = torch.cat(rows) if rows else None
+    extra = {}
+    if "second_per_grid_ts" in inspect.signature(inner.get_rope_index).parameters and grids["video"] is not None:
+        extra["second_per_grid_ts"] = _seconds_per_grid(media)
     am = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     pos, _ = inner.get_rope_index(input_ids, token_types(input_ids, tokens), image_grid_thw=grids["image"],
-                                  video_grid_thw=grids["video"], attention_mask=am)
+                                  video_grid_thw=grids["video"], attention_mask=am, **extra)
     return pos.long()
+
+
+def _seconds_per_grid(media: list) -> torch.Tensor:
+    """The batch's ``second_per_grid_ts [n_videos] float64`` (host), rows in order as ``video_grid_thw``: a row's
+    own values, ones for a row with videos and none (the model's default; each row alone gets the same)."""
+    out = []
+    for b, m in enumerate(media):
+        grid = m.get("video_grid_thw") if m else None
+        if grid is None:
+            continue  # a row without videos: its value (if any) is read by no placeholder
+        ts = m.get("second_per_grid_ts")
+        n = grid.shape[0]
+        ts = torch.ones(n, dtype=torch.float64) if ts is None else \
+            torch.as_tensor(ts).detach().to("cpu", torch.float64).reshape(-1)
+        if ts.numel() != n:
+            raise ValueError(f"media[{b}].second_per_grid_ts: expected one value per video of the row ({n}, as "
+                             f"video_grid_thw's rows), got {ts.numel()}.")
+        out.append(ts)
+    return torch.cat(out)
