@@ -27,7 +27,7 @@ import types
 import typing
 from functools import partial
 
-__all__ = ["AVAILABLE", "install", "BRIDGES", "INSTALL_HINT"]
+__all__ = ["AVAILABLE", "install", "BRIDGES", "INSTALL_HINT", "installed_bridges", "results_on"]
 
 #: Whether megatron-bridge is installed here (scripts/setup_megatron_env.sh installs 0.6.2).
 AVAILABLE = importlib.util.find_spec("megatron.bridge") is not None
@@ -57,6 +57,26 @@ def _te_stub() -> dict:
     tep.ops = ops
     te.pytorch = tep
     return {"transformer_engine": te, "transformer_engine.pytorch": tep, "transformer_engine.pytorch.ops": ops}
+
+
+def installed_bridges() -> list:
+    """The builders installed here, in :data:`BRIDGES` order (Megatron-Bridge, verl's default, first)."""
+    return [b for b in BRIDGES if b != "megatron-bridge" or AVAILABLE]
+
+
+def results_on(all_results: list, bridge: str) -> list:
+    """Each rank's results (``[{bridge: {case: ...}}]``, the rank scripts' shape) on one builder. A builder that is
+    not installed skips the test, or fails it where ``ZORRO_REQUIRE_MEGATRON_BRIDGE=1`` (scripts/test_megatron.sh
+    installs both)."""
+    import os
+
+    import pytest
+
+    if bridge not in all_results[0]:
+        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
+            pytest.fail(f"{bridge} is not installed in this environment (scripts/setup_megatron_env.sh installs it)")
+        pytest.skip(f"{bridge} is not installed here (scripts/setup_megatron_env.sh installs it)")
+    return [res[bridge] for res in all_results]
 
 
 def _import_bridge() -> None:

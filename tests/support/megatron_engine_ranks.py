@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import warnings
 from functools import partial
 
 import torch
@@ -211,21 +210,11 @@ def _first(v):
 def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> dict:
     """Every check on each installed bridge (Megatron-Bridge, verl's default, first; then vanilla mbridge):
     ``{bridge: {check: result}}``."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    import torch.distributed as dist
-
     from tests.support import megatron_bridge_cpu
     from tests.support import megatron_engines as E
 
-    E.setup_process()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
-        E.save_tiny_checkpoint(ckpt)
-    dist.barrier()
-    bridges = [b for b in megatron_bridge_cpu.BRIDGES if b != "megatron-bridge" or megatron_bridge_cpu.AVAILABLE]
+    E.start_rank(rank, world, init_file, ckpt)
+    bridges = megatron_bridge_cpu.installed_bridges()
     return {bridge: _run_bridge(E, partial(E.build_engine, bridge=bridge), rank, world, ckpt, layouts)
             for bridge in bridges}
 

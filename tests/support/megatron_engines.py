@@ -26,8 +26,8 @@ import torch
 
 from tests.support.megatron_cpu import CudaAsCpu
 
-__all__ = ["setup_process", "save_tiny_checkpoint", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of", "grads",
-           "VOCAB"]
+__all__ = ["setup_process", "start_rank", "save_tiny_checkpoint", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of",
+           "grads", "VOCAB"]
 
 VOCAB = 128
 _DONE = False
@@ -56,6 +56,24 @@ def setup_process(cpu_platform: bool = True) -> None:
     if megatron_bridge_cpu.AVAILABLE:
         megatron_bridge_cpu.install()  # S1, S2, S2a, B1, L1 (before verl imports megatron.bridge)
     _DONE = True
+
+
+def start_rank(rank: int, world: int, init_file: str, ckpt: str, save=None) -> None:
+    """A rank script's start: one thread, the patches (:func:`setup_process`), the gloo group (file rendezvous), and
+    the checkpoint ``ckpt`` written once by rank 0 (``save(ckpt)``, default :func:`save_tiny_checkpoint`)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    setup_process()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
+        (save or save_tiny_checkpoint)(ckpt)
+    dist.barrier()
 
 
 class _CudaTypeNames(CudaAsCpu):

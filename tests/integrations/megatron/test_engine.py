@@ -29,6 +29,8 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed here (run scripts/test_megatron.sh: "
                                             ".venv-megatron)")
 
+from tests.support.megatron_bridge_cpu import results_on  # noqa: E402
+
 TOL_VALUE = 2e-6
 TOL_SCALAR_REL = 1e-6
 TOL_GRAD = 5e-6
@@ -55,11 +57,7 @@ def engine_results(all_results, request):
     """Each rank's results on one bridge. Megatron-Bridge is required where scripts/test_megatron.sh runs the suite
     (``ZORRO_REQUIRE_MEGATRON_BRIDGE=1``: it installs it), else its cases skip when it is not installed."""
     bridge = request.param
-    if bridge not in all_results[0]:
-        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
-            pytest.fail(f"{bridge} is not installed in this environment (scripts/setup_megatron_env.sh installs it)")
-        pytest.skip(f"{bridge} is not installed here (scripts/setup_megatron_env.sh installs it)")
-    return [res[bridge] for res in all_results]
+    return results_on(all_results, bridge)
 
 
 def test_engines_were_built_by_the_bridge(engine_results, request):

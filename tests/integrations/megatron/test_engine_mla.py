@@ -29,6 +29,7 @@ from tests.integrations.megatron.test_engine import (  # noqa: E402
     TOL_SCALAR_REL,
     TOL_VALUE,
 )
+from tests.support.megatron_bridge_cpu import results_on  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +45,7 @@ def all_results(tmp_path_factory):
 def engine_results(all_results, request):
     """Each rank's results on one model builder (Megatron-Bridge required where scripts/test_megatron.sh runs)."""
     bridge = request.param
-    if bridge not in all_results[0]:
-        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
-            pytest.fail(f"{bridge} is not installed in this environment (scripts/setup_megatron_env.sh installs it)")
-        pytest.skip(f"{bridge} is not installed here (scripts/setup_megatron_env.sh installs it)")
-    return [res[bridge] for res in all_results]
+    return results_on(all_results, bridge)
 
 
 def test_model_is_deepseek_v3_shaped(engine_results, request):

@@ -28,6 +28,8 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed here (run scripts/test_megatron.sh: "
                                             ".venv-megatron)")
 
+from tests.support.megatron_bridge_cpu import results_on  # noqa: E402
+
 TOL_VALUE = 2e-6
 TOL_SCALAR_REL = 1e-6
 TOL_GRAD = 5e-6
@@ -52,11 +54,7 @@ BRIDGES = ("megatron-bridge", "mbridge")
 def bridge_results(vpp_results, request):
     """Each rank's comparisons on one builder (Megatron-Bridge required where scripts/test_megatron.sh runs)."""
     bridge = request.param
-    if bridge not in vpp_results[0]:
-        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
-            pytest.fail(f"{bridge} is not installed in this environment (scripts/setup_megatron_env.sh installs it)")
-        pytest.skip(f"{bridge} is not installed here (scripts/setup_megatron_env.sh installs it)")
-    results = [res[bridge] for res in vpp_results]
+    results = results_on(vpp_results, bridge)
     assert all(r["vanilla"] == (bridge == "mbridge") for r in results), bridge  # the builder that made the engines
     return results
 
