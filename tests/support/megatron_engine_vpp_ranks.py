@@ -11,9 +11,7 @@ Run as ``python -m tests.support.megatron_engine_vpp_ranks RANK WORLD INIT_FILE 
 
 from __future__ import annotations
 
-import os
 import time
-import warnings
 from functools import partial
 
 import torch
@@ -163,22 +161,13 @@ def _compare_cases(E, build, ckpt: str, rank: int, world: int) -> dict:
 
 
 def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     import torch.distributed as dist
 
     from tests.support import megatron_bridge_cpu
     from tests.support import megatron_engines as E
 
-    E.setup_process()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
-        E.save_tiny_checkpoint(ckpt, layers=4)
-    dist.barrier()
-
-    bridges = [b for b in megatron_bridge_cpu.BRIDGES if b != "megatron-bridge" or megatron_bridge_cpu.AVAILABLE]
+    E.start_rank(rank, world, init_file, ckpt, save=partial(E.save_tiny_checkpoint, layers=4))
+    bridges = megatron_bridge_cpu.installed_bridges()
     # the comparisons once per model builder (Megatron-Bridge, verl's default, first), the refusals on the first
     out = {bridge: _compare_cases(E, partial(E.build_engine, bridge=bridge), ckpt, rank, world) for bridge in bridges}
     build = partial(E.build_engine, bridge=bridges[0])

@@ -11,7 +11,6 @@ Run as ``python -m tests.support.megatron_mla_engine_ranks RANK WORLD INIT_FILE 
 from __future__ import annotations
 
 import os
-import warnings
 from functools import partial
 
 import torch
@@ -50,24 +49,16 @@ def _cases(E, D, ckpt: str, rank: int, world: int, bridge: str) -> dict:
 
 
 def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     import torch.distributed as dist
 
+    from tests.support import megatron_bridge_cpu
     from tests.support import megatron_deepseek as D
     from tests.support import megatron_engines as E
 
     E.setup_process()
     D.patch_deepseek_bridge()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    if rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
-        D.save_tiny_deepseek_v3(ckpt, E.VOCAB)
-    dist.barrier()
-    from tests.support import megatron_bridge_cpu
-
-    bridges = [b for b in megatron_bridge_cpu.BRIDGES if b != "megatron-bridge" or megatron_bridge_cpu.AVAILABLE]
+    E.start_rank(rank, world, init_file, ckpt, save=partial(D.save_tiny_deepseek_v3, vocab=E.VOCAB))
+    bridges = megatron_bridge_cpu.installed_bridges()
     out = {bridge: _cases(E, D, ckpt, rank, world, bridge) for bridge in bridges}
     dist.barrier()
     return out
