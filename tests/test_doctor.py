@@ -68,8 +68,9 @@ def test_config_checks_in_process():
 
 def test_trainer_balance_hooks_line(monkeypatch):
     """Whether the trainer process installs zorro's balancing hooks: through the entry point, or through the preset's
-    external_lib; not in the README's overrides-only launch when VERL_USE_EXTERNAL_PLUGINS skips the entry point."""
-    from tests.integrations.verl.v09.test_overrides import readme_overrides
+    external_lib; not in docs/verl-fsdp.md's overrides-only launch when VERL_USE_EXTERNAL_PLUGINS skips the entry
+    point."""
+    from tests.integrations.verl.v09.test_overrides import documented_overrides
     from zorro_verl.doctor import run_checks
 
     def line(overrides, config_name="zorro_ppo_trainer"):
@@ -77,9 +78,9 @@ def test_trainer_balance_hooks_line(monkeypatch):
         return next((c for c in checks if c.name == "trainer balance hooks"), None)
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_PLUGINS", raising=False)
-    assert "entry point" in line(readme_overrides(), "ppo_trainer").detail
+    assert "entry point" in line(documented_overrides(), "ppo_trainer").detail
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
-    c = line(readme_overrides(), "ppo_trainer")
+    c = line(documented_overrides(), "ppo_trainer")
     assert c.status == "note", c
     assert "VERL_USE_EXTERNAL_PLUGINS='none'" in c.detail and "zorro/balance_hooks_missing" in c.detail
     assert "Fix: actor_rollout_ref.model.external_lib=zorro_verl.integrations.verl.v09.plugin" in c.detail
@@ -192,15 +193,15 @@ def test_megatron_cli_exit_code_and_balance_hooks_node(monkeypatch):
         "trainer balance hooks"].status == "ok"
 
 
-def test_readme_megatron_overrides_only_block():
-    """The README's Megatron overrides-only lines, on verl's own ppo_trainer: zorro enabled in both megatron nodes."""
+def test_documented_megatron_overrides_only_block():
+    """docs/verl-megatron.md's overrides-only lines, on verl's own ppo_trainer: zorro enabled in both megatron nodes."""
     import re
 
     from tests.support import REPO_ROOT
 
-    text = (REPO_ROOT / "README.md").read_text()
+    text = (REPO_ROOT / "docs" / "verl-megatron.md").read_text()
     block = re.search(r"<!-- zorro-megatron-overrides -->\s*```bash\n(.*?)```", text, re.S)
-    assert block, "README.md lost its Megatron overrides-only block"
+    assert block, "docs/verl-megatron.md lost its Megatron overrides-only block"
     overrides = [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
     assert "model_engine=megatron" in overrides and len(overrides) == 5
     checks = _megatron_checks(overrides, "ppo_trainer")

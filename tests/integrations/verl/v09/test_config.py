@@ -254,7 +254,8 @@ def test_critic_given_a_zorro_config_refuses(tiny_ckpt):
 
 def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
     """verl's own entry point, run from an unrelated folder, composes the preset from the installed package
-    (`--config-path=pkg://zorro_verl.configs`) — the README's launch line; `--cfg job` prints it and exits."""
+    (`--config-path=pkg://zorro_verl.configs`) — the launch line of the README and docs/verl-fsdp.md; `--cfg job`
+    prints it and exits."""
     from zorro_verl.integrations.verl.presets import PRESET_SEARCH_PATH
 
     out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={PRESET_SEARCH_PATH}",

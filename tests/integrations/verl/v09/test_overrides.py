@@ -1,5 +1,5 @@
 """Switching zorro on for an existing verl command line with `key=value` overrides only (no config file of ours):
-the exact lines the README shows, composed with verl 0.9.1's own `ppo_trainer` config."""
+the exact lines docs/verl-fsdp.md shows, composed with verl 0.9.1's own `ppo_trainer` config."""
 
 import re
 from pathlib import Path
@@ -11,11 +11,11 @@ from tests.support import REPO_ROOT
 pytestmark = pytest.mark.usefixtures("verl_cpu")
 
 
-def readme_overrides() -> list[str]:
-    """The override lines of the README's "overrides only" block (between its markers)."""
-    text = (REPO_ROOT / "README.md").read_text()
+def documented_overrides() -> list[str]:
+    """The override lines of docs/verl-fsdp.md's "overrides only" block (between its markers)."""
+    text = (REPO_ROOT / "docs" / "verl-fsdp.md").read_text()
     block = re.search(r"<!-- zorro-overrides -->\s*```bash\n(.*?)```", text, re.S)
-    assert block, "README.md lost its overrides-only block"
+    assert block, "docs/verl-fsdp.md lost its overrides-only block"
     return [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
 
 
@@ -37,7 +37,7 @@ def _actor_and_ref(cfg):
     return actor, omega_conf_to_dataclass(node)
 
 
-def test_readme_overrides_build_the_zorro_engine_for_actor_and_ref():
+def test_documented_overrides_build_the_zorro_engine_for_actor_and_ref():
     import verl
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
@@ -45,7 +45,7 @@ def test_readme_overrides_build_the_zorro_engine_for_actor_and_ref():
 
     from zorro_verl.integrations.verl.settings import settings_of
 
-    overrides = readme_overrides()
+    overrides = documented_overrides()
     assert len(overrides) == 4
     config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
@@ -67,17 +67,17 @@ def test_readme_overrides_build_the_zorro_engine_for_actor_and_ref():
     assert not settings_of(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).engine).enable
 
 
-def test_readme_ulysses_launch_line_composes_with_the_preset():
-    """The README's long-context line (16K prompts, n = 16, SP = 4) composes with the preset into zorro engine
+def test_documented_ulysses_launch_line_composes_with_the_preset():
+    """docs/verl-fsdp.md's long-context line (16K prompts, n = 16, SP = 4) composes with the preset into zorro engine
     configs with SP = 4 for actor and reference, and its token budget holds a whole group per SP group."""
     from hydra import compose, initialize_config_dir
 
     from zorro_verl.integrations.verl.presets import preset_dir
     from zorro_verl.integrations.verl.settings import settings_of
 
-    text = (REPO_ROOT / "README.md").read_text()
+    text = (REPO_ROOT / "docs" / "verl-fsdp.md").read_text()
     block = re.search(r"<!-- zorro-ulysses -->\s*```bash\n(.*?)```", text, re.S)
-    assert block, "README.md lost its Ulysses launch block"
+    assert block, "docs/verl-fsdp.md lost its Ulysses launch block"
     overrides = [t for t in block.group(1).split() if "=" in t and not t.startswith("--")]
     with initialize_config_dir(config_dir=preset_dir(), version_base=None):
         cfg = compose(config_name="zorro_ppo_trainer", overrides=overrides + [
