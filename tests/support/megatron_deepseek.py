@@ -8,20 +8,18 @@
   ``original_max_position_embeddings``;
 * D3: its safetensor reader is bf16-only (DeepSeek's fp8-dequantising one); fp32 engines read with mbridge's plain one;
 * D4: the local spec's names: MLA's q / kv norms are ``q_layernorm`` / ``kv_layernorm`` (TE fuses them into the up
-  projections, mbridge's names), the experts are ``local_experts.{i}.linear_fc{1,2}.weight`` (mbridge's grouped
-  ``linear_fc{1,2}.weight{i}``);
+  projections, mbridge's names); the experts' local names are megatron_engines' V9, for every mbridge MoE bridge;
 * D5: megatron's local ``DotProductAttention`` with MLA's ``k_channels`` / ``v_channels`` (P9,
   :func:`megatron_cpu.mla_dot_product_attention`) in the decoder block spec, with ``kv_channels = v_head_dim``
   (:data:`OVERRIDE`).
 
-:data:`OVERRIDE` also turns off what zorro refuses on MoE models (the expert-bias updates and the auxiliary loss,
-statistics over the micro-batch's tokens) and what needs Transformer Engine / a GPU (grouped GEMM, shared-expert
-overlap); routing itself (sigmoid scores, top-2 of 4, one shared expert, the first layer dense) stays.
+:data:`OVERRIDE` also turns off the MoE statistics over the micro-batch's tokens (the expert-bias updates and the
+auxiliary loss: zorro weighs them by multiplicity, compared at the model level in test_moe.py) and what needs
+Transformer Engine / a GPU (grouped GEMM, shared-expert overlap); routing itself (sigmoid scores, top-2 of 4, one
+shared expert, the first layer dense) stays.
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 
@@ -67,15 +65,6 @@ def patch_deepseek_bridge() -> None:
         **DeepseekV3Bridge._ATTENTION_MAPPING,
         "self_attention.q_layernorm.weight": ["model.layers.{layer_number}.self_attn.q_a_layernorm.weight"],
         "self_attention.kv_layernorm.weight": ["model.layers.{layer_number}.self_attn.kv_a_layernorm.weight"]}
-    mlp_names = DeepseekV3Bridge._weight_name_mapping_mlp
-
-    def _mlp_names(self, name):  # D4
-        m = re.match(r"(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$", name)
-        if m:
-            name = f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"
-        return mlp_names(self, name)
-
-    DeepseekV3Bridge._weight_name_mapping_mlp = _mlp_names
     block_spec = llm_bridge.get_gpt_decoder_block_spec  # megatron_engines' V5 (the local spec)
 
     def _block_spec(config, use_transformer_engine=True, **kw):  # D5
