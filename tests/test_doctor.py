@@ -7,12 +7,14 @@ import sys
 import pytest
 import torch
 
+from tests.support import HANG_TIMEOUT_S
+
 pytest.importorskip("verl")
 
 
 def _doctor(*args, **env):
     return subprocess.run([sys.executable, "-m", "zorro_verl.cli", "doctor", *args], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, **env))
+                          timeout=HANG_TIMEOUT_S, env=dict(os.environ, **env))
 
 
 def _line(out: str, name: str) -> str:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import HANG_TIMEOUT_S
+
 PKG = Path(__file__).resolve().parents[1] / "zorro_verl"
 
 #: Layer of a module = the first matching prefix. Arrows point down this list: a layer may import itself and the
@@ -193,5 +195,5 @@ def test_core_imports_without_transformers_or_verl():
             "zorro_verl.integrations.openrlhf.boot\n"
             "bad = sorted(m for m in ('transformers', 'verl', 'flash_attn', 'openrlhf') if m in sys.modules)\n"
             "assert not bad, bad\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.support import HANG_TIMEOUT_S
 from zorro_verl import bench
 
 
@@ -52,7 +53,7 @@ def test_cli_end_to_end_rows_json_plot(tmp_path, capsys):
 
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "zorro_verl.bench", "--help"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0 and "--preset" in out.stdout and "--ops" in out.stdout
     from zorro_verl.cli import main as cli_main
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import HANG_TIMEOUT_S
 from zorro_verl.bench import e2e
 from zorro_verl.bench.flops import flop_model
 
@@ -407,7 +408,7 @@ def test_heap_peak_sampler_records_a_training_workers_peak(tmp_path):
             "b = bytearray(256 << 20); time.sleep(1.5); del b; time.sleep(1.5); print(base)")
     out = subprocess.run([sys.executable, "-c", code, "ray::WorkerDict.actor_rollout_ref_update_actor"],
                          env={**os.environ, HEAP_DIR_ENV: str(tmp_path)}, capture_output=True, text=True,
-                         timeout=60, check=True, cwd=str(Path(__file__).resolve().parents[2]))
+                         timeout=HANG_TIMEOUT_S, check=True, cwd=str(Path(__file__).resolve().parents[2]))
     base = int(out.stdout.split()[-1])
     (cmd, peak), = read_peaks(tmp_path).values()
     assert process_role(cmd) == "train worker"

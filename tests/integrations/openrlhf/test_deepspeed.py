@@ -49,6 +49,7 @@ import time
 import pytest
 
 from tests.integrations.openrlhf.conftest import REPO_ROOT, require_openrlhf_env
+from tests.support import HANG_TIMEOUT_S
 
 require_openrlhf_env()
 
@@ -56,7 +57,7 @@ import torch  # noqa: E402
 
 TOL = 1e-5
 BF16_FACTOR = 2.0
-TIMEOUT_S = 420
+TIMEOUT_S = HANG_TIMEOUT_S  # a hang guard, never a speed check
 
 # (stage, dtype, packing, gradient checkpointing, logits modes): ZeRO-2 groups first (ZeRO-3 loading patches
 # torch.nn.functional.linear process-wide, DeepSpeed's memory-efficient linear), the fp32 group of a (stage,

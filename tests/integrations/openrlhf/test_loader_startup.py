@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.support import HANG_TIMEOUT_S
 from zorro_verl.integrations.openrlhf import boot, loader
 from zorro_verl.integrations.openrlhf.boot import (
     LOADER_MODULE,
@@ -56,7 +57,7 @@ def start(tmp_path, code, switch=None, options=None, zorro_installed=True):
         flags = ["-S"]  # `import site` below then adds only the directory given, not site-packages
     prog = "import site, sys; site.addsitedir(sys.argv[1])\n" + code
     return subprocess.run([sys.executable, *flags, "-c", prog, str(site_dir)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
 
 
 def test_start_up_imports_nothing_heavy(tmp_path):

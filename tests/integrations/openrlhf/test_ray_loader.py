@@ -26,6 +26,7 @@ import sys
 import pytest
 
 from tests.integrations.openrlhf.conftest import REPO_ROOT, STUBS, require_openrlhf_env
+from tests.support import HANG_TIMEOUT_S
 
 require_openrlhf_env()
 # openrlhf.trainer.ray imports these at module import time (vLLM is stood in for, see the module docstring)
@@ -135,7 +136,7 @@ def drive(cluster, scenario, switch=None):
     if switch is not None:
         env["ZORRO_OPENRLHF"] = switch
     return subprocess.run([sys.executable, "-c", DRIVER, scenario], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_TIMEOUT_S)
 
 
 def test_loader_installed_in_this_environment():
@@ -186,7 +187,7 @@ def test_status_asks_the_cluster(cluster):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZORRO_OPENRLHF", "RAY_"))}
     env["PYTHONPATH"] = cluster["path"]
     cmd = [sys.executable, "-m", "zorro_verl.cli", "openrlhf", "status", "--address", cluster["address"]]
-    off = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    off = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert off.returncode == 1 and "NOT ON" in off.stdout and "ZORRO_OPENRLHF=None" in off.stdout, off.stdout
     on = boot.cluster_status(runtime_env={"env_vars": {"ZORRO_OPENRLHF": "1"}})
     assert len(on) == 1 and on[0]["installed"] and on[0]["import_openrlhf"] == "ok", on

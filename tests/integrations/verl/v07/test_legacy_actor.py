@@ -18,6 +18,7 @@ from tests.integrations.verl.v07.conftest import (
     make_actor_node,
     make_batch,
 )
+from tests.support import HANG_TIMEOUT_S
 
 TOL = 1e-5
 LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss")
@@ -317,7 +318,7 @@ def test_verl_use_external_modules_env():
             "assert is_routing_installed()\n"
             "print('routed')\n")
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "zorro_verl.integrations.verl.v07.plugin"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "routed" in out.stdout
 

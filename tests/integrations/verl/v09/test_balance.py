@@ -5,6 +5,8 @@ import types
 import pytest
 import torch
 
+from tests.support import HANG_TIMEOUT_S
+
 pytestmark = pytest.mark.usefixtures("verl_cpu")
 
 
@@ -235,7 +237,7 @@ def _fresh_python(code: str, **env):
     from tests.support.verl_cpu_platform import worker_env
 
     return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **worker_env(), **env),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
 
 
 def test_preset_installs_hooks_when_verl_plugins_are_restricted():

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from tests.support import HANG_TIMEOUT_S
 from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
 
 pytestmark = pytest.mark.usefixtures("verl_cpu")
@@ -246,7 +247,8 @@ def test_balance_dedup_script_reports_each_placement():
     from tests.support import REPO_ROOT
 
     out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "balance_dedup.py"), "--prompts", "64",
-                          "--n", "8", "--mini", "16", "--dp", "4"], capture_output=True, text=True, timeout=300)
+                          "--n", "8", "--mini", "16", "--dp", "4"], capture_output=True, text=True,
+                         timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {}
     for line in out.stdout.splitlines():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import HANG_TIMEOUT_S, REPO_ROOT
 from zorro_verl.integrations.verl.presets import preset_dir
 
 pytestmark = pytest.mark.usefixtures("verl_cpu")
@@ -137,7 +137,7 @@ def _fresh_python(code: str, **env) -> subprocess.CompletedProcess:
     from tests.support.verl_cpu_platform import worker_env
 
     return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **worker_env(), **env),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
 
 
 def test_entry_point_registers_at_import_verl():
@@ -260,13 +260,13 @@ def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
 
     out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={PRESET_SEARCH_PATH}",
                           "--config-name=zorro_ppo_trainer", "--cfg", "job", "actor_rollout_ref.rollout.n=6"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "_target_: zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig" in out.stdout
     assert "external_lib: zorro_verl.integrations.verl.v09.plugin" in out.stdout
     out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={PRESET_SEARCH_PATH}",
                           "--config-name=zorro_megatron_trainer", "--cfg", "job"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "_target_: zorro_verl.integrations.verl.v09.config.ZorroMcoreEngineConfig" in out.stdout
     assert "strategy: megatron" in out.stdout

@@ -13,12 +13,12 @@ Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; los
 
 import pytest
 
+from tests.support import HANG_TIMEOUT_S  # a hang guard, never a speed check
+
 pytestmark = pytest.mark.usefixtures("verl_cpu")  # skips without verl 0.9
 
 ATOL = 1e-5
 RTOL = 1e-5
-#: Seconds both ranks get before the test fails as a hang (a normal run takes well under half of it).
-HANG_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
