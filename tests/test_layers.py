@@ -1,5 +1,5 @@
-"""The package's layering (docs/DESIGN.md §9), checked on the source: which folder may import what, no import cycle,
-and which modules may act at import time. Every import counts, also the ones inside functions."""
+"""The package's layering (docs/design/layering.md), checked on the source: which folder may import what, no import
+cycle, and which modules may act at import time. Every import counts, also the ones inside functions."""
 
 from __future__ import annotations
 

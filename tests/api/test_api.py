@@ -1,4 +1,4 @@
-"""The reference API (docs/DESIGN.md §7): its examples, round trips, the loss, the actor and the patcher."""
+"""The reference API (docs/design/api.md): its examples, round trips, the loss, the actor and the patcher."""
 
 import pytest
 import torch

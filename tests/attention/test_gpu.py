@@ -1,5 +1,5 @@
 """GPU backends (flash gather, flash copy-free, flex) in bf16 vs an fp64 reference, by the relative rule of
-docs/DESIGN.md §10:
+docs/design/testing.md:
 the backend's error vs fp64 must be at most 2x the error of the reference backend run in bf16 (3x for gradients).
 Errors are relative Frobenius norms ``|x - x64| / |x64|``. Skipped without CUDA (tests/conftest.py)."""
 

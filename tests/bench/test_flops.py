@@ -1,5 +1,5 @@
 """The FLOP model against brute-force counts: linear weights of real modules, attended pairs of the plan's dense
-mask, and docs/DESIGN.md §1's linear ideal."""
+mask, and docs/design/math.md's linear ideal."""
 
 import pytest
 import torch
@@ -55,7 +55,7 @@ def test_flop_model_counts_tokens_and_attended_pairs(ragged, shuffle):
 
 
 def test_linear_part_of_the_ideal_matches_design_examples():
-    """docs/DESIGN.md §1: linear ideal B(P+R) / (G P + B R) — the token counts of the FLOP model reproduce it."""
+    """docs/design/math.md: linear ideal B(P+R) / (G P + B R) — the token counts of the FLOP model reproduce it."""
     for (B, G, P, R), expect in (((8, 2, 4096, 512), 3.0), ((16, 1, 8192, 1024), 6.0), ((16, 4, 8192, 1024), 3.0),
                                  ((16, 16, 8192, 1024), 1.0)):
         row_group = torch.arange(B) * G // B

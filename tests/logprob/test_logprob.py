@@ -436,9 +436,10 @@ def test_bf16_temperature_rounds_as_stock(op, mode):
     Oracle: the exact (fp64) log-softmax / entropy of stock's bf16 quotient, and their exact gradients w.r.t. the
     head's input and weight. Reference path run in bf16: stock's formula as verl runs it on GPU — the bf16 quotient,
     log-probs from an fp32 log-softmax (flash-attn's cross-entropy computes in fp32), entropy returned in bf16 (the
-    compiled ``entropy_from_logits`` keeps its input's dtype) — with autograd. The relative rule (docs/DESIGN.md
-    §10): zorro's relative error <= 2x the reference path's for values, 3x for gradients. Dividing the fp32 upcast
-    by the exact T instead (op ``upcast``, what the memory mode did) leaves the log-probs far outside it."""
+    compiled ``entropy_from_logits`` keeps its input's dtype) — with autograd. The relative rule
+    (docs/design/testing.md): zorro's relative error <= 2x the reference path's for values, 3x for gradients.
+    Dividing the fp32 upcast by the exact T instead (op ``upcast``, what the memory mode did) leaves the log-probs far
+    outside it."""
     bf = torch.bfloat16
     n, h, v, T = 48, 32, 2048, 0.7
     g = torch.Generator().manual_seed(0)

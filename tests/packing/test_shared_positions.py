@@ -1,5 +1,5 @@
 """``check_shared_positions``: the 3-D position check a vision-language batch passes before the ranks agree on its
-path (docs/DESIGN.md §8, the engine's batch checks), against the plan-level check it anticipates
+path (docs/design/verl.md, the engine's batch checks), against the plan-level check it anticipates
 (``packed_positions``)."""
 
 import pytest

@@ -1,6 +1,6 @@
 """Megatron-Bridge 0.6.2 (verl 0.9.1's default Megatron builder, ``vanilla_mbridge=False``) on a CPU-only torch and
-Python 3.11, for the Megatron engine tests (never shipped; docs/DESIGN.md §8 "Megatron on the CPU"; ids in brackets
-as in the code).
+Python 3.11, for the Megatron engine tests (never shipped; docs/design/megatron.md "Megatron on the CPU"; ids in
+brackets as in the code).
 
 * [S1] ``typing.override`` (Python 3.12) from ``typing_extensions``: the bridge imports ``megatron.training``, whose
   ``models/hybrid.py`` uses it.

@@ -1,5 +1,5 @@
 """megatron-core 0.19 on a CPU-only torch, for the Megatron tests (never shipped; see
-docs/DESIGN.md §8 "Megatron on the CPU" for why each shim exists): process-group setup, the CPU shims, a tiny fp64
+docs/design/megatron.md "Megatron on the CPU" for why each shim exists): process-group setup, the CPU shims, a tiny fp64
 ``GPTModel`` on megatron's local (non-Transformer-Engine) layer spec, a verl-style batch and the stock reference.
 
 The reference is megatron's ordinary forward with **no project code**: the right-padded rows ``[prompt | response |

@@ -1,5 +1,5 @@
 """verl 0.9.1's Megatron engine on the CPU, for the zorro Megatron engine tests (never shipped; each patch is
-explained in docs/DESIGN.md §8 "Megatron on the CPU"; ids in brackets as in the code).
+explained in docs/design/megatron.md "Megatron on the CPU"; ids in brackets as in the code).
 
 * CPU platform for verl [V1]; megatron-core shims [P1-P6, P9] (:mod:`tests.support.megatron_cpu` holds P1-P3);
 * the model builders: Megatron-Bridge (verl's default; :mod:`tests.support.megatron_bridge_cpu`: import stubs and

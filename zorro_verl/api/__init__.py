@@ -1,4 +1,4 @@
-"""The reference API (docs/DESIGN.md §7): ``DeduplicatedActor``, ``Qwen3ModelOncePatcher``, ``ModelOutput``
+"""The reference API (docs/design/api.md): ``DeduplicatedActor``, ``Qwen3ModelOncePatcher``, ``ModelOutput``
 (:mod:`.actor`), ``ZoRRoTrain``, ``ReconstructionInfo`` (:mod:`.train`) and ``packed_ppo_policy_loss``
 (:mod:`.loss`). ``create_dummy_batch`` lives in :mod:`zorro_verl.testing`, as in the reference's test module."""
 

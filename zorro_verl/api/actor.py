@@ -1,5 +1,5 @@
 """The reference API's actor: ``DeduplicatedActor`` and the patcher it installs, ``Qwen3ModelOncePatcher``
-(docs/DESIGN.md §7).
+(docs/design/api.md).
 
 Despite its name the patcher serves every decoder whose attention dispatches through transformers'
 ``ALL_ATTENTION_FUNCTIONS``; it installs the ``"zorro"`` attention once and builds a fresh plan per micro-batch, so
@@ -213,7 +213,7 @@ class DeduplicatedActor:
         attention_backend: (keyword only, beyond the reference signature) any registered attention backend, e.g.
             ``flash_copyfree``; overrides ``attn_implementation`` / ``use_split_attention``.
         sharing: (keyword only, beyond the reference signature) ``"prompt"`` (rows with identical prompts share
-            them) or ``"prefix"`` (every common prefix: the prefix tree, docs/DESIGN.md §1).
+            them) or ``"prefix"`` (every common prefix: the prefix tree, docs/design/math.md).
         min_shared_len: (keyword only) ``sharing="prefix"``: tokens a shared tree node must add over its parent
             (default 64).
     """

@@ -1,4 +1,4 @@
-"""The reference API's static packing helpers, ``ZoRRoTrain``, and ``ReconstructionInfo`` (docs/DESIGN.md §7).
+"""The reference API's static packing helpers, ``ZoRRoTrain``, and ``ReconstructionInfo`` (docs/design/api.md).
 Torch only. Every helper is a thin view of the one :class:`~zorro_verl.packing.ZorroPlan` built per micro-batch.
 
 Packed order of response tokens ("packed"): groups in order of first appearance, responses of a group in row

@@ -1,6 +1,6 @@
 """The skeleton every attention backend follows (one file per backend, registered in :mod:`.registry`).
 
-A backend computes split attention over a plan's packed row (docs/DESIGN.md §2)::
+A backend computes split attention over a plan's packed row (docs/design/attention.md)::
 
     attend(plan, query [1, Hq, T, D], key [1, Hkv, T, D], value [1, Hkv, T, D], scaling, features) -> [1, T, Hq, D]
 

@@ -1,5 +1,5 @@
 """Backend ``flash_copyfree``: varlen split attention without a per-response copy of the prompt's K/V
-(docs/DESIGN.md §2).
+(docs/design/attention.md).
 
 Three varlen calls over the packed row's tokens, permuted (O(T) copies) but never duplicated::
 

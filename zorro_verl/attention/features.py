@@ -1,5 +1,5 @@
 """Per-layer attention features that change the math: sliding window, attention sinks, logit soft-capping
-(docs/DESIGN.md §2), and the dense attention math every pure-torch path shares.
+(docs/design/attention.md), and the dense attention math every pure-torch path shares.
 
 One small :class:`AttentionFeatures` object travels from the registered attention function to ``attend`` and each
 backend, so adding a feature changes no backend signature. Every feature is defined on the *original* per-row

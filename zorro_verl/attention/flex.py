@@ -1,5 +1,5 @@
 """Backend ``flex``: FlexAttention split attention, one call on the packed row with a block mask built from the
-plan (docs/DESIGN.md §2).
+plan (docs/design/attention.md).
 
 ``mask(q, kv) = kv <= q  &  group[q] == group[kv]  &  (is_prompt[kv] | segment[q] == segment[kv])``
 (``& pos[q] - pos[kv] < W`` in a sliding-window layer)

@@ -405,7 +405,7 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
         state, max_q, max_k, scale, causal, window, softcap, prims = ctx.args
-        # the kernel backward under the statistics with the sink: exact dq/dk/dv (docs/DESIGN.md §2)
+        # the kernel backward under the statistics with the sink: exact dq/dk/dv (docs/design/attention.md)
         dq, dk, dv = prims.bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window,
                                softcap)
         ds = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None

@@ -1,5 +1,5 @@
 """Backends ``sdpa`` and ``eager``: the reference split attention, two dense calls on padded per-group /
-per-response blocks (CPU and GPU, any dtype; docs/DESIGN.md §2).
+per-response blocks (CPU and GPU, any dtype; docs/design/attention.md).
 
 ::
 

@@ -1,7 +1,7 @@
 """Backend ``standard`` ("standard QKV", the API's ``use_split_attention=False``): Q/K/V are projected on the
 deduplicated tokens, then expanded to full rows ``[B, Lmax]`` (each row's prompt copied from its group) for one
 ordinary causal SDPA call; outputs are read back at each packed token's first occurrence. Exact, but the attention
-itself is not deduplicated (docs/DESIGN.md §2).
+itself is not deduplicated (docs/design/attention.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Split attention under Ulysses sequence parallelism, and the gather of the head's rows (docs/DESIGN.md §8).
+"""Split attention under Ulysses sequence parallelism, and the gather of the head's rows (docs/design/verl.md).
 
 Each rank of the SP group holds ``L = T_pad / sp`` tokens of the padded packed row (:mod:`zorro_verl.packing.ulysses`).
 Per attention layer::
@@ -132,7 +132,7 @@ def ulysses_attend(plan: ZorroPlan, backend: str, shard: UlyssesShard, query: to
 def sequence_to_heads(x: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
     """``[L, H, ...]`` (this rank's tokens, every head) -> ``[T, H / sp, ...]`` (every token of the deduplicated row,
     pad dropped, this rank's heads ``[rank * H / sp, (rank + 1) * H / sp)``); autograd-aware (backward: the opposite
-    exchange). Used around the gated delta-net, whose heads are independent (docs/DESIGN.md §8)."""
+    exchange). Used around the gated delta-net, whose heads are independent (docs/design/verl.md)."""
     return _AllToAll.apply(x, shard.group, 1, 0)[: shard.T]
 
 

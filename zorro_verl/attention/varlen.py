@@ -1,4 +1,4 @@
-"""Backend ``flash``: varlen split attention with flash kernels, the two-call gather design (docs/DESIGN.md §2).
+"""Backend ``flash``: varlen split attention with flash kernels, the two-call gather design (docs/design/attention.md).
 
 ::
 

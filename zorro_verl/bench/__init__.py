@@ -5,7 +5,7 @@ Run ``python -m zorro_verl.bench --quick`` (CPU, < 3 min; = ``--preset cpu-quick
 ``--megatron`` for megatron-core's ``GPTModel``.
 One job per module: :mod:`.scenarios` (batch shapes),
 :mod:`.presets` (settings and targets), :mod:`.models` (models from a config), :mod:`.flops` (the FLOP model of
-docs/DESIGN.md §1), :mod:`.timing` (clock, memory, interleaved timer), :mod:`.runner` (model-level steps),
+docs/design/math.md), :mod:`.timing` (clock, memory, interleaved timer), :mod:`.runner` (model-level steps),
 :mod:`.ops` (attention op per backend), :mod:`.tree` (prefix trees), :mod:`.vlm` (vision-language batches),
 :mod:`.megatron` (megatron-core's ``GPTModel``; imports megatron-core only when its run starts),
 :mod:`.report` (table, plot, targets), :mod:`.cli`.

@@ -1,4 +1,4 @@
-"""The FLOP model of docs/DESIGN.md §1 with a model's real dimensions: what the ordinary padded forward computes
+"""The FLOP model of docs/design/math.md with a model's real dimensions: what the ordinary padded forward computes
 vs what zorro's deduplicated forward computes.
 
 Counted: matmul FLOPs of every linear layer per token (2 per multiply-add), attention ``4 Hq D`` per (query, key)

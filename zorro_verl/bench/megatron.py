@@ -1,5 +1,5 @@
 """The Megatron benchmark (``--megatron``): zorro on megatron-core's ``GPTModel`` vs megatron's ordinary forward,
-measured against the FLOP model's ideal (docs/DESIGN.md §1, §8 "Megatron").
+measured against the FLOP model's ideal (docs/design/math.md, megatron.md).
 
 A scenario: ``G`` prompts x ``n`` rollouts (``B = G n`` rows); each prompt ``P_min..P`` tokens (drawn per prompt),
 each response ``R_min..R_max`` tokens (drawn per row), siblings not adjacent (rows shuffled). The model: a

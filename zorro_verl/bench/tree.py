@@ -1,5 +1,5 @@
 """The prefix-tree benchmark: agentic-shaped batches, the ordinary forward vs zorro with prompt-only sharing vs
-zorro with the prefix tree (``sharing=prefix``), against the FLOP model's ideal for the tree (docs/DESIGN.md §1).
+zorro with the prefix tree (``sharing=prefix``), against the FLOP model's ideal for the tree (docs/design/math.md).
 
 Scenarios (CPU quick set, lengths scaled down 8x from the agentic shapes they stand for):
 

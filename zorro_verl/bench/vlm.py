@@ -1,6 +1,6 @@
 """The vision-language benchmark (``--vlm``): GRPO batches whose prompts hold images, the ordinary padded forward vs
 zorro (each unique prompt's images through the vision tower once, each unique prompt once through the language
-model), against the FLOP model's ideal with the vision tower counted (docs/DESIGN.md §1, §4).
+model), against the FLOP model's ideal with the vision tower counted (docs/design/math.md, model-step.md).
 
 A scenario: ``G`` prompts x ``n`` rollouts (``B = G n`` rows), each prompt ``images`` images of ``image_tokens``
 merged tokens (a square grid: 256 = 16 x 16 merged = 32 x 32 patches of 14 pixels, a 448 x 448 image) and

@@ -1,3 +1,3 @@
 """Framework integrations: :mod:`.transformers` (the model step on Hugging Face models), :mod:`.verl` (the verl
 plugins) and :mod:`.openrlhf` (the OpenRLHF actor), both built on it. Only this folder imports transformers, verl or
-OpenRLHF (docs/DESIGN.md §9)."""
+OpenRLHF (docs/design/layering.md)."""

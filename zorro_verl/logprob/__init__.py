@@ -1,4 +1,4 @@
-"""Response-only log-probs and entropy (docs/DESIGN.md §3): the names of :mod:`.response`. Imports torch only."""
+"""Response-only log-probs and entropy (docs/design/logprob.md): the names of :mod:`.response`. Imports torch only."""
 
 from zorro_verl.logprob.response import (
     DEFAULT_CHUNK,

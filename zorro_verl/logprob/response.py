@@ -1,4 +1,4 @@
-"""Response-only log-probs and entropy from hidden states at response-predicting rows (docs/DESIGN.md §3).
+"""Response-only log-probs and entropy from hidden states at response-predicting rows (docs/design/logprob.md).
 Imports torch only.
 
 ``logits_optimization`` (the one name of this knob in the API, the verl config and here):

@@ -1,5 +1,5 @@
 """Multimodal batches: which rows may share a prompt, and the packed row's images, videos and 3-D positions
-(docs/DESIGN.md §1 "Multimodal prompts"). Imports torch (and the standard library) only.
+(docs/design/model-step.md "Vision-language models"). Imports torch (and the standard library) only.
 
 A vision-language row holds placeholder tokens (``image_token_id`` / ``video_token_id``) where the vision tower's
 features go, one per merged patch: an image of grid ``(t, h, w)`` has ``t*h*w`` patch rows in ``pixel_values``

@@ -1,4 +1,4 @@
-"""Whole-unit placement search for data-parallel balancing (docs/DESIGN.md §6). Pure Python, no torch.
+"""Whole-unit placement search for data-parallel balancing (docs/design/packing.md). Pure Python, no torch.
 
 The balancer's greedy packing (largest cost first onto the least-loaded bin with room) can leave a group that fits
 nowhere whole and must be cut, although another order keeps every group whole with a busiest bin no more expensive.

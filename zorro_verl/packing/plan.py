@@ -1,6 +1,6 @@
 """The per-micro-batch plan: the core index tensors of the deduplicated forward, built once.
 
-Notation (docs/DESIGN.md §1), used in every docstring of the package:
+Notation (docs/design/math.md), used in every docstring of the package:
 
 * ``B``  rows of the micro-batch (prompt + response samples)
 * ``G``  unique prompts (groups) in the micro-batch

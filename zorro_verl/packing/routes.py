@@ -1,5 +1,5 @@
 """Per-token MoE routes (router replay) on the packed row: a deduplicated prompt token carries one route, so the
-recorded routes of every copy of it must agree (docs/DESIGN.md §8 "Megatron", router replay). Imports torch only.
+recorded routes of every copy of it must agree (docs/design/megatron.md, router replay). Imports torch only.
 
 verl's router replay (``router_replay.mode`` R2 / R3) hands ``routed_experts``: for every token of every ordinary
 row, the top-k experts each MoE layer chose (``[..., layers, topk]``), recorded by an earlier forward (R2) or by the

@@ -1,4 +1,4 @@
-"""The prefix-tree plan: rows share every common prefix, not only identical prompts (docs/DESIGN.md §1, §2).
+"""The prefix-tree plan: rows share every common prefix, not only identical prompts (docs/design/math.md, attention.md).
 
 Each row's valid tokens (prompt and response, including tokens masked out of the loss) are one sequence; the
 sequences form a trie. Each kept trie edge is one **node**: a segment of the packed row computed once. A node's

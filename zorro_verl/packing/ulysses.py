@@ -1,4 +1,4 @@
-"""Ulysses sequence-parallel layout of a plan's packed row (docs/DESIGN.md §8, "Ulysses sequence parallelism").
+"""Ulysses sequence-parallel layout of a plan's packed row (docs/design/verl.md "Ulysses sequence parallelism").
 
 Every rank of a sequence-parallel (SP) group holds the same micro-batch and builds the same plan. The packed row
 ``[T]`` is right padded to ``T_pad = ceil(T / sp) * sp`` and rank ``s`` runs the tokens

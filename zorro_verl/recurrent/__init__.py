@@ -1,4 +1,4 @@
-"""Recurrent (linear-attention) layers on the packed dedup row (docs/DESIGN.md §5): the names of :mod:`.packed`.
+"""Recurrent (linear-attention) layers on the packed dedup row (docs/design/model-step.md): the names of :mod:`.packed`.
 Imports torch and :mod:`zorro_verl.packing` only."""
 
 from zorro_verl.recurrent.packed import (

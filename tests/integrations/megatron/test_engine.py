@@ -1,5 +1,5 @@
-"""zorro's Megatron engine vs verl 0.9.1's stock Megatron engine, fp32 on the CPU (docs/DESIGN.md §8 "The Megatron
-engine", §10).
+"""zorro's Megatron engine vs verl 0.9.1's stock Megatron engine, fp32 on the CPU (docs/design/megatron.md "The
+Megatron engine", testing.md).
 
 The reference has no project code: verl's own ``MegatronEngineWithLMHead`` on its padded path (megatron's
 ``DotProductAttention``, verl's vocabulary-parallel log-probs). Both engines load the same tiny Qwen3 checkpoint,
@@ -16,8 +16,8 @@ a batch refused on every rank, and the ``warn`` fallback equal to the stock engi
 Tolerances (fp32): values 2e-6 absolute (log-probs ~-5: a few ulp; the stock path and zorro's both compute the
 log-softmax in fp32, megatron's cross-entropy casting to fp32 either way); loss and grad norm 1e-6 relative;
 gradients 5e-6 relative to each parameter's largest entry (micro-batch sums in another order), 1e-5 at a second step
-(DESIGN §10's multi-step bound); parameters after one SGD step (lr 1e-3) 1e-7 absolute, 2e-7 after two. verl's
-Megatron LoRA (Megatron-Bridge PEFT) over two steps, with the adapters and with them disabled (the reference).
+(docs/design/testing.md's multi-step bound); parameters after one SGD step (lr 1e-3) 1e-7 absolute, 2e-7 after two.
+verl's Megatron LoRA (Megatron-Bridge PEFT) over two steps, with the adapters and with them disabled (the reference).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ TOL_VALUE = 2e-6
 TOL_SCALAR_REL = 1e-6
 TOL_GRAD = 5e-6
 TOL_PARAM = 1e-7
-#: gradients at a later step of a multi-step comparison (DESIGN §10: 1e-5 relative for the fp32 engines): the two
-#: engines' weights already differ by one step's rounding (<= TOL_PARAM)
+#: gradients at a later step of a multi-step comparison (docs/design/testing.md: 1e-5 relative for the fp32 engines):
+#: the two engines' weights already differ by one step's rounding (<= TOL_PARAM)
 TOL_GRAD_LATER_STEP = 1e-5
 LAYOUTS = ("tp2", "pp2", "dp2")
 #: verl's two Megatron model builders, Megatron-Bridge (its default) first
@@ -109,7 +109,7 @@ def test_other_families_and_prefix_tree_tp2_sp(engine_results, case):
 
 def test_bf16_relative_rule(engine_results):
     """bf16 (megatron's Float16Module), TP = 2 + SP: against a fp32 stock engine, zorro's log-probs within 2x and its
-    gradients within 3x the stock bf16 engine's error (docs/DESIGN.md §10's relative rule)."""
+    gradients within 3x the stock bf16 engine's error (docs/design/testing.md's relative rule)."""
     for rank, res in enumerate(engine_results):
         r = res["bf16"]
         assert r["param_dtype"] == "torch.bfloat16", r

@@ -1,5 +1,5 @@
 """zorro's Megatron engine vs verl 0.9.1's stock Megatron engine on a tiny DeepSeek-V3 checkpoint (multi-latent
-attention + MoE), fp32 on the CPU (docs/DESIGN.md §8 "Megatron", §10).
+attention + MoE), fp32 on the CPU (docs/design/megatron.md, testing.md).
 
 The checkpoint (tests/support/megatron_deepseek.py): MLA with compressed q / kv, q / k heads of 16 + 8 (decoupled
 RoPE) and v heads of 12; the first layer dense, the second a top-2-of-4 sigmoid-routed MoE with a shared expert;

@@ -1,5 +1,5 @@
 """zorro's Megatron engine with virtual pipeline stages, ``use_fused_kernels``, the per-token random ops refused in
-training and the position-id check before the ranks agree (docs/DESIGN.md §8 "The Megatron engine", §10).
+training and the position-id check before the ranks agree (docs/design/megatron.md "The Megatron engine", testing.md).
 
 Engine level (one 2-process gloo group, tests/support/megatron_engine_vpp_ranks.py): PP = 2 x VPP = 2 on a 4-layer
 Qwen3 checkpoint (one layer per model chunk; megatron's interleaved 1F1B schedule with verl's ``overlap_p2p_comm`` /

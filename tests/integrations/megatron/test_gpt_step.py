@@ -1,4 +1,4 @@
-"""Zorro on megatron-core's GPTModel vs megatron's ordinary forward, fp64 on CPU (docs/DESIGN.md §8 "Megatron", §10).
+"""Zorro on megatron-core's GPTModel vs megatron's ordinary forward, fp64 on CPU (docs/design/megatron.md, testing.md).
 
 The reference has no project code: megatron's local ``DotProductAttention`` on the right-padded rows with a causal
 mask, log-probs / entropy by ``torch.log_softmax`` (tests/support/megatron_cpu.py). Compared: log-probs and entropy of
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from tests.support import megatron_cpu as M  # noqa: E402
 
-#: fp64 rules (docs/DESIGN.md §10): values absolute, gradients relative to each parameter's largest entry
+#: fp64 rules (docs/design/testing.md): values absolute, gradients relative to each parameter's largest entry
 TOL_VALUE = 1e-12
 TOL_GRAD = 1e-12
 WORST: dict = {}

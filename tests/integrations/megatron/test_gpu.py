@@ -1,4 +1,4 @@
-"""Zorro on megatron-core's GPTModel with Transformer Engine on a GPU (docs/DESIGN.md §8 "Megatron", §10): the TE
+"""Zorro on megatron-core's GPTModel with Transformer Engine on a GPU (docs/design/megatron.md, testing.md): the TE
 layer spec (TE's core attention, wrapped by zorro's subclass: non-zorro calls run TE unchanged) and TE's fused RoPE
 (``apply_rope_fusion=True``) fed zorro's per-token table ``[Tp, 1, 1, D]``.
 

@@ -1,6 +1,7 @@
-"""zorro's Megatron engine as verl builds it on a GPU (docs/DESIGN.md §8 "The Megatron engine", §10): Megatron-Bridge
-(verl's default builder) with its default Transformer Engine layer spec, verl's ``attention_backend=flash``, TE's
-fused RoPE fed zorro's per-token table, verl's packed (THD) path on the stock side; one GPU, bf16.
+"""zorro's Megatron engine as verl builds it on a GPU (docs/design/megatron.md "The Megatron engine", testing.md):
+Megatron-Bridge (verl's default builder) with its default Transformer Engine layer spec, verl's
+``attention_backend=flash``, TE's fused RoPE fed zorro's per-token table, verl's packed (THD) path on the stock side;
+one GPU, bf16.
 
 zorro's class swap wraps TE's core attention: calls with a zorro plan run zorro's split attention (the settings'
 ``auto`` backend), every other call — the stock engine's THD varlen calls, the ``warn`` fallback — runs TE's own.

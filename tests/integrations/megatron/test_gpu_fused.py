@@ -1,5 +1,5 @@
 """zorro's Megatron engine with ``use_fused_kernels=True`` vs verl's stock fused Megatron engine on a GPU
-(docs/DESIGN.md §8 "The Megatron engine", §10).
+(docs/design/megatron.md "The Megatron engine", testing.md).
 
 verl 0.9.1's fused head on megatron-core >= 0.18 is an ``output_processor`` running its Triton
 ``linear_cross_entropy`` (CUDA only) at every row of verl's THD-packed batch, which needs Transformer Engine's

@@ -1,5 +1,5 @@
 """Zorro on megatron-core's multi-latent attention (``MLASelfAttention``, DeepSeek-V3 / Kimi-K2 style) vs megatron's
-ordinary forward, fp64 on CPU (docs/DESIGN.md §8 "Megatron", §10).
+ordinary forward, fp64 on CPU (docs/design/megatron.md, testing.md).
 
 The model (``build_gpt(mla=True)``, tests/support/megatron_cpu.py): compressed queries (``q_lora_rank``) and keys /
 values (``kv_lora_rank``), q / k heads of ``qk_head_dim + qk_pos_emb_head_dim = 16 + 8`` and v heads of 12, the

@@ -1,5 +1,5 @@
-"""MoE router statistics on zorro's Megatron path vs megatron's ordinary forward, fp64 on CPU (docs/DESIGN.md §8
-"Megatron", MoE; §10).
+"""MoE router statistics on zorro's Megatron path vs megatron's ordinary forward, fp64 on CPU (docs/design/megatron.md,
+MoE; testing.md).
 
 A 4-expert top-2 MoE ``GPTModel`` with the load-balancing loss per micro-batch and over the global batch, the z-loss
 and the expert bias all on (tests/support/megatron_moe.py). The reference is megatron's own forward on the ordinary

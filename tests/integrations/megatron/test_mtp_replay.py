@@ -1,5 +1,5 @@
-"""Multi-token prediction and MoE router replay on zorro's megatron step: refused by name, with why (docs/DESIGN.md
-§8 "Megatron"); checked before anything runs. The engine-level refusals (``model.mtp.enable``,
+"""Multi-token prediction and MoE router replay on zorro's megatron step: refused by name, with why
+(docs/design/megatron.md); checked before anything runs. The engine-level refusals (``model.mtp.enable``,
 ``router_replay.mode``) are in tests/integrations/verl/v09/test_megatron_checks.py."""
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from zorro_verl.testing.compare import max_rel_grad_error  # noqa: E402
 from zorro_verl.testing.fp64 import exact_fp64_norms  # noqa: E402
 from zorro_verl.testing.models import tiny_config  # noqa: E402
 
-# The training runs compare in fp64 (DESIGN §12, its tests): in fp32, six SGD steps at lr 0.5 grow one step's ~1e-6
-# rounding to ~1e-5, more or less than that by the CPU's kernels; in fp64 they stay near 1e-14.
+# The training runs compare in fp64 (docs/design/openrlhf.md, its tests): in fp32, six SGD steps at lr 0.5 grow one
+# step's ~1e-6 rounding to ~1e-5, more or less than that by the CPU's kernels; in fp64 they stay near 1e-14.
 TOL = 1e-9
 VOCAB = 128
 

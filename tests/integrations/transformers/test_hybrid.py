@@ -9,7 +9,7 @@ Tolerances:
   ``dt_bias``: their gradient sums many decay terms ``exp(cumsum g)`` with cancellation, and zorro necessarily chunks
   differently (a prompt and each response are separate kernel sequences).
 * fp32 with the stock transformers kernels (no swaps): zorro's error vs the fp64 oracle must be at most 2x (log-probs,
-  entropy) / 3x (gradients) the error of the ordinary fp32 forward vs the same fp64 oracle (docs/DESIGN.md §10).
+  entropy) / 3x (gradients) the error of the ordinary fp32 forward vs the same fp64 oracle (docs/design/testing.md).
 """
 
 import copy

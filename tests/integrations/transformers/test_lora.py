@@ -5,7 +5,7 @@ The adapter (tests/support/lora.py: rank 8, ``lora_B`` drawn at random so that i
 too. Compared as tests/integrations/transformers/test_step.py does (log-probs, entropy, the PPO loss and every
 gradient, which here is every LoRA parameter's: the base weights are frozen), per logits mode, with gradient
 checkpointing and with a prefix-tree plan; the adapter disabled gives the base model's values; dropout is refused.
-Tolerance (docs/DESIGN.md §10): 1e-9.
+Tolerance (docs/design/testing.md): 1e-9.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (multi-latent attention: q / k heads of ``qk_nope_head_dim + qk_rope_head_dim`` = 16 + 8, v heads
 of 12; a sigmoid-routed MoE layer with a shared expert) through zorro vs the ordinary per-row forward, fp64 on CPU:
-log-probs, entropy, the PPO loss and every parameter gradient (docs/DESIGN.md §8 "Megatron", multi-latent
+log-probs, entropy, the PPO loss and every parameter gradient (docs/design/megatron.md, multi-latent
 attention: ``attend`` takes a value head dim of its own). transformers' router computes its logits in fp32 (``.type(
 torch.float32)``); here each router instance runs them in the weight's dtype (fp64), as for Megatron's MoE tests, so
 the router gradients, which deduplication sums in another order, are compared in fp64 too."""

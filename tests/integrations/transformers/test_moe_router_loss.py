@@ -1,5 +1,5 @@
 """An HF MoE model with its router load-balancing loss turned on (``output_router_logits=True``,
-``router_aux_loss_coef > 0``) under the zorro step, fp64 (docs/DESIGN.md §8, MoE on the FSDP engine).
+``router_aux_loss_coef > 0``) under the zorro step, fp64 (docs/design/verl.md, MoE on the FSDP engine).
 
 The HF model adds that loss to ``output.loss`` only when it is given ``labels``; verl's FSDP engines call it without
 labels and never read ``output.aux_loss`` (their loss is computed from the log-probs), and neither does the zorro

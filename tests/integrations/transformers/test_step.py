@@ -1,6 +1,6 @@
 """The one model step (zorro_step) vs the ordinary per-row forward on tiny real transformers models, fp64.
 
-Compared: log-probs, entropy, the PPO loss and EVERY parameter gradient. Tolerance (docs/DESIGN.md §10):
+Compared: log-probs, entropy, the PPO loss and EVERY parameter gradient. Tolerance (docs/design/testing.md):
 max relative error <= 1e-9 (per-tensor ``max|Δ| / max|ref|``); measured values are ~1e-15.
 """
 

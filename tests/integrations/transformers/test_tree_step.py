@@ -2,7 +2,7 @@
 
 Random tries (hypothesis), a shared system prompt across different questions, verl's multi-output agent-loop samples
 (output i > 0 carries the accumulated conversation as its prompt) and tool tokens masked out of the loss. Compared:
-log-probs, entropy, the PPO loss over trained tokens and every parameter gradient. Tolerances (docs/DESIGN.md §10):
+log-probs, entropy, the PPO loss over trained tokens and every parameter gradient. Tolerances (docs/design/testing.md):
 log-prob / entropy / loss <= 1e-9 abs, gradients <= 1e-8 relative (measured ~1e-15 / ~1e-13).
 """
 

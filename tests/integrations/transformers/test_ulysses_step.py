@@ -1,4 +1,4 @@
-"""``zorro_step`` under Ulysses sequence parallelism (docs/DESIGN.md §8) against ``zorro_step`` on the whole packed
+"""``zorro_step`` under Ulysses sequence parallelism (docs/design/verl.md) against ``zorro_step`` on the whole packed
 row, without verl: every rank of an SP group runs its slice of the padded row, exchanges sequence shards for head
 shards around the backend, runs the head at the rows it holds and all-gathers them (tests/support/ulysses_step.py).
 

@@ -1,4 +1,4 @@
-"""Zorro on megatron-core's ``GPTModel`` (docs/DESIGN.md §8 "Megatron"): the split attention as the layers' core
+"""Zorro on megatron-core's ``GPTModel`` (docs/design/megatron.md): the split attention as the layers' core
 attention, the plan carried by a ``PackedSeqParams`` subclass, per-token RoPE positions and the LM head at the
 response-predicting rows. Imports megatron-core (``.venv-megatron``: ``scripts/setup_megatron_env.sh``)."""
 

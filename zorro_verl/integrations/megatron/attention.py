@@ -1,4 +1,4 @@
-"""Zorro's core attention for megatron-core's ``GPTModel`` (docs/DESIGN.md §2, §8 "Megatron").
+"""Zorro's core attention for megatron-core's ``GPTModel`` (docs/design/attention.md, megatron.md).
 
 Megatron's ``SelfAttention`` projects q/k/v, applies q/k norms and RoPE, and calls its ``core_attention`` submodule as
 ``core_attention(query, key, value, attention_mask, attn_mask_type=, attention_bias=, packed_seq_params=)`` with

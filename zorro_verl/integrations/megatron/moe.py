@@ -1,5 +1,5 @@
-"""MoE router statistics on zorro's packed row, counted as the ordinary forward counts them (docs/DESIGN.md §8
-"Megatron", MoE).
+"""MoE router statistics on zorro's packed row, counted as the ordinary forward counts them (docs/design/megatron.md,
+MoE).
 
 Routing is token-wise: a prompt token computed once is routed as each of its copies would be. What changes is every
 statistic megatron's ``TopKRouter`` reduces over the micro-batch's tokens. In the ordinary forward a prompt shared by

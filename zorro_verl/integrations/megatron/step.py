@@ -1,5 +1,5 @@
 """The zorro step on megatron-core's ``GPTModel``: run a model on a plan, return response log-probs / entropy
-(docs/DESIGN.md §4 for the transformers step it mirrors, §8 "Megatron").
+(docs/design/model-step.md for the transformers step it mirrors, megatron.md).
 
 One step:
 

@@ -1,5 +1,5 @@
 """Response log-probs and entropy from megatron's vocabulary-parallel logits, without gathering the vocabulary
-(docs/DESIGN.md §3 for the math, §8 "Megatron").
+(docs/design/logprob.md for the math, megatron.md).
 
 Each tensor-parallel rank holds ``logits [N, V/tp]``, the columns ``[vocab_start, vocab_start + V/tp)``. Per row the
 rank computes, in row blocks, its local max ``m_r``, ``S_r = sum exp(z - m_r)`` and ``Z_r = sum exp(z - m_r) z`` (``z``

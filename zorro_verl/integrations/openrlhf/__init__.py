@@ -1,4 +1,4 @@
-"""OpenRLHF integration (docs/DESIGN.md §12): zorro's deduplicated forward for ``openrlhf.models.actor.Actor`` and
+"""OpenRLHF integration (docs/design/openrlhf.md): zorro's deduplicated forward for ``openrlhf.models.actor.Actor`` and
 group-aware batching, switched on by ``ZORRO_OPENRLHF=1``. Nothing here imports OpenRLHF at package import:
 
 * :mod:`.settings` — the switch and ``ZORRO_OPENRLHF_OPTIONS`` (no OpenRLHF);

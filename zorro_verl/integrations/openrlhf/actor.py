@@ -1,4 +1,4 @@
-"""zorro's forward for OpenRLHF's ``openrlhf.models.actor.Actor`` (docs/DESIGN.md §12).
+"""zorro's forward for OpenRLHF's ``openrlhf.models.actor.Actor`` (docs/design/openrlhf.md).
 
 :func:`install` replaces ``Actor.forward`` on the class (so every instance — the policy in training and in the
 old-log-prob pass, the reference model, the EMA copy — runs it, and DeepSpeed's ``isinstance(model, Actor)``
@@ -10,9 +10,9 @@ checks still hold) with :func:`zorro_forward`, which keeps ``Actor.forward``'s s
   reads it only under ``action_mask``). The output holds no logits (zorro computes the head at response-predicting
   rows only); ``output.aux_loss`` (MoE load-balancing) raises, since its ordinary value counts each prompt n times.
 
-LoRA actors (``--ds.lora.rank``: ``Actor.model`` is a ``PeftModel``) run the same forward (docs/DESIGN.md §4, "LoRA
-(PEFT) models"). Calls zorro cannot run exactly (ring attention, multimodal inputs / VLMs, LoRA dropout > 0, DeepSpeed
-tensor parallelism, calls without ``action_mask`` that want full logits or per-token log-probs) raise, or with
+LoRA actors (``--ds.lora.rank``: ``Actor.model`` is a ``PeftModel``) run the same forward (docs/design/model-step.md,
+"LoRA (PEFT) models"). Calls zorro cannot run exactly (ring attention, multimodal inputs / VLMs, LoRA dropout > 0,
+DeepSpeed tensor parallelism, calls without ``action_mask`` that want full logits or per-token log-probs) raise, or with
 ``on_unsupported=warn`` run the stock forward, warn once per reason and count the call in ``zorro/fallback_batches``.
 Packed (``packing_samples``) and padded actors run the same deduplicated step: the plan is the packing.
 """

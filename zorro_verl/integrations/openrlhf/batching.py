@@ -1,4 +1,4 @@
-"""Group-aware batching for OpenRLHF (docs/DESIGN.md §12): a prompt's samples share micro-batches, and every
+"""Group-aware batching for OpenRLHF (docs/design/openrlhf.md): a prompt's samples share micro-batches, and every
 optimizer step trains on exactly the samples stock OpenRLHF gives it (by default).
 
 Stock OpenRLHF 0.11 (``ActorPPOTrainer.ppo_train``): each DP rank's replay buffer holds single samples; its

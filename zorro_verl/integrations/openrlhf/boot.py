@@ -1,5 +1,5 @@
 """The OpenRLHF loader: post-import hooks installed in every Python process of the environment that imports
-OpenRLHF with the switch on, and the checks that every process doing OpenRLHF work has them (docs/DESIGN.md §12).
+OpenRLHF with the switch on, and the checks that every process doing OpenRLHF work has them (docs/design/openrlhf.md).
 
 OpenRLHF has no plugin entry points and runs its work in Ray actors (the ``PPOTrainer`` actor that makes the
 experiences, the policy, reference, critic and reward model actors), each a separate Python process started by
@@ -440,7 +440,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="zorro-verl openrlhf",
         description=f"The loader every OpenRLHF process of this environment runs; zorro is then switched on per run "
-                    f"with {ENV_SWITCH}=1 (docs/DESIGN.md §12).")
+                    f"with {ENV_SWITCH}=1 (docs/design/openrlhf.md).")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("install", help="write the loader (.pth and its module) into this environment's site-packages")
     sub.add_parser("uninstall", help="remove them (do this before `pip uninstall zorro-verl`)")

@@ -1,4 +1,5 @@
-"""OpenRLHF's batch layout -> zorro's plan, and the plan's results -> OpenRLHF's return layout (docs/DESIGN.md §12).
+"""OpenRLHF's batch layout -> zorro's plan, and the plan's results -> OpenRLHF's return layout
+(docs/design/openrlhf.md).
 
 OpenRLHF 0.11 (``Experience``, ``Actor.forward``) keeps each sample as one contiguous span of valid tokens
 ``[prompt | response]`` inside a padded row (right padded after ``make_experience_batch``), and marks the tokens

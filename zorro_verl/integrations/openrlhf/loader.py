@@ -1,4 +1,4 @@
-"""The start-up half of the OpenRLHF loader (docs/DESIGN.md §12): standard library only, so that a process with the
+"""The start-up half of the OpenRLHF loader (docs/design/openrlhf.md): standard library only, so that a process with the
 switch exported (every Ray daemon when it is exported before ``ray start``) loads nothing heavy.
 
 ``zorro-verl openrlhf install`` copies this file into site-packages as ``zorro_verl_openrlhf_loader.py`` beside

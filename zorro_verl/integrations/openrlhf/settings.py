@@ -1,4 +1,4 @@
-"""The OpenRLHF switch: environment variables, read in every process (docs/DESIGN.md §12). Imports no OpenRLHF.
+"""The OpenRLHF switch: environment variables, read in every process (docs/design/openrlhf.md). Imports no OpenRLHF.
 
 * ``ZORRO_OPENRLHF=1`` (also ``true``/``yes``/``on``): the switch. With it, the loader (:mod:`.boot`, run by the
   ``zorro_verl_openrlhf.pth`` file at interpreter start) hooks OpenRLHF's modules when they are imported; unset or

@@ -1,5 +1,5 @@
 """Hugging Face transformers integration: the registered ``"zorro"`` attention, installing zorro on a model, and
-the one model step (docs/DESIGN.md §2, §4, §5).
+the one model step (docs/design/attention.md, model-step.md).
 
 * :mod:`.attention` — the function registered as ``"zorro"`` in ``AttentionInterface``;
 * :mod:`.context` — :class:`StepContext` (plan, backend, :class:`LayerCalls`), the ``zorro_ctx`` kwarg;

@@ -1,4 +1,4 @@
-"""The attention function registered as ``"zorro"`` in transformers' ``AttentionInterface`` (docs/DESIGN.md §2).
+"""The attention function registered as ``"zorro"`` in transformers' ``AttentionInterface`` (docs/design/attention.md).
 
 No mask function is registered with it, so transformers passes ``attention_mask=None`` and builds no O(T^2) mask;
 the structure comes from the plan in the ``zorro_ctx`` kwarg. The name must not contain "flash", "sdpa",

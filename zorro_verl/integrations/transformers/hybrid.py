@@ -227,7 +227,7 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
 
 def _exchange_to_heads(mod, mixed: torch.Tensor, weight: torch.Tensor, bias, g: torch.Tensor, beta: torch.Tensor,
                        shard):
-    """The Ulysses exchange of a gated delta-net layer's sequence mixers' inputs (docs/DESIGN.md §8).
+    """The Ulysses exchange of a gated delta-net layer's sequence mixers' inputs (docs/design/verl.md).
 
     The conv is depthwise (per channel) and the delta rule runs per value head, so both run unchanged on any subset
     of heads. Channels are ``[q (Hk Dk) | k (Hk Dk) | v (Hv Dv)]``, the conv weight's rows in the same order.

@@ -1,4 +1,4 @@
-"""Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/DESIGN.md §4).
+"""Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/design/model-step.md).
 
 * :func:`install_zorro` sets the model's attention to the registered ``"zorro"`` function, wraps gated delta-net
   (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), and — with ``probe`` — checks with a tiny forward

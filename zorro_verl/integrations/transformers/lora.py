@@ -1,4 +1,4 @@
-"""LoRA (PEFT) models under zorro (docs/DESIGN.md §4, "LoRA (PEFT) models").
+"""LoRA (PEFT) models under zorro (docs/design/model-step.md "LoRA (PEFT) models").
 
 LoRA adds a low-rank matmul to token-wise linear layers (``y = W x + s B A x``): every token's output still depends
 on that token's input only, so the deduplicated forward computes a shared prompt token once with the adapter as the

@@ -1,4 +1,5 @@
-"""The one model step of zorro: run a model on a plan and return response log-probs / entropy (docs/DESIGN.md §4).
+"""The one model step of zorro: run a model on a plan and return response log-probs / entropy
+(docs/design/model-step.md).
 
 Every caller — the standalone API (``DeduplicatedActor``), the verl 0.9 engine, the verl 0.7 actor, the demo and the
 benchmark — runs the deduplicated forward through :func:`zorro_step`, so a new capability is added here once.

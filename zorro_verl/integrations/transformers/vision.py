@@ -1,5 +1,5 @@
 """Vision-language models (Qwen2-VL family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5's multimodal model) under zorro
-(docs/DESIGN.md §4 "Vision-language models").
+(docs/design/model-step.md "Vision-language models").
 
 The language model runs zorro's split attention on the packed row; the vision tower keeps its own attention (it
 attends within each image, bidirectionally) and runs inside the model's own forward on the packed row's media —

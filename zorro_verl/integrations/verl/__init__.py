@@ -1,4 +1,4 @@
-"""verl integration (docs/DESIGN.md §8). Nothing here imports verl at package import:
+"""verl integration (docs/design/verl.md). Nothing here imports verl at package import:
 
 * :mod:`.settings` — :class:`~.settings.ZorroSettings`, the validated ``zorro`` keys (no verl);
 * :mod:`.common` — what both generations' actors share (no verl);

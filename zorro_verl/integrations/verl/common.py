@@ -1,6 +1,6 @@
-"""What both verl generations' zorro actors share (docs/DESIGN.md §8): the settings-driven state, the loud
+"""What both verl generations' zorro actors share (docs/design/verl.md): the settings-driven state, the loud
 refusal of settings zorro cannot run exactly, and the dedup metrics. Imports no verl, so the OpenRLHF integration
-(docs/DESIGN.md §12) builds on it too."""
+(docs/design/openrlhf.md) builds on it too."""
 
 from __future__ import annotations
 

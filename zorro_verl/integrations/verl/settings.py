@@ -1,4 +1,4 @@
-"""The ``zorro`` settings shared by both verl generations (docs/DESIGN.md §8). Imports no verl.
+"""The ``zorro`` settings shared by both verl generations (docs/design/verl.md). Imports no verl.
 
 Plain Python (no verl, no dataclass): :meth:`ZorroSettings.from_mapping` accepts a dict, an OmegaConf ``DictConfig``
 or any object with the same attributes (e.g. the Hydra plugin dataclass), rejects unknown keys and bad values
@@ -21,7 +21,7 @@ Keys (documented for users in ``configs/README.md``):
   (verl 0.9). ``keep_minibatches``: every optimizer step gets exactly the rows verl's own balancing gives it; rows
   move between DP ranks only inside each mini-batch, so a group's rows there sit on one rank (the run equals
   stock's). ``whole_groups`` (opt-in, logged): whole groups are bin-packed into (rank, mini-batch) slots, which
-  dedups more but changes which rows share an optimizer step (docs/DESIGN.md §6).
+  dedups more but changes which rows share an optimizer step (docs/design/packing.md).
 * ``sharing`` (``prompt|prefix``, ``prompt``): share identical prompts, or every common prefix (the prefix tree:
   shared system prompts, earlier turns of multi-turn samples, shared response starts).
 * ``min_shared_len`` (int >= 1, 64): ``sharing=prefix`` only: tokens a shared tree node must add over its parent

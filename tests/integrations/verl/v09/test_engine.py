@@ -1,7 +1,7 @@
 """The zorro FSDP engine vs verl 0.9.1's stock FSDPEngineWithLMHead on CPU (fp32, 1-rank gloo), under FSDP2 and
 FSDP1 (the ``strategy`` fixture: every engine test here runs under both).
 
-Tolerances (docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; PPO loss, grad norm and every gradient
+Tolerances (docs/design/testing.md): log-probs / entropy max abs <= 1e-5; PPO loss, grad norm and every gradient
 relative <= 1e-5 (fp32).
 """
 

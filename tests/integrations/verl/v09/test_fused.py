@@ -1,7 +1,7 @@
 """The zorro engine with verl's fused kernels (use_fused_kernels=true) vs verl 0.9.1's stock engine with and without
 them, on CPU (fp32, 1-rank gloo, verl's torch fused backend), under FSDP2 and FSDP1 (the ``strategy`` fixture).
 
-Tolerances (docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; loss, grad norm and every gradient relative
+Tolerances (docs/design/testing.md): log-probs / entropy max abs <= 1e-5; loss, grad norm and every gradient relative
 <= 1e-5 (fp32).
 
 verl patches the model *class's* forward for fused kernels (for the whole process); the engines without fused

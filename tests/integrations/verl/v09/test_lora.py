@@ -10,7 +10,7 @@ base weights get none), in logits modes none / compute / memory, sharing prompt 
 size. Two ranks: tests/support/verl_two_ranks.py. Refused: LoRA dropout > 0 (the deduplicated forward would draw
 one dropout mask where the ordinary forward draws one per row) and the memory mode with a LoRA-wrapped LM head.
 
-Tolerances as the engine suite (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm and
+Tolerances as the engine suite (docs/design/testing.md, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm and
 gradients relative <= 1e-5 (every LoRA parameter's own gradient too, against its own largest entry).
 """
 

@@ -8,7 +8,7 @@ exactly compare loss, grad norm and every gradient; modes it cannot (``zorro_ver
 raise with ``on_unsupported=raise`` and with ``warn`` run the stock forward, counted in ``zorro/fallback_batches``.
 The policy losses of ``EQUAL`` are the allow-list ``VERIFIED_POLICY_LOSSES``; any other registered loss is refused.
 
-Tolerances (docs/DESIGN.md §10): loss and grad norm relative <= 1e-5, gradients relative to the largest <= 1e-5.
+Tolerances (docs/design/testing.md): loss and grad norm relative <= 1e-5, gradients relative to the largest <= 1e-5.
 """
 
 import pytest

@@ -4,7 +4,7 @@ is gathered once per step whatever the chunk count, and static refusals happen a
 FSDP1 unit runs its wrapper's forward (which gathers the head) around zorro's head function; before, the memory mode
 refused such a head at engine start ("expected a torch.nn.Linear head, got FullyShardedDataParallel").
 
-Tolerances (docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative <= 1e-5.
+Tolerances (docs/design/testing.md): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative <= 1e-5.
 """
 
 import pytest

@@ -7,7 +7,7 @@ one rank cannot read or split makes both ranks raise. Both strategies run in the
 Under FSDP1 the fused step failed here before its forward was set inside the FSDP1 wrapper (the wrapper's own
 forward, which unshards the root unit's sharded parameters, was skipped).
 
-Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
+Tolerances (docs/design/testing.md, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
 <= 1e-5.
 """
 

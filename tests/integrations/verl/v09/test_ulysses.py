@@ -1,4 +1,4 @@
-"""zorro under verl's Ulysses sequence parallelism (docs/DESIGN.md §8): the zorro engine with SP = 2 against verl's
+"""zorro under verl's Ulysses sequence parallelism (docs/design/verl.md): the zorro engine with SP = 2 against verl's
 stock engine with the same SP and against the stock engine without SP, on CPU over gloo (fp32; FSDP2 and FSDP1, in the
 same processes, one test per strategy), in one inference pass and one training step (tests/support/verl_ulysses.py
 runs each rank).
@@ -16,7 +16,7 @@ Prefix trees (``sharing=prefix``) under SP, in both runs: an agentic batch per D
 questions x 3 samples, a multi-output 3-turn trajectory with masked tool tokens) against both stock engines, and the
 prompt batch as a depth-one tree. The all-to-all bytes are counted per training step and must equal the cost model.
 
-Tolerances (docs/DESIGN.md §10, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
+Tolerances (docs/design/testing.md, fp32): log-probs / entropy max abs <= 1e-5; loss, grad norm, gradients relative
 <= 1e-5.
 """
 

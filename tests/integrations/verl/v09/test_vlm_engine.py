@@ -12,7 +12,7 @@ Two test-only CPU stand-ins for GPU kernels verl's stock remove-padding path cal
 Qwen3.5: flash-linear-attention's varlen delta rule) are explained in
 :func:`tests.support.verl_vlm.cpu_stock_vlm_kernels`.
 
-Tolerances (fp32, docs/DESIGN.md §10): log-probs / entropy max abs <= 1e-5; loss, grad norm and gradients relative
+Tolerances (fp32, docs/design/testing.md): log-probs / entropy max abs <= 1e-5; loss, grad norm and gradients relative
 <= 1e-5 (gradient clipping disabled, so the engine's gradients are the loss's).
 """
 
@@ -286,7 +286,7 @@ def test_zorro_engine_matches_hf_per_row(vlm_case, family, strategy, variant, sh
     assert abs(la - lb) <= RTOL * abs(la) and abs(ga - gb) <= RTOL * ga, res
     # gradients: within RTOL of the oracle, or (fp32 rounding of the model's own kernels, e.g. Qwen3.5's chunked
     # delta rule, which zorro runs on other sequences: prompt and responses apart) within twice the stock engine's own
-    # error on the same batch (DESIGN §10's fp32 rule)
+    # error on the same batch (docs/design/testing.md's fp32 rule)
     stock = vlm_case.get("stock", {}).get((variant, strategy), {}).get("errors", {})
     for key in ("grad_rel", "vision_grad_rel"):
         assert res[key] <= max(RTOL, 2 * stock.get(key, 0.0)), (key, res, stock.get(key))

@@ -3,7 +3,7 @@
 ``ZoRRoDataParallelPPOActor`` changes three things of verl 0.7.1's ``DataParallelPPOActor`` and nothing else:
 
 * ``_forward_micro_batch`` runs the model once on the packed dedup row of the micro-batch (each unique prompt once,
-  every response after it; docs/DESIGN.md §1) through :func:`~zorro_verl.integrations.transformers.zorro_step`, and
+  every response after it; docs/design/math.md) through :func:`~zorro_verl.integrations.transformers.zorro_step`, and
   returns the same dict as the parent: ``log_probs`` and, when asked, ``entropys``, each ``[B, R]`` fp32, 0 on
   response pads. The call goes through the (FSDP-wrapped) root module, so FSDP's hooks run as in the stock
   forward.
@@ -29,7 +29,7 @@
   siblings adjacent and fixed micro-batches hold whole groups (verl's default ``repeat(interleave=True)``
   layout); otherwise it equals the stock actor run on the mini-batches with siblings adjacent.
 
-With ``sharing=prefix`` (docs/DESIGN.md §1) the plan of each micro-batch is the prefix tree of its rows (every
+With ``sharing=prefix`` (docs/design/math.md) the plan of each micro-batch is the prefix tree of its rows (every
 common prefix computed once: a system prompt shared by different questions, multi-turn samples nested in each
 other) and every "group" above is a trie **cluster** (rows sharing a root): micro-batches keep clusters whole, and
 the dynamic budget counts each shared token once (:func:`~zorro_verl.packing.tree.tree_row_costs`). The loss facts
@@ -39,7 +39,7 @@ With zorro disabled the class *is* the parent (every method delegates). A batch 
 parent's micro-batching; only its forward is zorro's (bit-for-bit the same math up to float reassociation).
 
 LoRA (verl wraps the actor in a ``PeftModel``; the reference is the actor under ``disable_adapter()``) runs through
-the same forward (docs/DESIGN.md §4, "LoRA (PEFT) models").
+the same forward (docs/design/model-step.md "LoRA (PEFT) models").
 
 Unsupported settings (Ulysses > 1, fused kernels, prefix grouper, ``calculate_sum_pi_squared``,
 ``logits_optimization=memory``, LoRA dropout > 0, vision-language models or multimodal / 3-D position inputs) raise

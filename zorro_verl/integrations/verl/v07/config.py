@@ -1,5 +1,5 @@
 """Hydra config node for the verl 0.7 legacy actor: ``fsdp_config.zorro`` (same key names as the 0.9 plugin;
-docs/DESIGN.md §8).
+docs/design/verl.md).
 
 verl 0.7's ``FSDPEngineConfig`` dataclass rejects unknown keys, so zorro's keys live in a subclass that the
 ``fsdp_config`` node of the actor (and of the reference policy) selects with ``_target_``::

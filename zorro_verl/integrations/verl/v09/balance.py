@@ -1,4 +1,4 @@
-"""Group-aware DP balancing for the verl >= 0.9 trainers' ``_balance_batch`` (docs/DESIGN.md §6).
+"""Group-aware DP balancing for the verl >= 0.9 trainers' ``_balance_batch`` (docs/design/packing.md).
 
 verl's balancing spreads a prompt's rollouts over DP ranks by sequence length, so each rank sees most prompts once
 per group member and deduplication saves little on multi-GPU runs. With zorro enabled and ``zorro.group_balance:

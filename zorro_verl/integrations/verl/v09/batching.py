@@ -1,4 +1,4 @@
-"""Batch handling shared by the zorro engines of verl >= 0.9 (FSDP and Megatron; docs/DESIGN.md §8): verl's jagged
+"""Batch handling shared by the zorro engines of verl >= 0.9 (FSDP and Megatron; docs/design/verl.md): verl's jagged
 batch read as rows (prompt / response lengths, group ids), group-aware micro-batches with the same count on every
 rank, the plan of one micro-batch, the deduplicated log-probs written back in verl's nested predict-next layout, the
 all-rank agreement on the path a batch takes, and the zorro metrics.

@@ -1,4 +1,4 @@
-"""Hydra/verl engine configs for the zorro engines (verl >= 0.9; docs/DESIGN.md §8). Data and validation only.
+"""Hydra/verl engine configs for the zorro engines (verl >= 0.9; docs/design/verl.md). Data and validation only.
 
 verl's config dataclasses reject unknown keys, so zorro's keys live in a subclass of verl's engine config that a
 YAML node selects with ``_target_``: ``FSDPEngineConfig`` (``strategy: fsdp / fsdp2``) and ``McoreEngineConfig``

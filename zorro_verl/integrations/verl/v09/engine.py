@@ -1,5 +1,5 @@
 """The zorro FSDP engine for verl >= 0.9: ``FSDPEngineWithLMHead`` with a deduplicated micro-batch forward
-(docs/DESIGN.md §8).
+(docs/design/verl.md).
 
 Data path (one ``forward_backward_batch`` call = one mini-batch of this DP rank)::
 
@@ -14,7 +14,7 @@ Data path (one ``forward_backward_batch`` call = one mini-batch of this DP rank)
 
 Under Ulysses sequence parallelism (``ulysses_sequence_parallel_size = sp > 1``) every rank of an SP group builds
 the same plan from the same batch, runs its slice of the padded packed row, exchanges sequence shards for head
-shards around zorro's attention and all-gathers the head's rows (docs/DESIGN.md §8).
+shards around zorro's attention and all-gathers the head's rows (docs/design/verl.md).
 
 With ``zorro.enable = false`` (or a stock ``FSDPEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly raise, or with ``on_unsupported = warn`` run the stock forward for that batch, warn once and count the

@@ -1,5 +1,5 @@
 """verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``) on zorro's packed row
-(docs/DESIGN.md §3, §4, §8).
+(docs/design/logprob.md, model-step.md, verl.md).
 
 What verl does. With fused kernels verl's FSDP engine replaces the model **class's** ``forward``
 (``verl.models.transformers.monkey_patch.patch_forward_with_backends``; for text models

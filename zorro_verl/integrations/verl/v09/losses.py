@@ -1,4 +1,4 @@
-"""Which of verl 0.9's loss settings give the stock engine's numbers under zorro's micro-batching (docs/DESIGN.md §8,
+"""Which of verl 0.9's loss settings give the stock engine's numbers under zorro's micro-batching (docs/design/verl.md
 "verl facts: loss normalisation").
 
 The zorro engine regroups a mini-batch's rows into group-aware micro-batches, so a row shares its micro-batch with

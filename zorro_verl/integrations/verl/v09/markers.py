@@ -1,4 +1,4 @@
-"""What zorro's trainer hooks leave on a batch for the engine to see (docs/DESIGN.md §8). Imports no verl.
+"""What zorro's trainer hooks leave on a batch for the engine to see (docs/design/verl.md). Imports no verl.
 
 The trainer's ``_balance_batch`` hook (:mod:`.balance`) runs in the trainer process, the engine in the workers; the
 engine cannot tell from its own process whether the trainer installed the hook (an overrides-only launch with

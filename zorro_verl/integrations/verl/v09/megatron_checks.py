@@ -1,5 +1,5 @@
-"""The refusals of zorro's Megatron engine that need no built model (docs/DESIGN.md §8 "The Megatron engine"): read
-by the engine at start and by ``zorro-verl doctor`` from a composed config. Imports neither verl nor megatron."""
+"""The refusals of zorro's Megatron engine that need no built model (docs/design/megatron.md "The Megatron engine"):
+read by the engine at start and by ``zorro-verl doctor`` from a composed config. Imports neither verl nor megatron."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The zorro Megatron engine for verl >= 0.9: ``MegatronEngineWithLMHead`` with a deduplicated micro-batch forward
-(docs/DESIGN.md §8 "The Megatron engine").
+(docs/design/megatron.md "The Megatron engine").
 
 Data path (one ``forward_backward_batch`` call = one mini-batch of this DP rank; every TP / PP rank of the DP rank
 holds the same batch)::

@@ -1,4 +1,4 @@
-"""Registration of the zorro engine in verl >= 0.9 (docs/DESIGN.md §8). No side effects at import: the plugin
+"""Registration of the zorro engine in verl >= 0.9 (docs/design/verl.md). No side effects at import: the plugin
 (:mod:`.plugin`) calls :func:`install`, and the config class calls :func:`check_engine_registered`.
 
 :func:`install` registers post-import hooks, so nothing heavy is imported at ``import verl``:

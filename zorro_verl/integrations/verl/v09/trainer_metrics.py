@@ -1,4 +1,4 @@
-"""zorro metrics of every engine pass in the step's metrics of verl's V1 trainer (docs/DESIGN.md §8).
+"""zorro metrics of every engine pass in the step's metrics of verl's V1 trainer (docs/design/verl.md).
 
 The engine reports ``zorro/*`` metrics with every call (:mod:`.engine`). verl's V1 trainer
 (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``) logs those of the actor update (as ``actor/zorro/...``) but drops

@@ -1,5 +1,5 @@
 """Vision-language models in the zorro engine: transformers' own forwards on the engine's model, and the vision
-tower's collectives on micro-batches without images (docs/DESIGN.md §8 "Vision-language models in the engine").
+tower's collectives on micro-batches without images (docs/design/verl.md "Vision-language models in the 0.9 engine").
 
 verl's ``apply_monkey_patch`` (run when an engine builds its model) replaces methods **on the classes** of the
 Qwen-VL families: the top-level forward (``forward_with_normal_backend``: the head on every position, no
