@@ -1,0 +1,414 @@
+"""Every setting zorro refuses, in one list: where it is refused, why, and the module whose message says so.
+
+This module is data: it imports nothing of zorro_verl, verl, megatron or OpenRLHF (any layer may import it). The
+docs table ``docs/refusals.md`` is generated from :data:`REFUSALS` (``python -m zorro_verl.refusals >
+docs/refusals.md``), and ``tests/test_refusals.py`` keeps the three in step: the page equals :func:`markdown`, each
+record's ``phrase`` occurs in a string of its ``module`` (so a changed message breaks the test), and every refusal
+message in the package's sources contains the phrase of a record (or is in :data:`EXEMPT`, with the reason).
+
+**Adding a refusal:** raise it (or return it from an ``*_unsupported`` check) with a message that names the setting,
+why, and the fix; then add a :class:`Refusal` below, under its integration, with a ``phrase`` copied from that
+message (a distinctive piece of one string literal, no ``{}`` placeholder), and regenerate the page.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+__all__ = ["Refusal", "REFUSALS", "EXEMPT", "WHERE", "WHEN", "markdown"]
+
+#: The integrations, in the page's order, with what a refusal does there.
+WHERE = {
+    "verl 0.9 FSDP engine": "`fsdp_config.zorro.on_unsupported=raise` (default) raises; `warn` warns once per reason, "
+                            "runs verl's stock forward (for a start-time refusal: every batch) and counts the batch in "
+                            "`zorro/fallback_batches`. Per-batch checks are agreed by every DP rank first.",
+    "verl 0.9 engines (FSDP and Megatron)": "Shared by both engines (batch layout, loss settings, registration, "
+                                            "trainer hooks); raise / `warn` as the engine's own.",
+    "verl 0.9 Megatron engine": "`megatron.zorro.on_unsupported`: raise, or warn once, run the stock engine and count "
+                                "it. Checks that need no model run at engine start (also `zorro-verl doctor`).",
+    "megatron-core GPTModel step": "`ValueError` from zorro's megatron step (`zorro_gpt_step`, `zorro_gpt_forward`, "
+                                   "the core attention); the Megatron engine runs these checks once the model is "
+                                   "built and treats a failure as a refusal.",
+    "verl 0.7 actor": "`fsdp_config.zorro.on_unsupported`: raise, or warn once, run the legacy actor's stock forward "
+                      "and count it.",
+    "OpenRLHF": "`ZORRO_OPENRLHF_OPTIONS=on_unsupported=raise|warn`: raise, or warn once and run OpenRLHF's stock "
+                "forward (counted). Argument checks run when the experience maker is built, before any rollout.",
+    "standalone API": "`ValueError` from `DeduplicatedActor` or the packing functions.",
+    "model step (transformers; every integration)": "`install_zorro` / `zorro_step` on a Hugging Face model, in "
+                                                    "every integration above but Megatron; the engines call these "
+                                                    "checks at start where they can.",
+}
+#: When the check runs.
+WHEN = ("start", "model", "batch", "call")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused setting. ``key``: unique slug; ``where``: a key of :data:`WHERE`; ``setting``, ``why``: markdown
+    for the table; ``when``: one of :data:`WHEN` (engine / actor start before the model, once the model is built,
+    per batch, each call); ``module``: the dotted module whose message refuses it; ``phrase``: a distinctive
+    substring of that message (within one string literal)."""
+
+    key: str
+    where: str
+    setting: str
+    why: str
+    when: str
+    module: str
+    phrase: str
+
+
+_V09 = "zorro_verl.integrations.verl.v09."
+_MEG = "zorro_verl.integrations.megatron."
+_HF = "zorro_verl.integrations.transformers."
+_ORL = "zorro_verl.integrations.openrlhf."
+_COMMON = "zorro_verl.integrations.verl.common"
+_FSDP, _BOTH, _MCORE_ENGINE, _MCORE = ("verl 0.9 FSDP engine", "verl 0.9 engines (FSDP and Megatron)",
+                                       "verl 0.9 Megatron engine", "megatron-core GPTModel step")
+_V07, _OPENRLHF, _API, _STEP = ("verl 0.7 actor", "OpenRLHF", "standalone API",
+                                "model step (transformers; every integration)")
+_DROPOUT_WHY = ("the ordinary forward draws one dropout mask per row, zorro computes a shared prompt once (one mask): "
+                "the two would train different functions")
+_ORDINARY_ROUTES = "routes are recorded per token of the ordinary rows; the packed row's routers do not get them yet"
+
+REFUSALS: tuple[Refusal, ...] = (
+    # ---------------------------------------------------------------- verl 0.9 FSDP engine
+    Refusal("fsdp.ulysses_heads", _FSDP, "Ulysses SP > 1 with `Hq % sp != 0`",
+            "every rank must get whole heads (verl's condition)", "model",
+            "zorro_verl.attention.ulysses", "must divide the attention heads"),
+    Refusal("fsdp.ulysses_kv_heads", _FSDP, "Ulysses SP > 1 where neither of `Hkv`, `sp` divides the other",
+            "KV heads are repeated up to SP ranks or split over them, whole", "model",
+            "zorro_verl.attention.ulysses", "must divide one another"),
+    Refusal("fsdp.ulysses_delta_heads", _FSDP, "Ulysses SP > 1 with gated delta-net value heads `Hv % sp != 0`",
+            "the delta-net's value heads carry its recurrent state; each rank runs whole heads", "model",
+            _HF + "hybrid", "must divide the gated delta-net's value heads"),
+    Refusal("fsdp.ulysses_batches_differ", _FSDP, "SP ranks holding different batches",
+            "every SP rank builds the plan the exchanges rely on; always raises (a wiring error)", "batch",
+            _V09 + "engine", "hold different batches"),
+    Refusal("fsdp.vlm_ulysses", _FSDP, "vision-language models under Ulysses SP > 1",
+            "verl slices a VLM's sequence after the vision tower; zorro's shard layout does not", "start",
+            _COMMON, "vision-language models under Ulysses sequence parallel > 1"),
+    Refusal("fsdp.vlm_fused", _FSDP, "multimodal batches with `use_fused_kernels`",
+            "zorro's fused head path does not pass the images to the model", "batch",
+            _V09 + "engine", "multimodal batches with use_fused_kernels=True"),
+    Refusal("fsdp.mm_text_model", _FSDP, "multimodal inputs / 3-D position ids on a text-only model",
+            "nothing would encode the images", "batch", _V09 + "engine",
+            "multimodal inputs / 3-D position ids with a text-only model"),
+    Refusal("fsdp.fused_temperature", _FSDP, "per-sample temperature tensors with `use_fused_kernels`",
+            "verl's fused kernels take one float temperature (the stock fused path fails the same way)", "batch",
+            _V09 + "engine", "per-sample temperature tensors with use_fused_kernels=True"),
+    Refusal("fsdp.memory_temperatures", _FSDP, "`logits_optimization=memory` with per-sample temperatures",
+            "the chunked head takes one temperature", "batch", _V09 + "engine",
+            "per-sample temperatures with logits_optimization=memory"),
+    Refusal("fsdp.memory_head", _FSDP, "`logits_optimization=memory` with a head that is not a `torch.nn.Linear` "
+            "(e.g. LoRA on the LM head)", "the chunked head computes `F.linear(hidden, weight, bias)` and never calls "
+            "the module", "model", _V09 + "engine", "logits_optimization=memory with this model's head"),
+    Refusal("fsdp.qat_w4a4", _FSDP, "QAT W4A4 (`fsdp_config.qat.mode=w4a4`; W4A16 runs)",
+            "its activation scale is observed over each micro-batch's tokens, which deduplication changes", "start",
+            _V09 + "engine", "QAT W4A4 (fsdp_config.qat.mode=w4a4)"),
+    Refusal("fsdp.position_ids", _FSDP, "position ids that do not count 0, 1, 2, ... along each row",
+            "zorro recomputes positions on the packed row", "batch", _V09 + "engine",
+            "position_ids that do not count 0, 1, 2, ... along each row"),
+    # ---------------------------------------------------------------- both verl 0.9 engines
+    Refusal("v09.pad_mode", _BOTH, "`pad_mode` other than no-padding", "the engines read the jagged layout only",
+            "batch", _V09 + "batching", "pad_mode other than no_padding"),
+    Refusal("v09.distillation", _BOTH, "top-k distillation (`distillation_use_topk`, `distillation_only`), "
+            "`calculate_sum_pi_squared`", "outputs zorro does not produce", "batch", _V09 + "batching",
+            "distillation_use_topk"),
+    Refusal("v09.force_group_size", _BOTH, "`force_group_size > 1`", "an output layout zorro does not produce",
+            "batch", _V09 + "batching", "force_group_size > 1"),
+    Refusal("v09.seq_mean_token_sum_norm", _BOTH, "`loss_agg_mode=seq-mean-token-sum-norm` without "
+            "`loss_scale_factor` (V1 trainer: nested response mask)", "the horizon is each micro-batch's longest "
+            "response, so the loss depends on which rows share a micro-batch", "batch", _V09 + "losses",
+            "loss_agg_mode=seq-mean-token-sum-norm with loss_scale_factor unset"),
+    Refusal("v09.loss_modes", _BOTH, "`policy_loss.loss_mode` `clip_cov`, `kl_cov`, `geo_mean`",
+            "tokens picked from, or means over, the micro-batch's rows", "batch", _V09 + "losses",
+            "use another policy loss mode, e.g. vanilla"),
+    Refusal("v09.bypass_batch_normalize", _BOTH, "`bypass_mode` with `rollout_is_batch_normalize`",
+            "IS weights normalised per micro-batch", "batch", _V09 + "losses",
+            "with rollout_correction.rollout_is_batch_normalize=true normalises the IS"),
+    Refusal("v09.unverified_policy_loss", _BOTH, "a policy loss outside the allow-list (a custom "
+            "`register_policy_loss`)", "zorro cannot know whether it depends on which rows share a micro-batch",
+            "batch", _V09 + "losses", "is not a policy loss zorro has verified"),
+    Refusal("v09.reregistered_policy_loss", _BOTH, "a verified policy-loss name re-registered with another function",
+            "the allow-list holds verl's own functions only", "batch", _V09 + "losses",
+            "is registered in verl's policy-loss registry as"),
+    Refusal("v09.strategy", _BOTH, "zorro enabled with an actor / ref strategy other than `fsdp` / `fsdp2` / "
+            "`megatron`", "no zorro engine for it; always raises at engine construction", "start",
+            _V09 + "registration", "the zorro engines support"),
+    Refusal("v09.critic", _BOTH, "a critic (value-model engine) config that enables zorro (`critic.fsdp.zorro`)",
+            "zorro deduplicates actor and reference only; always raises at engine construction", "start",
+            _V09 + "registration", "critic.fsdp.zorro: expected no zorro node"),
+    Refusal("v09.whole_groups_keep_minibatch", _BOTH, "`group_balance_mode=whole_groups` with verl's "
+            "`keep_minibatch` balancing", "the whole-group placement decides mini-batch composition itself", "batch",
+            _V09 + "balance", "group balance does not support keep_minibatch balancing"),
+    # ---------------------------------------------------------------- verl 0.9 Megatron engine
+    Refusal("megatron.context_parallel", _MCORE_ENGINE, "context parallelism (`context_parallel_size > 1`, "
+            "`dynamic_context_parallel`)", "zorro's attention has no context-parallel exchange on Megatron yet",
+            "start", _V09 + "megatron_checks", "zorro's attention has no context-"),
+    Refusal("megatron.router_replay", _MCORE_ENGINE, "router replay (`router_replay.mode != disabled`)",
+            _ORDINARY_ROUTES, "start", _V09 + "megatron_checks", "router replay (router_replay.mode="),
+    Refusal("megatron.router_replay_data", _MCORE_ENGINE, "batches with router-replay data (`routed_experts`, "
+            "`enable_routing_replay`)", _ORDINARY_ROUTES, "batch", _V09 + "megatron_engine",
+            "router replay data in the batch"),
+    Refusal("megatron.mtp", _MCORE_ENGINE, "multi-token prediction (`model.mtp.enable`)",
+            "MTP shifts ids and hidden states one token along the row; on the packed row a response's next token is "
+            "not its neighbour", "start", _V09 + "megatron_checks", "multi-token prediction (model.mtp.enable=True)"),
+    Refusal("megatron.lora_dropout", _MCORE_ENGINE, "LoRA dropout (`model.lora.dropout > 0`)", _DROPOUT_WHY, "start",
+            _V09 + "megatron_checks", "LoRA dropout (model.lora.dropout="),
+    Refusal("megatron.memory", _MCORE_ENGINE, "`logits_optimization: memory`",
+            "megatron's head is vocabulary parallel (use `none` / `compute`)", "start", _V09 + "megatron_checks",
+            "logits_optimization=memory on the Megatron engine"),
+    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models", "not wired on Megatron (the FSDP engine runs "
+            "them)", "start", _V09 + "megatron_checks", "vision-language models on the Megatron engine"),
+    Refusal("megatron.hybrid", _MCORE_ENGINE, "hybrid (linear-attention / Mamba) models",
+            "zorro's recurrent layers are wired for transformers models only", "start", _V09 + "megatron_checks",
+            "hybrid (linear-attention"),
+    Refusal("megatron.per_token_loss", _MCORE_ENGINE, "`calculate_per_token_loss`",
+            "the MoE router's losses are normalised by the ordinary token count (the step scales them as megatron "
+            "does; tested at model level only)", "model", _V09 + "megatron_engine",
+            "calculate_per_token_loss=True (megatron's per-token regime"),
+    Refusal("megatron.legacy_fused", _MCORE_ENGINE, "`use_fused_kernels` with verl's legacy fused forward "
+            "(megatron-core without `output_processor`)", "it replaces `GPTModel.forward`", "model",
+            _V09 + "megatron_engine", "verl's legacy fused forward"),
+    Refusal("megatron.multimodal", _MCORE_ENGINE, "multimodal inputs / 3-D position ids", "VLMs do not run on "
+            "Megatron", "batch", _V09 + "megatron_engine",
+            "multimodal inputs / 3-D position ids on the Megatron engine"),
+    Refusal("megatron.temperatures", _MCORE_ENGINE, "per-sample temperatures", "zorro's Megatron head takes one "
+            "float", "batch", _V09 + "megatron_engine", "per-sample temperatures on the Megatron engine"),
+    Refusal("megatron.position_ids", _MCORE_ENGINE, "position ids that do not count 0, 1, 2, ... along each row",
+            "zorro recomputes positions on the packed row; checked before the ranks agree", "batch",
+            _V09 + "megatron_engine", "position_ids that do not count 0, 1, 2, ... along each row"),
+    # ---------------------------------------------------------------- megatron-core GPTModel step
+    Refusal("mcore.dropout", _MCORE, "`hidden_dropout > 0`, `attention_dropout > 0` in training",
+            "a deduplicated prompt token would draw one dropout mask instead of one per copy (eval mode runs)",
+            "model", _MEG + "step", "a deduplicated prompt token would draw one dropout mask"),
+    Refusal("mcore.jitter", _MCORE, "`moe_input_jitter_eps` in training", "the router's per-token multiplicative "
+            "noise would be drawn once per shared prompt token", "model", _MEG + "step",
+            "the MoE router's per-token multiplicative noise"),
+    Refusal("mcore.attention_dropout", _MCORE, "attention dropout in the core attention in training",
+            "as above, in the attention probabilities", "call", _MEG + "attention",
+            "attention_dropout: expected 0 with zorro in training"),
+    Refusal("mcore.mask", _MCORE, "an attention mask or a non-causal mask type with a plan",
+            "the plan is the mask; split attention is causal", "call", _MEG + "attention",
+            "expected AttnMaskType.causal"),
+    Refusal("mcore.attention_bias", _MCORE, "attention biases", "not part of the split attention", "call",
+            _MEG + "attention", "attention biases are not supported"),
+    Refusal("mcore.keywords", _MCORE, "unknown core-attention keywords", "they may change the attention's math",
+            "call", _MEG + "attention", "expected none beyond megatron's"),
+    Refusal("mcore.context_parallel", _MCORE, "context parallelism", "no context-parallel exchange yet", "call",
+            _MEG + "attention", "Context parallelism is not supported yet"),
+    Refusal("mcore.softmax_type", _MCORE, "`softmax_type` other than vanilla (sinks)", "not wired on Megatron",
+            "call", _MEG + "attention", "softmax_type: expected 'vanilla' with zorro"),
+    Refusal("mcore.window", _MCORE, "sliding windows (`window_size`)", "not wired on Megatron", "call",
+            _MEG + "attention", "window_size: expected None with zorro"),
+    Refusal("mcore.position_embedding", _MCORE, "position embeddings other than `rope` (MLA has its own)",
+            "the step positions RoPE by the plan's positions", "model", _MEG + "step",
+            "position_embedding_type: expected 'rope' with zorro"),
+    Refusal("mcore.mtp", _MCORE, "multi-token prediction (`mtp_num_layers`)", "MTP rolls the row one token; the "
+            "packed row's neighbours are not a response's next tokens", "model", _MEG + "step",
+            "mtp_num_layers: expected 0/None with zorro"),
+    Refusal("mcore.fp8", _MCORE, "`fp8` / `fp4`", "amax statistics over the micro-batch's tokens, which "
+            "deduplication changes", "model", _MEG + "step", "low-precision scaling"),
+    Refusal("mcore.routing_replay", _MCORE, "`moe_enable_routing_replay`", _ORDINARY_ROUTES, "model", _MEG + "step",
+            "replayed routes are set per token of the ordinary rows"),
+    Refusal("mcore.mla_install", _MCORE, "MLA layers that are not zorro's (`ZorroMLA`)",
+            "their RoPE would run by packed index", "model", _MEG + "step", "without zorro's RoPE positions"),
+    Refusal("mcore.mla_rope_fusion", _MCORE, "MLA with `apply_rope_fusion`", "megatron's fused MLA RoPE kernels "
+            "index cos / sin by token index (unchecked with zorro)", "model", _MEG + "step",
+            "apply_rope_fusion: expected False with zorro on multi_latent_attention"),
+    Refusal("mcore.mla_interleaved", _MCORE, "MLA with `rotary_interleaved`", "its rotate-half does not index the "
+            "packed row's layout", "model", _MEG + "step",
+            "rotary_interleaved: expected False with zorro on multi_latent_attention"),
+    Refusal("mcore.mla_cache", _MCORE, "MLA with `cache_mla_latents` / `mla_down_proj_fusion`",
+            "an inference cache / TE's fused down projection, not checked with zorro", "model", _MEG + "step",
+            "an inference cache / Transformer Engine's fused down projection"),
+    Refusal("mcore.memory", _MCORE, "`logits_optimization='memory'`", "the head is vocabulary parallel", "call",
+            _MEG + "step", "'memory' is not supported on megatron yet"),
+    Refusal("mcore.temperature", _MCORE, "per-row temperature tensors", "not wired on Megatron yet", "call",
+            _MEG + "step", "per-row tensors are not wired"),
+    Refusal("mcore.pipeline_split", _MCORE, "`zorro_gpt_step` on one pipeline stage",
+            "it runs a whole model; use `zorro_gpt_forward` / `zorro_gpt_logprobs` per stage", "call",
+            _MEG + "step", "zorro_gpt_step runs a whole model"),
+    Refusal("mcore.moe_replay", _MCORE, "MoE routing replay (router check)", _ORDINARY_ROUTES, "model",
+            _MEG + "moe", "routes are recorded and replayed per token of the ordinary rows"),
+    Refusal("mcore.moe_force_balance", _MCORE, "`moe_router_force_load_balancing`", "random logits drawn in the "
+            "micro-batch's token shape", "model", _MEG + "moe", "random logits are drawn in the micro-batch's"),
+    Refusal("mcore.moe_force_biased", _MCORE, "`moe_router_force_biased`", "a random bias drawn in the "
+            "micro-batch's token shape", "model", _MEG + "moe", "a random bias is drawn in the"),
+    Refusal("mcore.moe_jitter", _MCORE, "`moe_input_jitter_eps` (router check)", "jitter noise drawn in the "
+            "micro-batch's token shape", "model", _MEG + "moe", "the jitter noise is drawn in the"),
+    Refusal("mcore.moe_sinkhorn", _MCORE, "sinkhorn / quantile balancing", "routes normalised over the "
+            "micro-batch's tokens", "model", _MEG + "moe", "routing normalises the routes over the micro-batch's"),
+    Refusal("mcore.moe_seq_aux_loss", _MCORE, "`seq_aux_loss`", "per ordinary sequence, and which tokens form a "
+            "sequence is the layout's", "model", _MEG + "moe", "the sequence-level loss is per ordinary sequence"),
+    Refusal("mcore.moe_token_dropping", _MCORE, "capacity factors / `moe_token_dropping`", "which tokens an expert "
+            "drops depends on the micro-batch's token count and order", "model", _MEG + "moe",
+            "the tokens an expert drops depend on"),
+    Refusal("mcore.moe_router_class", _MCORE, "router statistics on a router class other than `TopKRouter`",
+            "zorro counts them by multiplicity on megatron-core's `TopKRouter` only", "model", _MEG + "moe",
+            "zorro counts them only on megatron-core's TopKRouter"),
+    Refusal("mcore.moe_recompute", _MCORE, "recomputation covering the router (`full`, selective `moe`) with a "
+            "router statistic on", "megatron computes the statistics again in backward, outside the zorro forward",
+            "model", _MEG + "moe", "are computed again in the backward recomputation"),
+    # ---------------------------------------------------------------- verl 0.7 actor
+    Refusal("v07.ulysses", _V07, "Ulysses SP > 1", "the legacy actor slices rows itself; only the 0.9 engine runs "
+            "zorro under SP", "start", _COMMON, "Ulysses sequence parallel > 1 in the verl 0.7 legacy actor"),
+    Refusal("v07.vlm", _V07, "vision-language models (also OpenRLHF's actor)", "it does not hand images and 3-D "
+            "positions to zorro's packed forward (the 0.9 engine runs VLMs)", "start", _COMMON,
+            "vision-language models in this actor"),
+    Refusal("v07.fused", _V07, "`use_fused_kernels`", "not wired in the legacy actor", "start",
+            "zorro_verl.integrations.verl.v07.actor", "fused kernels (set actor_rollout_ref.model.use_fused_kernels"),
+    Refusal("v07.prefix_grouper", _V07, "`use_prefix_grouper`", "verl's own prefix sharing; zorro replaces it",
+            "start", "zorro_verl.integrations.verl.v07.actor", "use_prefix_grouper (verl's own prefix sharing"),
+    Refusal("v07.sum_pi_squared", _V07, "`calculate_sum_pi_squared`", "an output zorro does not produce", "start",
+            "zorro_verl.integrations.verl.v07.actor", "calculate_sum_pi_squared=True"),
+    Refusal("v07.memory", _V07, "`logits_optimization=memory`", "not offered by the legacy actor (`none` / "
+            "`compute`)", "start", "zorro_verl.integrations.verl.v07.actor",
+            "logits_optimization=memory in the legacy actor"),
+    Refusal("v07.multimodal", _V07, "multimodal inputs, 3-D position ids (mrope)", "VLMs do not run here", "batch",
+            "zorro_verl.integrations.verl.v07.actor", "3-D position ids (mrope)"),
+    Refusal("v07.multimodal_inputs", _V07, "`multi_modal_inputs` in a micro-batch", "VLMs do not run here", "batch",
+            "zorro_verl.integrations.verl.v07.actor", "multimodal inputs"),
+    Refusal("v07.engine_workers", _V07, "zorro enabled with `trainer.use_legacy_worker_impl=disable`",
+            "the new engine workers never build the legacy actor; raised where they wrap the engine config", "start",
+            "zorro_verl.integrations.verl.v07.config", "verl 0.7 is building its new engine workers"),
+    # ---------------------------------------------------------------- OpenRLHF
+    Refusal("openrlhf.ring_attention", _OPENRLHF, "ring attention (`--ds.ring_attn_size > 1`, `ring_attn_group`)",
+            "sequences are sliced across ranks", "start", _ORL + "actor", "ring attention (--ds.ring_attn_size > 1)"),
+    Refusal("openrlhf.tensor_parallel", _OPENRLHF, "DeepSpeed tensor parallelism (`--ds.tensor_parallel_size > 1`, "
+            "AutoTP modules)", "heads and vocabulary are sharded", "start", _ORL + "actor",
+            "DeepSpeed tensor parallelism (--ds.tensor_parallel_size > 1)"),
+    Refusal("openrlhf.vlm", _OPENRLHF, "vision-language models", "3-D position ids / multimodal inputs are not "
+            "handed to zorro's packed forward", "model", _ORL + "actor",
+            "vision-language models (3-D position ids / multimodal inputs)"),
+    Refusal("openrlhf.multimodal", _OPENRLHF, "multimodal inputs in a call", "as above", "call", _ORL + "actor",
+            "multimodal inputs"),
+    Refusal("openrlhf.lora_dropout", _OPENRLHF, "LoRA dropout (`--ds.lora.dropout > 0`)", _DROPOUT_WHY, "start",
+            _ORL + "actor", "LoRA dropout > 0 (--ds.lora.dropout"),
+    Refusal("openrlhf.aux_loss_coef", _OPENRLHF, "the MoE load-balancing loss (`--actor.aux_loss_coef > 0`)",
+            "the ordinary loss counts every prompt once per sample", "start", _ORL + "actor",
+            "the MoE load-balancing loss (--actor.aux_loss_coef > 0)"),
+    Refusal("openrlhf.aux_loss_output", _OPENRLHF, "reading `output.aux_loss`", "the deduplicated forward does not "
+            "produce it", "call", _ORL + "actor", "output.aux_loss (the MoE load-balancing loss) is not produced"),
+    Refusal("openrlhf.no_action_mask", _OPENRLHF, "calls without `action_mask` (full logits or per-token log-probs: "
+            "SFT, DPO)", "zorro computes the head at response-predicting rows only", "call", _ORL + "actor",
+            "a call without action_mask"),
+    Refusal("openrlhf.logits", _OPENRLHF, "reading `output.logits`", "none are computed", "call", _ORL + "actor",
+            "only and returns no logits"),
+    Refusal("openrlhf.version", _OPENRLHF, "an OpenRLHF release outside the tested one(s) (`version_check=warn` "
+            "runs anyway)", "the hooks replace whole methods of the tested release", "start", _ORL + "boot",
+            "is tested with that release only"),
+    # ---------------------------------------------------------------- standalone API
+    Refusal("api.multimodal_keys", _API, "multimodal keys in a `DeduplicatedActor` batch", "it runs text batches and "
+            "would drop them; use the lower-level path", "call", "zorro_verl.api.actor",
+            "are not taken by DeduplicatedActor"),
+    Refusal("api.placeholders", _API, "image / video placeholder tokens in a `DeduplicatedActor` batch",
+            "they would be embedded as text", "call", "zorro_verl.api.actor", "DeduplicatedActor takes no media"),
+    Refusal("api.position_ids_3d", _API, "3-D position ids to `build_plan`", "text plans take 1-D positions; "
+            "`build_media_plan` takes 3-D ones", "call", "zorro_verl.packing.plan",
+            "3-D (multimodal/mrope) position ids are not supported"),
+    # ---------------------------------------------------------------- model step (transformers)
+    Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
+            "`linear_attention`", "such layers would let a response see its siblings", "model", _HF + "install",
+            "do not mix the sequence through zorro"),
+    Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
+            "model", _HF + "install", "zorro's attention has no dropout"),
+    Refusal("step.bidirectional", _STEP, "`use_bidirectional_attention`, non-causal attention calls",
+            "split attention is causal only", "model", _HF + "install", "split attention is causal only"),
+    Refusal("step.window_mismatch", _STEP, "a layer whose sliding window differs from its layer type's",
+            "the ordinary forward's mask follows the layer types, zorro follows the call", "model", _HF + "install",
+            "but its layer type gives"),
+    Refusal("step.attention_mask", _STEP, "an attention mask reaching the zorro attention", "the plan carries the "
+            "structure; a mask means the model built one", "call", _HF + "attention",
+            "got an attention_mask; the model built a mask"),
+    Refusal("step.attention_dropout_call", _STEP, "attention dropout in training mode", "as above", "call",
+            _HF + "attention", "in training mode is not supported (RL"),
+    Refusal("step.non_causal_call", _STEP, "a non-causal attention module or call", "split attention is causal "
+            "only", "call", _HF + "attention", "attends bidirectionally (is_causal=False"),
+    Refusal("step.output_attentions", _STEP, "`output_attentions=True`", "zorro never materialises attention "
+            "weights", "call", _HF + "attention", "output_attentions=True is not supported"),
+    Refusal("step.unknown_kwargs", _STEP, "attention keywords zorro does not know", "they may change the "
+            "attention's math", "call", _HF + "attention", "so they are refused rather than ignored"),
+    Refusal("step.per_token_noise", _STEP, "per-token random ops in training (`router_jitter_noise`, hidden / "
+            "residual / embedding dropouts)", "drawn once per shared prompt token instead of once per row", "call",
+            _HF + "step", "a per-token random op"),
+    Refusal("step.memory_temperatures", _STEP, "per-row temperatures with the `memory` mode (or a head function)",
+            "the head takes one temperature", "call", _HF + "step",
+            "per-row temperatures with logits_optimization='memory'"),
+    Refusal("step.softcap_head_fn", _STEP, "`memory` mode / verl's fused kernels on a model with "
+            "`final_logit_softcapping`", "the head functions return log-probs where the model would soft-cap "
+            "logits", "model", _HF + "step", "soft-caps its logits after the head"),
+    Refusal("step.head_output_changed", _STEP, "`memory` mode / fused kernels on a model that transforms its head's "
+            "output", "the head functions need the head's output handed through as the logits", "call",
+            _HF + "step", "the model transformed its head's output"),
+    Refusal("step.memory_non_linear_head", _STEP, "`memory` mode with a head that is not a `torch.nn.Linear` "
+            "(e.g. LoRA on the head)", "the chunked head never calls the module", "call", "zorro_verl.logprob.response",
+            "expected a torch.nn.Linear head"),
+    Refusal("step.lora_dropout", _STEP, "LoRA dropout > 0 (PEFT)", _DROPOUT_WHY, "model", _HF + "lora",
+            "LoRA dropout > 0 (adapter"),
+    Refusal("step.alora", _STEP, "activated LoRA (aLoRA, `alora_invocation_tokens`)", "PEFT finds the invocation "
+            "per input row; the packed row holds several prompts", "model", _HF + "lora", "activated LoRA (aLoRA"),
+    Refusal("step.prompt_learning", _STEP, "PEFT prompt learning (prompt tuning, prefix tuning, p-tuning)",
+            "virtual tokens per input row have no place in the packed row", "model", _HF + "lora",
+            "PEFT prompt learning"),
+    Refusal("step.hybrid_layers", _STEP, "`linear_attention` layers zorro cannot find (no `layers` list)",
+            "they would run over the packed row unseparated", "model", _HF + "hybrid", "has no `layers` list"),
+    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
+            "a response would see its siblings' state", "model", _HF + "hybrid",
+            "is not a gated delta-net zorro knows"),
+    Refusal("step.vlm_family", _STEP, "vision towers outside the Qwen2-VL family", "zorro's media handling is "
+            "written for its placeholders and grids", "model", _HF + "vision", "zorro supports the Qwen2-VL family"),
+    Refusal("step.media_keys", _STEP, "multimodal inputs other than images / videos of the Qwen2-VL family",
+            "not handled by zorro's media packing", "call", "zorro_verl.packing.multimodal",
+            "are not supported by zorro (it handles"),
+    Refusal("step.media_ulysses", _STEP, "media under Ulysses sequence parallelism", "verl slices a VLM's sequence "
+            "after the vision tower; zorro's shard layout does not", "call", _HF + "context",
+            "multimodal batches under Ulysses sequence parallelism are not supported by zorro"),
+)
+
+#: Messages the drift check finds that are not refusals of a setting: ``(module, phrase) -> why exempt``.
+EXEMPT = {
+    (_HF + "context", "called without zorro's step context"): "wiring: the model was called outside zorro_step",
+    (_HF + "install", "attention layers but the zorro attention was called"):
+        "the per-step layer-call check (a layer bypassed zorro), not a setting",
+    (_V09 + "registration", "not the zorro engine (another plugin replaced it?)"): "install check of the plugin",
+    (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
+    (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
+    (_V09 + "engine", "logits_optimization=memory: {}"): "wraps step.head_fn_unsupported (step.softcap_head_fn)",
+    ("zorro_verl.packing.routes", "router replay: the recorded routes"):
+        "a data check of router replay, which the step and the engine refuse before (mcore.routing_replay)",
+}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown() -> str:
+    """The text of ``docs/refusals.md``: one table, grouped by :data:`WHERE`."""
+    out = ["# What zorro refuses, and why", "",
+           "Generated from `zorro_verl/refusals.py` (`python -m zorro_verl.refusals > docs/refusals.md`); "
+           "`tests/test_refusals.py` checks that this page, that list and the messages in the code agree. "
+           "Each row is a setting zorro cannot run exactly: zorro never falls back silently. *When*: `start` = at "
+           "engine / actor start, `model` = once the model is built (install or engine initialisation), `batch` = "
+           "per batch, `call` = at each call of the function named. The design reasons are in "
+           "[design/verl.md](design/verl.md), [design/megatron.md](design/megatron.md), "
+           "[design/openrlhf.md](design/openrlhf.md) and [design/model-step.md](design/model-step.md).", "",
+           f"{len(REFUSALS)} refusals in all.", ""]
+    for where, what in WHERE.items():
+        rows = [r for r in REFUSALS if r.where == where]
+        out += [f"## {where}", "", f"{len(rows)} refusals. {what}", "", "| setting | why | when | raised in |",
+                "|---|---|---|---|"]
+        for r in rows:
+            path = r.module.replace(".", "/") + ".py"
+            out.append(f"| {_cell(r.setting)} | {_cell(r.why)} | {r.when} | `{path}` |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] not in ([], ["--markdown"]):
+        sys.exit("usage: python -m zorro_verl.refusals [--markdown] > docs/refusals.md")
+    sys.stdout.write(markdown())
