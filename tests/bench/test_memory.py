@@ -144,3 +144,20 @@ def test_cli_memory_run(tmp_path, capsys):
     assert rows[1]["ratio"] > 1.0 and rows[3]["measured"] is False
     with pytest.raises(ValueError, match="--memory"):
         main(["--memory", "--ops"])
+
+
+def test_auto_on_cuda_meets_the_memory_rule(monkeypatch):
+    """What ``attention_backend: auto`` resolves to on CUDA with flash kernels, measured by the harness: at most
+    stock's saved bytes at the same budget, on the issue's shape (heads scaled down: the ratio depends on Hq / Hkv
+    and D only) — and ``flash`` over it."""
+    from zorro_verl.bench.memory import run_memory
+    from zorro_verl.integrations.verl.settings import resolve_attention_backend
+
+    monkeypatch.setenv("ZORRO_FLASH_PROVIDER", "torch")
+    auto = resolve_attention_backend("auto", "cuda")
+    sc = MemScenario("issue", G=2, n=8, P=512, R=64, Hq=4, Hkv=1, D=16)
+    rows = run_memory([sc], backends=[auto, "flash"], log=lambda *a: None)
+    lines = check_memory_rule(rows, backend=auto)
+    assert len(lines) == 1 and lines[0].startswith("ok"), lines
+    by = {r["backend"]: r for r in rows}
+    assert by[auto]["ratio"] <= 1.0 < by["flash"]["ratio"]
