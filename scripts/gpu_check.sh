@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of zorro_verl on one CUDA GPU (made for an H200), offline, in about 8 minutes:
+# GPU checks of zorro_verl on one CUDA GPU (made for an H200), offline, in about 9 minutes:
 #   1. which backends and flash / flex kernels exist here (the registry's available_backends; flash-attn may be
 #      absent: PyTorch's built-in flash kernels are used);
 #   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex (also with sliding windows, sinks and
@@ -17,6 +17,9 @@
 #      >= 0.85 on (8,2,4096,512)) is checked.
 #   5. the prefix-tree benchmark (--tree): agentic batches, ordinary vs prompt sharing vs sharing=prefix, bf16,
 #      the first GPU backend (the tree's backend paths on real kernels; the targets are the CPU run's).
+#   6. attention memory (--memory --device cuda): stock flash path vs flash vs flash_copyfree at the same token
+#      budget, bf16, real kernels: bytes kept for backward, median ms of forward + backward and the allocator peak
+#      (torch.cuda.max_memory_allocated) of the step; the memory rule (flash_copyfree <= stock) is checked.
 # The tables are printed last. Results go to $OUT (the device tool's folder) or ./bench-out.
 # Needs only torch + transformers (+ pytest) on the machine; nothing is downloaded.
 set -uo pipefail
@@ -82,8 +85,24 @@ timeout 90 "$PY" -m zorro_verl.bench --tree --device cuda --dtype bfloat16 --clo
     --backends "${TREE_BACKEND:-sdpa}" --json "$OUT_DIR/gpu_tree.json" 2>&1 | tee "$OUT_DIR/gpu_tree.log"
 TREE_RC=${PIPESTATUS[0]}
 
+echo "== GPU attention memory (--memory: stock vs flash vs flash_copyfree, same token budget, bf16)"
+timeout 120 "$PY" - "$OUT_DIR/gpu_memory.json" <<'PYEOF' 2>&1 | tee "$OUT_DIR/gpu_memory.log"
+import sys
+import torch
+from zorro_verl.bench.cli import main
+if not torch.cuda.is_available():
+    print("skipped: no CUDA device")
+    raise SystemExit(0)
+# the three default scenarios (16/4 and 16/16 heads of 128) and a Qwen3-8B-shaped one at longer lengths
+raise SystemExit(main(["--memory", "--device", "cuda", "--backends", "flash,flash_copyfree", "--reps", "5",
+                       "--warmup", "2", "--memory-scenario", "gqa", "--memory-scenario", "gqa-longresp",
+                       "--memory-scenario", "mha", "--memory-scenario", "2,8,2048,512,32,8,128",
+                       "--json", sys.argv[1]]))
+PYEOF
+MEM_RC=${PIPESTATUS[0]}
+
 echo
-echo "== summary: tests rc=$TESTS_RC (Ulysses: $SP_NOTE, rc=$SP_RC), ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
+echo "== summary: tests rc=$TESTS_RC (Ulysses: $SP_NOTE, rc=$SP_RC), ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, memory rc=$MEM_RC (1: flash_copyfree over stock), $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
 for f in gpu_ops gpu_bench; do
     if [ -f "$OUT_DIR/$f.json" ]; then
         echo
@@ -105,4 +124,16 @@ import json, sys
 from zorro_verl.bench.tree import format_tree_table
 print(format_tree_table(json.load(open(sys.argv[1]))))" "$OUT_DIR/gpu_tree.json"
 fi
-[ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TREE_RC" -eq 0 ]
+if [ -f "$OUT_DIR/gpu_memory.json" ]; then
+    echo
+    "$PY" -c "
+import json, sys
+from zorro_verl.bench.memory import check_memory_rule, format_memory_table
+rows = json.load(open(sys.argv[1]))
+print(format_memory_table(rows))
+for line in check_memory_rule(rows):
+    print(line)" "$OUT_DIR/gpu_memory.json"
+else
+    echo "(no gpu_memory table: that run did not finish)"
+fi
+[ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TREE_RC" -eq 0 ] && [ "$MEM_RC" -eq 0 ]

@@ -68,6 +68,24 @@ def test_config_checks_in_process():
     assert status(norm + ["trainer.use_v1=false"], "zorro (actor)")[0] == "ok"  # padded [B, R] mask: equal
 
 
+def test_backend_line_on_cuda(monkeypatch):
+    """The attention-backend line on a CUDA device: ``auto -> flash_copyfree`` (ok) with flash kernels, saying why
+    (the memory rule); without them ``sdpa`` as a note that names the extra memory and the fix."""
+    from zorro_verl.attention.primitives import flash_provider
+    from zorro_verl.doctor import _backend_checks
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("ZORRO_FLASH_PROVIDER", "torch")
+    line = _backend_checks(cuda)[0]
+    assert line.status == "ok" and line.detail.startswith("auto -> flash_copyfree (flash kernels available (torch)")
+    assert "no more for backward than stock's" in line.detail
+    monkeypatch.delenv("ZORRO_FLASH_PROVIDER")
+    if flash_provider() is None:
+        line = _backend_checks(cuda)[0]
+        assert line.status == "note" and line.detail.startswith("auto -> sdpa")
+        assert "more memory than stock's" in line.detail and "zorro-verl[flash]" in line.detail
+
+
 def test_trainer_balance_hooks_line(monkeypatch):
     """Whether the trainer process installs zorro's balancing hooks: through the entry point, or through the preset's
     external_lib; not in docs/verl-fsdp.md's overrides-only launch when VERL_USE_EXTERNAL_PLUGINS skips the entry

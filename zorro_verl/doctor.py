@@ -123,12 +123,16 @@ def _backend_checks(device: torch.device) -> list[Check]:
 
     chosen = resolve_attention_backend("auto", device.type)
     if flash_available(device):
-        why = f"flash kernels available ({flash_provider()})"
+        why = (f"flash kernels available ({flash_provider()}); copy-free: keeps no more for backward than stock's "
+               "attention at the same token budget ('flash' gathers each prompt's K/V per response and keeps "
+               "the copies)")
     elif device.type == "cuda":
-        why = "no flash kernels on this CUDA machine (pip install 'zorro-verl[flash]' for faster varlen kernels)"
+        why = ("no flash kernels on this CUDA machine: 'sdpa' copies each prompt's K/V per response and may hold "
+               "more memory than stock's attention (pip install 'zorro-verl[flash]' for the copy-free "
+               "'flash_copyfree')")
     else:
         why = "CPU: the copy-free split attention on PyTorch's CPU flash kernels"
-    out = [Check("attention backend", "ok" if chosen == "flash" or device.type != "cuda" else "note",
+    out = [Check("attention backend", "ok" if chosen == "flash_copyfree" or device.type != "cuda" else "note",
                  f"auto -> {chosen} ({why}); can train here: {', '.join(available_backends(device))}")]
     fla = importlib.util.find_spec("fla") is not None
     conv = importlib.util.find_spec("causal_conv1d") is not None

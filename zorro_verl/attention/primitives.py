@@ -36,7 +36,7 @@ import torch
 from zorro_verl.attention.features import add_sink, sink_grad
 
 __all__ = ["VarlenPrimitives", "flash_available", "flash_primitives", "flash_provider", "torch_primitives",
-           "cpu_flash_primitives",
+           "cpu_flash_primitives", "lse_layout",
            "varlen_attention", "check_flash_inputs", "flash_deterministic", "DETERMINISTIC_ENV"]
 
 _PRIMS: dict = {}
@@ -248,13 +248,20 @@ def _lse_to_flat(lse: torch.Tensor, cu: torch.Tensor, Tq: int) -> torch.Tensor:
     return lse[seg, :, local].transpose(0, 1)
 
 
-def _lse_from_flat(flat: torch.Tensor, like: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_lse_to_flat` into the kernel's own layout ``like``."""
-    Tq = flat.shape[1]
-    if like.dim() == 2 and like.shape[1] == Tq:
+def lse_layout(lse: torch.Tensor, Tq: int) -> Optional[torch.Size]:
+    """What a backward needs of a kernel's own lse besides the flat one: None when the kernel returns the flat
+    ``[Hq, Tq]`` layout already, else its padded shape (older kernels: ``[n, Hq, max_q]``). A forward keeps this in
+    its state instead of the tensor: a copy-free call's parts would otherwise each keep a ``[Hq, Tq]`` fp32 lse
+    beside the merged one until the backward (docs/DESIGN.md §2, memory)."""
+    return None if lse.dim() == 2 and lse.shape[1] == Tq else lse.shape
+
+
+def _lse_from_flat(flat: torch.Tensor, layout: Optional[torch.Size], cu: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_lse_to_flat` into the kernel's own layout (:func:`lse_layout`)."""
+    if layout is None:
         return flat.contiguous()
-    seg, local = _lse_rows(cu, Tq)
-    out = torch.zeros_like(like)
+    seg, local = _lse_rows(cu, flat.shape[1])
+    out = flat.new_zeros(layout)
     out[seg, :, local] = flat.transpose(0, 1)
     return out
 
@@ -275,13 +282,13 @@ def _aten_primitives() -> VarlenPrimitives:
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         out, lse, rng, unused, _ = ops._flash_attention_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **window_kw(causal, window, softcap))
-        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng, unused)
+        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse_layout(lse, q.shape[0]), rng, unused)
 
     def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
-        like, rng, unused = state
+        layout, rng, unused = state
         with _aten_deterministic(flash_deterministic()):
             dq, dk, dv = ops._flash_attention_backward(
-                dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), cu_q, cu_k, max_q, max_k, 0.0,
+                dout.contiguous(), q, k, v, out, _lse_from_flat(lse, layout, cu_q), cu_q, cu_k, max_q, max_k, 0.0,
                 causal, rng, unused, scale=scale, **window_kw(causal, window, softcap))
         return dq, dk, dv
 
@@ -324,16 +331,16 @@ def _flash_attn_primitives() -> VarlenPrimitives:
             out, lse, rng = ret[0], ret[1], ret[3]
         else:  # <= 2.5: out, q, k, v, out_padded, lse, S_dmask, rng_state
             out, lse, rng = ret[0], ret[5], ret[7]
-        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse, rng)
+        return out, _lse_to_flat(lse, cu_q, q.shape[0]), (lse_layout(lse, q.shape[0]), rng)
 
     def bwd(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
-        like, rng = state
+        layout, rng = state
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kw = common(bwd_params, causal, scale, window, softcap)
         kw["deterministic"] = flash_deterministic()
         kw["rng_state"] = rng
         kw = {k2: val for k2, val in kw.items() if k2 in bwd_params}
-        f_bwd(dout.contiguous(), q, k, v, out, _lse_from_flat(lse, like, cu_q), dq, dk, dv, cu_q, cu_k, max_q,
+        f_bwd(dout.contiguous(), q, k, v, out, _lse_from_flat(lse, layout, cu_q), dq, dk, dv, cu_q, cu_k, max_q,
               max_k, **kw)
         return dq, dk, dv
 

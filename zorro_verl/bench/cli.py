@@ -5,8 +5,9 @@ neither: ``cpu-quick``'s settings, whatever the device) and single flags overrid
 op-level attention benchmark instead of the model-level one, ``--tree`` the prefix-tree benchmark and ``--vlm`` the
 vision-language one (its own settings: :data:`zorro_verl.bench.vlm.VLM_PRESETS`, ``--preset gpu`` picks the GPU
 ones). ``--megatron`` runs zorro on megatron-core's ``GPTModel`` (:mod:`zorro_verl.bench.megatron`; megatron-core
-installed, and on the CPU a repository checkout on ``PYTHONPATH`` for its CPU shims). Exit code 1 if a target check
-fails.
+installed, and on the CPU a repository checkout on ``PYTHONPATH`` for its CPU shims). ``--memory`` counts the bytes
+one layer's attention keeps for backward per backend vs stock at one token budget, bf16 (:mod:`zorro_verl.bench.memory`;
+on CUDA also speed and peak memory). Exit code 1 if a target check fails.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-scenario", action="append", default=None, metavar="NAME|B,G,P,R_MIN,R_MAX",
                    help="with --megatron: a named scenario (grpo, noshare) or B rows, G prompts of 7P/8..P tokens, "
                         "responses of R_MIN..R_MAX tokens; repeatable, replaces the default pair")
+    p.add_argument("--memory", action="store_true",
+                   help="run the attention-memory benchmark (bytes one layer's attention keeps for backward, every "
+                        "backend vs the stock flash path at the same token budget, bf16; CPU: the GPU index logic "
+                        "over stand-in kernels; CUDA: real kernels, also ms and peak memory) instead of the "
+                        "model-level one; checks that flash_copyfree keeps at most stock's bytes")
+    p.add_argument("--memory-scenario", action="append", default=None, metavar="NAME|G,n,P,R,Hq,Hkv,D",
+                   help="with --memory: a named scenario (gqa, gqa-longresp, mha) or G prompts, n responses each, "
+                        "prompt / response lengths, query / kv heads, head dim; repeatable, replaces the default "
+                        "three")
     p.add_argument("--ops", action="store_true",
                    help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "
                         "instead of the model-level one; backends: --backends or every available one")
@@ -245,6 +255,42 @@ def _main_megatron(args: argparse.Namespace, modes: tuple, t0: float) -> int:
                    f"Megatron GPTModel benchmark (model {model})", device, t0)
 
 
+def _main_memory(args: argparse.Namespace, t0: float) -> int:
+    """``--memory``: its own settings (the three scenarios of :data:`~zorro_verl.bench.memory.MEMORY_SCENARIOS`, every
+    registered backend, bf16, CPU); ``--device``, ``--dtype``, ``--backends``, ``--threads``, ``--reps`` / ``--warmup``
+    (CUDA timing) and ``--memory-scenario`` override them."""
+    from zorro_verl.bench.memory import (
+        MEMORY_SCENARIOS,
+        check_memory_rule,
+        format_memory_table,
+        parse_memory_scenario,
+        run_memory,
+    )
+
+    bad = [flag for flag, on in (("--tree", args.tree), ("--ops", args.ops), ("--vlm", args.vlm),
+                                 ("--megatron", args.megatron), ("--scenario", args.scenario), ("--lora", args.lora),
+                                 ("--plot", args.plot), ("--plan-check", args.plan_check), ("--preset", args.preset),
+                                 ("--quick", args.quick), ("--model", args.model)) if on]
+    if bad:
+        raise ValueError(f"--memory: {bad} belong to the other benchmarks (scenarios of a --memory run: "
+                         "--memory-scenario).")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}.")
+    device = args.device or "cpu"
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but torch.cuda.is_available() is False; use --device cpu.")
+    if not cuda:
+        torch.set_num_threads(args.threads or 1)
+    scenarios = tuple(parse_memory_scenario(t) for t in args.memory_scenario) if args.memory_scenario \
+        else MEMORY_SCENARIOS
+    rows = run_memory(scenarios, backends=[b.strip() for b in args.backends.split(",")] if args.backends else None,
+                      device=device, dtype=DTYPES[args.dtype or "bfloat16"], warmup=args.warmup, reps=args.reps)
+    return _finish(rows, args.json, format_memory_table(rows), check_memory_rule(rows),
+                   "attention-memory benchmark (saved bytes for backward vs stock at the same token budget)", device,
+                   t0)
+
+
 def settings(argv: list[str]) -> Preset:
     """The settings a command line resolves to (:func:`resolve` of its parsed arguments)."""
     return resolve(_parser().parse_args(argv))
@@ -256,6 +302,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise ValueError("--vlm-scenario: a scenario of the vision-language benchmark; add --vlm.")
     if args.megatron_scenario and not args.megatron:
         raise ValueError("--megatron-scenario: a scenario of the Megatron benchmark; add --megatron.")
+    if args.memory_scenario and not args.memory:
+        raise ValueError("--memory-scenario: a scenario of the attention-memory benchmark; add --memory.")
+    if args.memory:
+        return _main_memory(args, time.perf_counter())
     if args.vlm or args.megatron:
         modes = tuple(m.strip() for m in args.modes.split(","))
         if not set(modes) <= {"fwd", "fwd_bwd"}:

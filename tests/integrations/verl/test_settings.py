@@ -53,6 +53,28 @@ def test_resolve_backend():
             resolve_attention_backend(name, "cpu")
 
 
+def test_resolve_backend_on_cuda_follows_the_memory_rule(monkeypatch, caplog):
+    """CUDA: ``auto`` -> ``flash_copyfree`` wherever flash kernels exist (either provider: forced here through
+    ``ZORRO_FLASH_PROVIDER``, the switch users have); ``flash`` stays an explicit choice; without flash kernels
+    ``sdpa``, with one warning that says it may hold more memory than stock's attention."""
+    from zorro_verl.attention.primitives import flash_provider
+    from zorro_verl.integrations.verl import settings
+
+    for provider in ("torch", "flash_attn"):
+        monkeypatch.setenv("ZORRO_FLASH_PROVIDER", provider)
+        assert resolve_attention_backend("auto", "cuda") == "flash_copyfree"
+        assert resolve_attention_backend("flash", "cuda") == "flash"
+        assert resolve_attention_backend("auto", "cpu") == "flash_copyfree"
+    monkeypatch.delenv("ZORRO_FLASH_PROVIDER")
+    if flash_provider() is not None:
+        pytest.skip("flash kernels are installed here: the no-kernel CUDA fallback cannot be reached")
+    monkeypatch.setattr(settings, "_logged_auto_sdpa", False)
+    with caplog.at_level("WARNING", logger=settings.__name__):
+        assert [resolve_attention_backend("auto", "cuda") for _ in range(2)] == ["sdpa", "sdpa"]
+    warned = [r.getMessage() for r in caplog.records if "attention_backend=auto picked 'sdpa'" in r.getMessage()]
+    assert len(warned) == 1 and "more memory than stock's" in warned[0] and "flash_copyfree" in warned[0]
+
+
 def test_every_registered_backend_is_a_valid_choice():
     from zorro_verl.attention import BACKEND_NAMES
 

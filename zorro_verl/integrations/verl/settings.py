@@ -11,9 +11,9 @@ Keys (documented for users in ``configs/README.md``):
   found from the token ids, so a wrong value never changes results).
 * ``logits_optimization`` (``none|compute|memory``): how the LM head / log-softmax is materialised.
 * ``attention_backend`` (``auto`` or any registered backend: ``sdpa|eager|standard|flash|flash_copyfree|flex``):
-  ``auto`` = ``flash`` where the flash backends can run (:func:`~zorro_verl.attention.flash_available`: CUDA and
-  flash-attn or PyTorch's built-in flash kernels), ``flash_copyfree`` on CPU (PyTorch's CPU flash kernels), else
-  ``sdpa`` (logged once when that happens on CUDA).
+  ``auto`` = ``flash_copyfree`` where the flash backends can run (:func:`~zorro_verl.attention.flash_available`:
+  CUDA and flash-attn or PyTorch's built-in flash kernels) and on CPU (PyTorch's CPU flash kernels), else ``sdpa``
+  (logged once when that happens on CUDA); see :func:`resolve_attention_backend` for why.
 * ``on_unsupported`` (``raise|warn``): what to do with a setting zorro cannot run exactly; ``warn`` falls back to
   the stock forward for that batch, warns once and counts it in ``zorro/fallback_batches``.
 * ``group_balance`` (bool, True): group-aware DP balancing in the trainer (false: verl's own balancing only).
@@ -145,9 +145,16 @@ class ZorroSettings:
 
 
 def resolve_attention_backend(choice: str, device_type: str) -> str:
-    """``auto`` -> ``flash`` where the flash backends can run; on CPU ``flash_copyfree`` (PyTorch's CPU flash kernels:
-    no per-response copy of the prompt's K/V, so a micro-batch's attention holds no more than the stock per-row
-    attention's); else ``sdpa`` (logged once on CUDA).
+    """``auto`` -> ``flash_copyfree`` where the flash backends can run (CUDA with flash-attn or PyTorch's built-in
+    flash kernels: the copy-free design needs only the varlen forward / backward with the log-sum-exp, which both
+    providers have) and on CPU (PyTorch's CPU flash kernels); else ``sdpa`` (logged once on CUDA).
+
+    The memory rule picks it: a zorro micro-batch is filled to the same token budget as a stock one but counts each
+    prompt once, so it holds more rows; ``flash_copyfree`` keeps for backward what the stock flash path keeps per
+    token (q/k/v, out, lse), so never more than stock at the same budget, while ``flash`` keeps each response's
+    gathered copy of its prompt's K/V (1.8x stock's attention bytes at G = 2, n = 8, P = 512, R = 64, GQA 4:1;
+    ``python -m zorro_verl.bench --memory``). ``flash`` stays an explicit choice (one response call instead of two
+    plus a merge) for runs with memory to spare; ``sdpa``, the fallback without flash kernels, gathers like it.
 
     Explicit choices are returned unchanged once they can run here; an explicit one that cannot (``flash`` without
     CUDA or flash kernels, ``flex`` for training on CPU...) raises naming why.
@@ -155,15 +162,16 @@ def resolve_attention_backend(choice: str, device_type: str) -> str:
     global _logged_auto_sdpa
     _as_choice("attention_backend", choice, ATTENTION_BACKEND_CHOICES)
     if choice == "auto":
-        if flash_available(device_type):
-            return "flash"
-        if device_type == "cpu":
+        if flash_available(device_type) or device_type == "cpu":
             return "flash_copyfree"
         if device_type == "cuda" and not _logged_auto_sdpa:
             _logged_auto_sdpa = True
             logger.warning("zorro: attention_backend=auto picked 'sdpa' on CUDA because no flash kernels are available "
-                           "(neither flash-attn nor PyTorch's built-in flash attention); install flash-attn "
-                           "(pip install 'zorro-verl[flash]') for the faster varlen kernels.")
+                           "(neither flash-attn nor PyTorch's built-in flash attention). 'sdpa' copies each prompt's "
+                           "K/V per response and keeps those copies for backward: at the same "
+                           "ppo_max_token_len_per_gpu its attention may hold more memory than stock's. Install "
+                           "flash-attn (pip install 'zorro-verl[flash]') for the copy-free 'flash_copyfree', or set "
+                           "attention_backend: flex (copy-free, compiled).")
         return "sdpa"
     if not get_backend(choice).available(device_type):
         raise ValueError(f"zorro.attention_backend: {choice!r} cannot run forward and backward on device "
