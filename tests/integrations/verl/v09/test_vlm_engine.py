@@ -441,3 +441,36 @@ def test_response_images_match_stock_over_two_sgd_steps(vlm_case, family, strate
         "loss rel vs stock": max(abs(e["loss"][0] - e["loss"][1]) / abs(e["loss"][0]) for e in errs),
         "encoded": (run["encoded"], stock["encoded"])}
     print(f"\nzorro vs stock, images in responses, {family} {strategy} {sharing}: {res}")
+
+
+def test_response_image_across_the_split_refused_before_the_ranks_agree(vlm_case, family):
+    """An image whose placeholders run from the prompt into the response (verl never builds one; here the split of
+    a row is moved into its tool image): refused by name in this rank's micro-batching, before the ranks agree on
+    the batch's path, so that every rank raises."""
+    if family != "qwen3_vl":
+        pytest.skip("one family: the check is the packing layer's (tests/packing/test_response_media.py)")
+    from tests.support.verl_engines import build_engine, infer
+    from tests.support.verl_vlm import IMAGE_TOKEN, batch_rows, reset_verl_patches
+
+    td = _agent_batches(vlm_case)[0]
+    reset_verl_patches()
+    eng = build_engine(vlm_case["ckpt"], zorro=True, strategy="fsdp2", optim_overrides=NO_CLIP, micro_batch_size=4,
+                       max_token_len=128)
+    rows = batch_rows(td)  # (ids, prompt length, response length, positions, media) per row
+    b = next(i for i, (ids, p, *_) in enumerate(rows) if bool((ids[p:] == IMAGE_TOKEN).any()))
+    ids, p = rows[b][0], rows[b][1]
+    cut = int(torch.nonzero(ids[p:] == IMAGE_TOKEN)[1, 0])  # the split after the tool image's first placeholder
+    split = [(r[1] + cut, r[2] - cut) if i == b else (r[1], r[2]) for i, r in enumerate(rows)]
+    bad = td.clone()  # prompts / responses jagged (verl's other layout, which row_lengths reads by offsets)
+    bad["prompts"] = torch.nested.as_nested_tensor([r[0][:pl] for r, (pl, _) in zip(rows, split)],
+                                                   layout=torch.jagged)
+    bad["responses"] = torch.nested.as_nested_tensor([r[0][pl:pl + rl] for r, (pl, rl) in zip(rows, split)],
+                                                     layout=torch.jagged)
+    tool = int(rows[b][4]["image_grid_thw"].shape[0]) - 1  # the row's last image: the tool's
+    seen = []
+    agree = eng._zorro_agreed_reason
+    eng._zorro_agreed_reason = lambda reason, error=None: seen.append(error) or agree(reason, error)
+    with pytest.raises(ValueError, match=rf"media\[{b}\]: image {tool} of the row has placeholder tokens \(id "
+                                         rf"{IMAGE_TOKEN}\) in both the prompt and the response"):
+        infer(eng, bad)
+    assert len(seen) == 1 and isinstance(seen[0], ValueError), seen  # raised by the checks, carried to the agreement
