@@ -212,3 +212,6 @@ def test_bad_response_media_refused_by_name():
                                          r"the prompt and the response"):
         cols = torch.nonzero(ids[1] == IMAGE)[:, 0]
         batch_media(ids, am, ids.shape[1] - int(cols[1]), batch["media"], TOKENS)
+    # a split outside the row
+    with pytest.raises(ValueError, match=r"response_width: expected 0 <= response_width <= S = "):
+        batch_media(ids, am, ids.shape[1] + 1, batch["media"], TOKENS)
