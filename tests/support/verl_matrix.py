@@ -77,12 +77,13 @@ def global_rows(model: str, step: int, dp: int, vlm_config=None) -> dict:
     return base
 
 
-def balanced_order(base: dict, dp_ranks: list, sharing: str) -> tuple:
+def balanced_order(base: dict, dp_ranks: list, sharing: str, critic_mesh: str | None = None) -> tuple:
     """The row order verl's V0 ``RayPPOTrainer._balance_batch`` (with zorro's hook, ``group_balance_mode:
     keep_minibatches``) dispatches for ``base`` in a trainer with a critic: the actor's workers on the DP ranks
     ``dp_ranks`` (verl's dispatch info: each worker's DP rank; one mini-batch, the whole batch), the critic's worker
     group registered as verl 0.9.1's ``TrainingWorker`` registers it (the same workers, dispatch info under its
-    ``"train"`` mesh: zorro must query that mesh, there is no ``"critic"`` one) with two shuffled mini-batches.
+    ``"train"`` mesh: zorro must query that mesh, there is no ``"critic"`` one; ``critic_mesh`` overrides the name,
+    for the test that shows a wrong one is caught) with two shuffled mini-batches.
     Returns ``(order, metrics, meta_info)``: positions of ``base``'s rows in dispatch order, the trainer's metrics
     and the batch's meta data (zorro's balance stamp)."""
     import types
@@ -112,7 +113,8 @@ def balanced_order(base: dict, dp_ranks: list, sharing: str) -> tuple:
         "critic": {"ppo_mini_batch_size": prompts // 2, "ppo_epochs": 1, "shuffle": True, "data_loader_seed": 3}})
     me = types.SimpleNamespace(config=cfg, use_critic=True, global_steps=1,
                                actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": list(dp_ranks)}),
-                               critic_wg=types.SimpleNamespace(_dispatch_info={training_worker_mesh(): list(dp_ranks)}))
+                               critic_wg=types.SimpleNamespace(
+                                   _dispatch_info={critic_mesh or training_worker_mesh(): list(dp_ranks)}))
     me._get_dp_size = types.MethodType(rt.RayPPOTrainer._get_dp_size, me)
     metrics: dict = {}
     rt.RayPPOTrainer._balance_batch(me, batch, metrics)

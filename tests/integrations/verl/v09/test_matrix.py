@@ -93,6 +93,22 @@ def test_refusal_records_exist():
     assert set(REFUSED.values()) <= keys, set(REFUSED.values()) - keys
 
 
+@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
+def test_critic_balancing_checks_the_critic_mesh(sharing):
+    """The critic cases' no-fallback check is not vacuous: zorro's balancing of the same batch with the critic's
+    worker group registered under another mesh name (``"critic"``, which verl 0.9.1's TrainingWorker does not
+    register) cannot find the critic's DP size and counts a fallback; under ``"train"`` it reorders without one."""
+    from tests.support.verl_matrix import balanced_order, global_rows, training_worker_mesh
+
+    assert training_worker_mesh() == "train"
+    base = global_rows("dense", 0, 2)
+    order, metrics, meta = balanced_order(base, [0, 1], sharing)
+    assert "zorro/balance_fallbacks" not in metrics and metrics["zorro/balance_minibatch_slots"] == 2
+    assert sorted(order) == list(range(16)) and any(meta.values())  # the balance stamp
+    _, wrong, _ = balanced_order(global_rows("dense", 0, 2), [0, 1], sharing, critic_mesh="critic")
+    assert wrong.get("zorro/balance_fallbacks") == 1, wrong
+
+
 @pytest.fixture(scope="module")
 def matrix_results(tiny_ckpt, tmp_path_factory):
     """Every case in one 2-rank gloo group (tests/support/verl_matrix.py): the checkpoints and LoRA adapters of the
