@@ -53,6 +53,7 @@ FORBIDDEN = ()
 MAX_CASES = 16
 
 ROWS, REFUSAL_ROWS = pairwise(FACTORS, FORBIDDEN, list(REFUSED))
+_REFUSAL_KEY = {frozenset(pair): key for pair, key in REFUSED.items()}
 
 
 def _case_id(k: int, row: dict) -> str:
@@ -62,7 +63,7 @@ def _case_id(k: int, row: dict) -> str:
 
 
 CASES = ([{"id": _case_id(k, row), "config": row, "refusal": None} for k, row in enumerate(ROWS)]
-         + [{"id": _case_id(len(ROWS) + k, row), "config": row, "refusal": REFUSED[pair]}
+         + [{"id": _case_id(len(ROWS) + k, row), "config": row, "refusal": _REFUSAL_KEY[frozenset(pair)]}
             for k, (pair, row) in enumerate(REFUSAL_ROWS)])
 
 
