@@ -75,12 +75,14 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
 def lora_adapter(ckpt: str, out, target_modules="all-linear", *, rank: int = 8, alpha: int = 16,
                  dropout: float = 0.0, seed: int = 0) -> str:
     """A LoRA adapter of the checkpoint ``ckpt`` (:func:`tests.support.lora.wrap_lora`: ``lora_B`` drawn at
-    random) saved under ``out``, as verl's ``model.lora_adapter_path`` loads it. Returns the directory."""
-    from transformers import AutoModelForCausalLM
+    random) saved under ``out``, as verl's ``model.lora_adapter_path`` loads it (a vision-language checkpoint is
+    loaded as ``AutoModelForImageTextToText``, as verl loads it). Returns the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from tests.support.lora import wrap_lora
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    vlm = hasattr(AutoConfig.from_pretrained(ckpt), "vision_config")
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(ckpt, dtype=torch.float32)
     wrap_lora(model, target_modules, rank=rank, alpha=alpha, dropout=dropout, seed=seed).save_pretrained(str(out))
     return str(out)
 
