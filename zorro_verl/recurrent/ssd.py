@@ -67,6 +67,16 @@ def recurrent_ssd_ref(x, dt, A, B, C, initial_state=None, output_final_state=Fal
     return y, (S if output_final_state else None)
 
 
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """``[..., c] -> [..., c, c]``: ``out[i, j] = a[j+1] + ... + a[i]`` for ``j <= i`` (0 on the diagonal), ``-inf``
+    above it. Summed from the terms themselves (a masked cumsum, as the models' ``segment_sum``): the difference of
+    two long prefix sums would cancel, costing fp32 precision in the values and, more, in the gradient of ``A``."""
+    c = a.shape[-1]
+    ar = torch.arange(c, device=a.device)
+    x = a[..., :, None].expand(*a.shape, c).masked_fill(~(ar[:, None] > ar[None, :]), 0)  # x[i, j] = a_i, i > j
+    return x.cumsum(-2).masked_fill(~(ar[:, None] >= ar[None, :]), float("-inf"))
+
+
 def chunk_ssd(x, dt, A, B, C, initial_state=None, output_final_state=False, chunk_size: int = 64):
     """Chunked Mamba-2 scan (the SSD block decomposition), the kernel zorro runs in torch. fp64 stays fp64, else fp32.
 
@@ -89,20 +99,20 @@ def chunk_ssd(x, dt, A, B, C, initial_state=None, output_final_state=False, chun
     # heads first, chunked: [b, H, n, c, ...]
     x, B, C = (t.transpose(1, 2).reshape(b, H, n, chunk_size, t.shape[-1]) for t in (x, B, C))
     dt = dt.transpose(1, 2).reshape(b, H, n, chunk_size)
-    c = (dt * A[None, :, None, None]).cumsum(-1)  # [b, H, n, c]
-    ar = torch.arange(chunk_size, device=x.device)
-    incl = ar[:, None] >= ar[None, :]
-    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~incl, float("-inf")).exp()  # e^{c_i - c_j}, j <= i
+    a = dt * A[None, :, None, None]  # [b, H, n, c] log decay per token
+    seg = _segsum(a)  # [b, H, n, c, c]: c_i - c_j as a sum of its own terms (no cancellation), -inf for j > i
+    decay = seg.exp()  # e^{c_i - c_j}, j <= i
     xdt = x * dt[..., None]  # [b, H, n, c, P]
     scores = (C @ B.transpose(-1, -2)) * decay  # [b, H, n, c, c]
     y_diag = scores @ xdt  # [b, H, n, c, P]
-    C_dec = C * c.exp()[..., None]  # [b, H, n, c, N]
-    x_dec = xdt * (c[..., -1:] - c).exp()[..., None]  # [b, H, n, c, P]
+    C_dec = C * a.cumsum(-1).exp()[..., None]  # [b, H, n, c, N]: e^{c_i}
+    x_dec = xdt * decay[..., -1, :, None]  # [b, H, n, c, P]: e^{c_last - c_j}
+    c_last = seg[..., -1, 0] + a[..., 0]  # [b, H, n]: the chunk's total log decay
     S = x.new_zeros(b, H, P, N) if initial_state is None else initial_state.to(dt_)
     ys = []
     for i in range(n):  # inherently sequential over chunks
         ys.append(y_diag[:, :, i] + C_dec[:, :, i] @ S.transpose(-1, -2))  # [b, H, c, P]
-        S = S * c[:, :, i, -1, None, None].exp() + x_dec[:, :, i].transpose(-1, -2) @ B[:, :, i]
+        S = S * c_last[:, :, i, None, None].exp() + x_dec[:, :, i].transpose(-1, -2) @ B[:, :, i]
     y = torch.stack(ys, 2).reshape(b, H, n * chunk_size, P)[:, :, :L]
     return y.transpose(1, 2), (S if output_final_state else None)
 
