@@ -359,23 +359,21 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
             "a response would see its siblings' state", "model", _HF + "hybrid",
             "is not a gated delta-net zorro knows"),
-    Refusal("step.mamba_v1", _STEP, "Mamba v1 mixers: Mamba, FalconMamba, Jamba (and Zamba)", "their selective scan "
-            "carries a per-channel state `[intermediate, N]` with its own discretisation; zorro runs the Mamba-2 scan "
-            "only", "model", _HF + "ssm", ") is a Mamba v1 mixer (Mamba, FalconMamba, Jamba, Zamba)"),
-    Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is not a Mamba-2 mixer of Mamba2 / Bamba / "
-            "Granite 4 hybrid / Nemotron-H (or has muP multipliers)", "a response would see its siblings' state",
+    Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
+            "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
+            "multipliers)", "a response would see its siblings' state",
             "model", _HF + "ssm", "running it over the packed row would let a response see its siblings"),
     Refusal("step.mamba_layers", _STEP, "`mamba` layers zorro cannot find (no `layers` list, no `mamba` / `mixer` "
             "module)", "they would run over the packed row unseparated", "model", _HF + "ssm",
             "has mamba layers but the decoder has no"),
     Refusal("step.mamba_mixer_missing", _STEP, "a `mamba` layer without a `mamba` / `mixer` module",
             "as above", "model", _HF + "ssm", "is a mamba layer without a `mamba` / `mixer` module"),
-    Refusal("step.mamba_checkpointing", _STEP, "gradient checkpointing on Mamba2 (pure) models", "its backbone passes "
-            "no kwargs to its blocks, so a recomputed block could not find zorro's plan", "call", _HF + "ssm",
-            "whose model does not pass zorro's step context"),
-    Refusal("step.mamba_ulysses", _STEP, "Mamba-2 layers under Ulysses SP > 1 (also refused at FSDP engine "
-            "initialisation)", "the scan's heads and B / C groups are not exchanged across ranks", "call", _HF + "ssm",
-            "Mamba-2 (state-space) layers under Ulysses sequence parallelism are not supported by zorro"),
+    Refusal("step.mamba_checkpointing", _STEP, "gradient checkpointing on Mamba2 / Mamba / FalconMamba (pure) "
+            "models", "their backbone passes no kwargs to its blocks, so a recomputed block could not find zorro's "
+            "plan", "call", _HF + "ssm", "whose model does not pass zorro's step context"),
+    Refusal("step.mamba_ulysses", _STEP, "Mamba / Mamba-2 layers under Ulysses SP > 1 (also refused at FSDP engine "
+            "initialisation)", "the scan's channels / heads and B / C are not exchanged across ranks", "call",
+            _HF + "ssm", "layers under Ulysses sequence parallelism are not supported by zorro"),
     Refusal("step.nemotron_h_torch_path", _STEP, "Nemotron-H without mamba-ssm on rows longer than its mixer's "
             "`chunk_size`", "transformers' torch path of its mixer depends on where the chunk boundaries fall (not "
             "the Mamba-2 recurrence); no deduplicated forward can equal it", "call", _HF + "ssm",

@@ -9,7 +9,7 @@ import torch
 
 from tests.recurrent.test_recurrent import _batch, _per_row_tokens
 from zorro_verl.packing import build_plan
-from zorro_verl.recurrent import chunk_ssd, packed_ssd, recurrent_ssd_ref
+from zorro_verl.recurrent import chunk_ssd, packed_selective_scan, packed_ssd, recurrent_ssd_ref, selective_scan
 from zorro_verl.testing import batch_from_rows, shared_system_rows
 
 
@@ -87,3 +87,59 @@ def test_packed_ssd_prefix_tree_equals_per_row_fp64():
                       min_shared_len=1)
     assert plan.tree.levels == 4
     _per_row_check(plan, seed=7)
+
+
+# ---------------------------------------------------------------------------------------------------- Mamba v1
+def _rand_v1_inputs(b, L, D, N, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    dt = torch.rand(b, L, D, generator=gen, dtype=torch.float64) * 0.5 + 0.05
+    A = -torch.rand(D, N, generator=gen, dtype=torch.float64) * 2 - 0.1
+    return r(b, L, D), dt, A, r(b, L, N), r(b, L, N)
+
+
+def test_selective_scan_matches_transformers_mamba_recurrence_fp64():
+    """transformers' Mamba slow path written as its per-element decay (its formula, summed the same way): the scan
+    and its carried state (a row split in two equals the row whole)."""
+    x, dt, A, B, C = _rand_v1_inputs(2, 13, 6, 4)
+    y, s = selective_scan(x, dt, A, B, C, output_final_state=True)
+    dA = torch.exp(A[None, :, None, :] * dt.transpose(1, 2)[..., None])  # [b, D, L, N] as transformers builds it
+    dBu = dt.transpose(1, 2)[..., None] * B[:, None] * x.transpose(1, 2)[..., None]
+    S = torch.zeros(2, 6, 4, dtype=torch.float64)
+    ref = []
+    for i in range(13):
+        S = dA[:, :, i] * S + dBu[:, :, i]
+        ref.append(torch.matmul(S, C[:, i, :, None])[..., 0])
+    assert (y - torch.stack(ref, 1)).abs().max().item() < 1e-14 and (s - S).abs().max().item() < 1e-14
+    y1, s1 = selective_scan(*(t[:, :5] for t in (x, dt)), A, *(t[:, :5] for t in (B, C)), output_final_state=True)
+    y2, _ = selective_scan(*(t[:, 5:] for t in (x, dt)), A, *(t[:, 5:] for t in (B, C)), initial_state=s1)
+    assert (torch.cat([y1, y2], 1) - y).abs().max().item() < 1e-14
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_packed_selective_scan_equals_per_row_fp64(tree):
+    if tree:
+        from tests.attention.test_tree_backends import branching_rows
+
+        rows = shared_system_rows(2, 2, system_len=9, question_len=2, response_len=5, vocab_size=100, seed=5)
+        batch = batch_from_rows(rows + branching_rows(depth=3, width=2, turn=2, seed=6))
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1],
+                          sharing="prefix", min_shared_len=1)
+    else:
+        batch = _batch()
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], 6)
+    x, dt, A, B, C = _rand_v1_inputs(1, plan.T, 5, 3, seed=9)
+    leaves = [t[0].clone().requires_grad_() for t in (x, dt, B, C)] + [A.clone().requires_grad_()]
+    xs, dts, Bs, Cs, As = leaves
+    y = packed_selective_scan(xs, dts, As, Bs, Cs, plan)  # [T, D]
+    idx, valid = _per_row_tokens(plan)
+    rows = [t[idx] * valid.view(*valid.shape, *([1] * (t.dim() - 1))) for t in (xs, dts, Bs, Cs)]
+    y_row, _ = selective_scan(rows[0], rows[1], As, rows[2], rows[3])  # [B, Lmax, D]
+    resp = valid & (torch.arange(idx.shape[1])[None, :] >= plan.row_prompt_lens[:, None])
+    assert (y[idx[valid]] - y_row[valid]).abs().max().item() < 1e-13
+    w = torch.randn(int(resp.sum()), 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ga = torch.autograd.grad((y[idx[resp]] * w).sum(), leaves)
+    gr = torch.autograd.grad((y_row[resp] * w).sum(), leaves)
+    for a, r in zip(ga, gr):
+        assert r.abs().max().item() > 0.1
+        assert (a - r).abs().max().item() < 1e-11 * max(1.0, r.abs().max().item())

@@ -1,5 +1,5 @@
-"""The Mamba-2 SSM (state-space duality, "SSD") on the packed dedup row: prompts once, responses from their prompt's
-final state.
+"""The Mamba-2 SSM (state-space duality, "SSD") and the Mamba (v1) selective scan on the packed dedup row: prompts
+once, responses from their prompt's final state.
 
 A Mamba-2 layer (Mamba2, Bamba, Granite 4 hybrid, Nemotron-H, ...) mixes the sequence twice, both causally: a
 depthwise causal conv over ``[x | B | C]`` (the same conv as the gated delta-net's: :func:`.packed.packed_causal_conv`)
@@ -19,6 +19,10 @@ None, output_final_state=bool) -> (y [b, L, H, P], final [b, H, P, N] | None)``,
 Padding: a token with ``dt = 0`` leaves the state unchanged (decay ``exp(0) = 1``, update ``0``), so right-padding with
 zeros is exact and a padded prompt's final state is its state after its last valid token.
 
+Mamba v1 (Mamba, FalconMamba) has a per-element decay ``exp(dt_t[d] A[d, n])`` over a state ``[D, N]`` per channel:
+:func:`selective_scan` runs it step by step (as transformers' torch path does), :func:`packed_selective_scan` by
+segment.
+
 Prefix trees (``plan.tree``): the state is carried down the trie, one kernel call per node depth, each node starting
 from its parent's final state (the index sets of :mod:`.packed`).
 
@@ -34,7 +38,7 @@ import torch
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.recurrent.packed import _gather_padded, _tree_out_index, recurrent_segment_index, tree_level_index
 
-__all__ = ["packed_ssd", "chunk_ssd", "recurrent_ssd_ref"]
+__all__ = ["packed_ssd", "chunk_ssd", "recurrent_ssd_ref", "selective_scan", "packed_selective_scan"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -117,6 +121,32 @@ def chunk_ssd(x, dt, A, B, C, initial_state=None, output_final_state=False, chun
     return y.transpose(1, 2), (S if output_final_state else None)
 
 
+def _packed_scan(call: Callable, tensors: list, plan: ZorroPlan) -> torch.Tensor:
+    """Run a state-carrying scan over every ordinary row of ``plan``, each prompt once.
+
+    ``tensors``: token-wise inputs ``[T, ...]`` (zero pads keep the state); ``call(padded, initial_state,
+    output_final_state) -> (y [n, L, ...], final | None)`` with ``padded`` the tensors right padded ``[n, L, ...]``.
+    Returns ``y [T, ...]``: prompts in one call, then the responses of all groups from ``final[row_group]``; prefix
+    trees one call per node depth, every node from its parent's final state (the index sets of :mod:`.packed`)."""
+    if plan.tree is not None:
+        levels = tree_level_index(plan)
+        outs, state = [], None
+        for d, (index, valid, parent) in enumerate(levels):
+            y, state = call([_gather_padded(t, index, valid) for t in tensors],
+                            None if parent is None else state[parent], d + 1 < len(levels))  # y [n_d, L_d, ...]
+            outs.append(y.reshape(-1, *y.shape[2:]))
+        return torch.cat(outs)[_tree_out_index(plan, levels)]
+    idx = recurrent_segment_index(plan)
+    pi, pv = idx["prompt_index"], idx["prompt_valid"]
+    y_p, s_p = call([_gather_padded(t, pi, pv) for t in tensors], None, True)  # y_p [G, Pmax, ...]
+    outs = [y_p.reshape(-1, *y_p.shape[2:])]
+    if plan.max_response_len > 0:
+        ri, rv = idx["response_index"], idx["response_valid"]
+        y_r, _ = call([_gather_padded(t, ri, rv) for t in tensors], s_p[plan.row_group], False)  # [B, Rmax, ...]
+        outs.append(y_r.reshape(-1, *y_r.shape[2:]))
+    return torch.cat(outs)[idx["padded_out"]]
+
+
 def packed_ssd(kernel: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, plan: ZorroPlan) -> torch.Tensor:
     """The Mamba-2 scan of every ordinary row, each prompt run once.
@@ -130,24 +160,45 @@ def packed_ssd(kernel: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Ten
         responses of all groups ``[B, Rmax]``, right padded with zeros, each from ``final_state[row_group]`` of its
         prompt); prefix trees: one call per node depth, every node from its parent's final state.
     """
-    if plan.tree is not None:
-        levels = tree_level_index(plan)
-        outs, state = [], None
-        for d, (index, valid, parent) in enumerate(levels):
-            y, state = kernel(*(_gather_padded(t, index, valid) for t in (x, dt)), A,
-                              *(_gather_padded(t, index, valid) for t in (B, C)),
-                              initial_state=None if parent is None else state[parent],
-                              output_final_state=d + 1 < len(levels))  # y [n_d, L_d, H, P]
-            outs.append(y.reshape(-1, *y.shape[2:]))
-        return torch.cat(outs)[_tree_out_index(plan, levels)]
-    idx = recurrent_segment_index(plan)
-    pi, pv = idx["prompt_index"], idx["prompt_valid"]
-    y_p, s_p = kernel(*(_gather_padded(t, pi, pv) for t in (x, dt)), A, *(_gather_padded(t, pi, pv) for t in (B, C)),
-                      initial_state=None, output_final_state=True)  # y_p [G, Pmax, H, P], s_p [G, H, P, N]
-    outs = [y_p.reshape(-1, *y_p.shape[2:])]
-    if plan.max_response_len > 0:
-        ri, rv = idx["response_index"], idx["response_valid"]
-        y_r, _ = kernel(*(_gather_padded(t, ri, rv) for t in (x, dt)), A, *(_gather_padded(t, ri, rv) for t in (B, C)),
-                        initial_state=s_p[plan.row_group], output_final_state=False)  # [B, Rmax, H, P]
-        outs.append(y_r.reshape(-1, *y_r.shape[2:]))
-    return torch.cat(outs)[idx["padded_out"]]
+    def call(t, h0, final):
+        return kernel(t[0], t[1], A, t[2], t[3], initial_state=h0, output_final_state=final)
+
+    return _packed_scan(call, [x, dt, B, C], plan)
+
+
+# ---------------------------------------------------------------------------------------------------- Mamba v1
+def selective_scan(x, dt, A, B, C, initial_state=None, output_final_state=False):
+    """The Mamba (v1) selective scan, step by step as transformers' torch path runs it. fp64 stays fp64, else fp32.
+
+    Per channel ``d`` and state index ``n``: ``S[d, n] = exp(dt_t[d] A[d, n]) S[d, n] + dt_t[d] B_t[n] x_t[d];
+    y_t[d] = sum_n S[d, n] C_t[n]`` — a per-element decay (``A [D, N]``), so no chunked (SSD) form. Shapes:
+    ``x, dt [b, L, D]``, ``A [D, N]``, ``B, C [b, L, N]``, ``initial_state [b, D, N] | None``; returns ``(y [b, L, D]
+    in the compute dtype, final [b, D, N] | None)``, ``y`` without the ``D`` skip term. A ``dt = 0`` token keeps the
+    state (right padding is exact).
+    """
+    dt_ = _compute_dtype(x)
+    b, L, D = x.shape
+    x, dt, A, B, C = (t.to(dt_) for t in (x, dt, A, B, C))
+    S = x.new_zeros(b, D, A.shape[-1]) if initial_state is None else initial_state.to(dt_)
+    # the same ops, in the same order, as transformers' loop, so fp32 runs round as the stock path does
+    dA = (A[None, None] * dt[..., None]).exp()  # [b, L, D, N]
+    dBx = (dt[..., None] * B[:, :, None, :]) * x[..., None]  # [b, L, D, N]
+    ys = []
+    for t in range(L):
+        S = dA[:, t] * S + dBx[:, t]
+        ys.append(torch.matmul(S, C[:, t, :, None])[..., 0])  # [b, D]
+    y = torch.stack(ys, 1) if ys else x.new_zeros(b, 0, D)
+    return y, (S if output_final_state else None)
+
+
+def packed_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          plan: ZorroPlan) -> torch.Tensor:
+    """The Mamba (v1) selective scan of every ordinary row, each prompt run once (:func:`selective_scan` per
+    segment: prompts, then every response from its prompt's final state; prefix trees down the trie).
+
+    Args: x, dt ``[T, D]`` (dt after softplus); A ``[D, N]``; B, C ``[T, N]``. Returns ``y [T, D]`` (without ``D``).
+    """
+    def call(t, h0, final):
+        return selective_scan(t[0], t[1], A, t[2], t[3], initial_state=h0, output_final_state=final)
+
+    return _packed_scan(call, [x, dt, B, C], plan)

@@ -208,6 +208,29 @@ def _exact_mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache_params=
     return self.out_proj(self.norm(y.reshape(b, L, -1), gate).to(hidden_states.dtype))
 
 
+def _exact_mamba1_mixer_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                **kwargs) -> torch.Tensor:
+    """The ordinary (one sequence per batch row) Mamba (v1) mixer forward for the fp64 oracle: the model's math
+    (projection, causal conv per row, selection, the step-by-step scan over each whole row, ``D`` skip, gate,
+    out_proj) with the scan in fp64 for fp64 inputs (the models' torch path casts ``A`` and ``B`` to fp32).
+
+    Args: hidden_states ``[Bsz, L, hidden]``, one unpadded sequence per row. Returns ``[Bsz, L, hidden]``.
+    """
+    from zorro_verl.integrations.transformers.ssm import mamba1_selection
+    from zorro_verl.recurrent import selective_scan
+
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("exact Mamba oracle: got a cache or an attention_mask; expected neither (run each row "
+                         "unpadded with use_cache=False).")
+    L = hidden_states.shape[1]
+    x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [b, L, D]
+    x = self.act(self.conv1d(x.transpose(1, 2))[..., :L].transpose(1, 2))  # causal per row: the first L
+    dt, B, C = mamba1_selection(self, x)
+    y, _ = selective_scan(x, dt, -self.A_log.to(_compute_dtype(x)).exp(), B, C)
+    y = (y.to(x.dtype) + x * self.D) * self.act(gate)
+    return self.out_proj(y)
+
+
 def _exact_logits_root_forward(self, input_ids=None, logits_to_keep=0, labels=None, **kwargs):
     """A ``*ForCausalLM`` forward without the fp32 cast of the logits (Mamba2 and Nemotron-H end in ``.float()``,
     which rounds fp64 logits to fp32): decoder, then the head on the kept rows. Returns ``CausalLMOutput``."""
@@ -222,10 +245,10 @@ def _exact_logits_root_forward(self, input_ids=None, logits_to_keep=0, labels=No
 
 
 def exact_fp64_ssm(model) -> None:
-    """Per-instance fp64-exact swaps for Mamba-2 models (test oracle only; fp32/bf16 behaviour unchanged): the
+    """Per-instance fp64-exact swaps for state-space models (test oracle only; fp32/bf16 behaviour unchanged): the
     RMSNorms (:func:`exact_fp64_norms`), the gated norms of the mixers' output, the mixers' forward
-    (:func:`_exact_mamba2_mixer_forward`: the scan in fp64) and, for roots that cast their logits to fp32 (Mamba2,
-    Nemotron-H), the root forward."""
+    (:func:`_exact_mamba2_mixer_forward`, :func:`_exact_mamba1_mixer_forward`: the scan in fp64) and, for roots that
+    cast their logits to fp32 (Mamba2, Nemotron-H, Mamba, FalconMamba), the root forward."""
     exact_fp64_norms(model)
     for mod in model.modules():
         name = type(mod).__name__
@@ -233,7 +256,10 @@ def exact_fp64_ssm(model) -> None:
             mod.forward = types.MethodType(_exact_gate_first_rmsnorm_forward, mod)
         elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "n_groups", "ssm_state_size")):
             mod.forward = types.MethodType(_exact_mamba2_mixer_forward, mod)
-    if type(model).__name__ in ("Mamba2ForCausalLM", "NemotronHForCausalLM"):
+        elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "x_proj", "dt_proj")):
+            mod.forward = types.MethodType(_exact_mamba1_mixer_forward, mod)
+    if type(model).__name__ in ("Mamba2ForCausalLM", "NemotronHForCausalLM", "MambaForCausalLM",
+                                "FalconMambaForCausalLM"):
         model.forward = types.MethodType(_exact_logits_root_forward, model)
 
 

@@ -123,15 +123,16 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
     return model
 
 
-#: ``kind`` names of :func:`tiny_ssm_config`: Mamba-2 (state-space) models, pure and hybrid with attention.
-SSM_KINDS = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid")
+#: ``kind`` names of :func:`tiny_ssm_config`: state-space models (Mamba-2, then Mamba v1), pure and hybrid.
+SSM_KINDS = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "mamba", "falcon_mamba", "jamba")
 
 
 def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int = 32, heads: int = 4,
                     ssm_heads: int = 4, ssm_head_dim: int = 16, state: int = 8, groups: int = 2, conv_kernel: int = 4,
                     chunk: int = 8):
-    """A small Mamba-2 config built offline: ``mamba2`` (two Mamba-2 layers), ``bamba`` / ``granitemoehybrid``
-    (mamba, attention, mamba; Granite without routed experts) or ``nemotron_h`` (mamba, attention, mlp, mamba).
+    """A small state-space config built offline: ``mamba2`` (two Mamba-2 layers), ``bamba`` / ``granitemoehybrid``
+    (mamba, attention, mamba; Granite without routed experts), ``nemotron_h`` (mamba, attention, mlp, mamba); Mamba
+    v1: ``mamba`` / ``falcon_mamba`` (two layers), ``jamba`` (mamba, attention, mamba).
     ``ssm_heads * ssm_head_dim = 2 * hidden`` (expand 2); ``groups`` < heads exercises the B / C group repeat; a small
     ``chunk`` makes prompts and responses cross scan chunks."""
     att = dict(num_attention_heads=heads, num_key_value_heads=heads // 2, attention_dropout=0.0,
@@ -145,6 +146,19 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
         return Mamba2Config(num_hidden_layers=2, num_heads=ssm_heads, head_dim=ssm_head_dim, expand=2,
                             state_size=state, n_groups=groups, conv_kernel=conv_kernel, chunk_size=chunk,
                             residual_in_fp32=False, **common)
+    if kind in ("mamba", "falcon_mamba"):  # Mamba v1: two layers, the scan over [2 * hidden, state] per token
+        from transformers import FalconMambaConfig, MambaConfig
+
+        cls = MambaConfig if kind == "mamba" else FalconMambaConfig
+        return cls(num_hidden_layers=2, state_size=state, expand=2, conv_kernel=conv_kernel, time_step_rank=4,
+                   residual_in_fp32=False, **common)  # residual_in_fp32: as for mamba2
+    if kind == "jamba":  # Mamba v1 mixers with dt / B / C norms + attention (mamba, attention, mamba), no MoE
+        from transformers import JambaConfig
+
+        return JambaConfig(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+                           expert_layer_period=100, intermediate_size=2 * hidden, mamba_d_state=state,
+                           mamba_d_conv=conv_kernel, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+                           **att, **common)
     mamba = dict(mamba_n_heads=ssm_heads, mamba_d_head=ssm_head_dim, mamba_expand=2, mamba_d_state=state,
                  mamba_n_groups=groups, mamba_d_conv=conv_kernel, mamba_chunk_size=chunk)
     if kind == "bamba":
@@ -173,10 +187,10 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
 
 def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, seed: int = 0,
                    attn_implementation: str = "sdpa", exact: bool = True, **cfg_kwargs):
-    """A randomly initialised Mamba-2 ``*ForCausalLM`` from :func:`tiny_ssm_config`; deterministic per ``seed``.
+    """A randomly initialised state-space ``*ForCausalLM`` from :func:`tiny_ssm_config`; deterministic per ``seed``.
     With ``exact`` (default) and fp64, :func:`exact_fp64_ssm` makes the oracle keep fp64 end to end."""
-    if kind == "mamba2":
-        attn_implementation = "eager"  # no attention layers; transformers refuses sdpa for it
+    if kind in ("mamba2", "mamba", "falcon_mamba"):
+        attn_implementation = "eager"  # no attention layers; transformers refuses sdpa for them
     model = model_from_config(tiny_ssm_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
     _perturb_vectors(model)
     if exact and dtype == torch.float64:

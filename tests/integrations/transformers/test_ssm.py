@@ -1,15 +1,15 @@
-"""Mamba-2 (state-space) models: Mamba2 (pure), Bamba, Granite 4 hybrid (granitemoehybrid) and Nemotron-H (hybrids
-with attention), ZoRRo vs the ordinary per-row forward.
+"""State-space models, ZoRRo vs the ordinary per-row forward: Mamba-2 — Mamba2 (pure), Bamba, Granite 4 hybrid
+(granitemoehybrid), Nemotron-H (hybrids with attention) — and Mamba v1 — Mamba, FalconMamba (pure), Jamba (hybrid).
 
 Tolerances:
 
 * fp64 (``exact_fp64_ssm`` oracle: the family's per-row forward with the scan, norms and logits kept in fp64, the same
-  chunked scan kernel as zorro's): log-probs / entropy within ``1e-12`` absolute (measured 1.8e-15 / 3.6e-15);
+  scan kernel as zorro's): log-probs / entropy within ``1e-12`` absolute (measured 1.8e-15 / 3.6e-15);
   gradients per parameter ``max|Δ|/max|ref| <= 1e-12`` (measured <= 3.3e-15; zorro chunks the scan differently — a
   prompt and each response are separate kernel sequences — so they differ by rounding only).
-* fp32 with the stock transformers forward (its own torch SSD path, no swaps): zorro's error vs the fp64 oracle must
-  be at most 2x (log-probs, entropy) / 3x (gradients) the error of the ordinary fp32 forward vs the same oracle
-  (docs/design/testing.md).
+* fp32 with the stock transformers forward (its own torch SSD / sequential-scan path, no swaps): zorro's error vs the
+  fp64 oracle must be at most 2x (log-probs, entropy) / 3x (gradients) the error of the ordinary fp32 forward vs the
+  same oracle (docs/design/testing.md).
 """
 
 import copy
@@ -85,7 +85,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("kind,case", [(k, "mixed") for k in SSM_KINDS] + [("bamba", "short_prompts"),
-                                                                          ("mamba2", "long")])
+                                                                          ("mamba2", "long"),
+                                                                          ("falcon_mamba", "short_prompts")])
 def test_zorro_equals_ordinary_fp64(kind, case):
     c = CASES[case]
     batch = _batch(B=c["B"], G=c["G"], P=c["P"], R=c["R"], seed=11)
@@ -99,11 +100,12 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     calls = LayerCalls()
     _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref, calls)
     attn, rec = expected_layer_calls(model)
-    assert calls.recurrent == rec == 2 and calls.attention == attn == (0 if kind == "mamba2" else 1)
+    assert calls.recurrent == rec == 2
+    assert calls.attention == attn == (0 if kind in ("mamba2", "mamba", "falcon_mamba") else 1)
     assert not calls.fallbacks
 
 
-@pytest.mark.parametrize("kind", ["bamba", "mamba2"])
+@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba"])
 def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
     nodes shorter than the conv context, vs the ordinary per-row forward. The scan state runs from each node's
@@ -156,8 +158,10 @@ def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
 @pytest.mark.parametrize("kind", SSM_KINDS)
 def test_zorro_fp32_stock_forward(kind):
     """fp32, transformers' own torch path (its chunked SSD, norms, casts; no swaps) — what runs on a CPU host."""
-    batch = _batch(B=6, G=2, P=10, R=6, seed=4)
-    R = 6
+    # ~80 response tokens: the 2x rule compares two maxima of rounding noise, which over fewer tokens scatter
+    # (measured on 30 tokens: FalconMamba's ratio 0.9x to 2.5x over seeds, with zorro's scan rounding as the stock one)
+    batch = _batch(B=8, G=2, P=10, R=12, seed=4)
+    R = 12
     m32 = tiny_ssm_model(kind, dtype=torch.float32, seed=3, exact=False)
     m64 = copy.deepcopy(m32).to(torch.float64)
     exact_fp64_ssm(m64)
@@ -202,29 +206,13 @@ def test_install_wraps_instances_and_uninstall_restores():
     assert torch.equal(before, after)
 
 
-def _v1_model(kind):
-    import transformers as T
-
-    if kind == "mamba":
-        cfg = T.MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4)
-    elif kind == "falcon_mamba":
-        cfg = T.FalconMambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4)
-    else:
-        cfg = T.JambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1, intermediate_size=32, attn_layer_period=2, attn_layer_offset=1,
-                            expert_layer_period=100, num_experts=1, mamba_d_state=4, mamba_dt_rank=2,
-                            use_mamba_kernels=False)
-    cfg._attn_implementation = "eager"
-    return T.AutoModelForCausalLM.from_config(cfg)
-
-
-@pytest.mark.parametrize("kind", ["mamba", "falcon_mamba", "jamba"])
-def test_mamba_v1_refused_by_name(kind):
-    model = _v1_model(kind)
+def test_unknown_mamba_mixer_refused_by_name():
+    model = tiny_ssm_model("bamba", seed=0)
     prev = model.config._attn_implementation
-    with pytest.raises(ValueError, match="is a Mamba v1 mixer"):
+    del model.model.layers[2].mamba.D  # no longer a Mamba-2 mixer zorro knows
+    with pytest.raises(ValueError, match=r"is not a Mamba-2 mixer zorro knows \(missing \['D'\]"):
         install_zorro(model)
-    assert model.config._attn_implementation == prev
+    assert model.config._attn_implementation == prev and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
 @pytest.mark.parametrize("kind", ["falcon_h1", "zamba2"])
@@ -250,7 +238,7 @@ def test_parallel_hybrid_layers_refused(kind):
 def test_ulysses_refused_by_name():
     model = tiny_ssm_model("bamba", seed=0)
     assert ssm.mamba_sp_unsupported(model, 1) is None
-    assert "Mamba-2 (state-space) layers under Ulysses" in ssm.mamba_sp_unsupported(model, 2)
+    assert "layers under Ulysses sequence parallelism are not supported" in ssm.mamba_sp_unsupported(model, 2)
     assert ssm.mamba_sp_unsupported(tiny_model(), 2) is None  # no mamba layers: nothing to refuse
 
 

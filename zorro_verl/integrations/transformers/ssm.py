@@ -1,25 +1,26 @@
-"""State-space (Mamba-2) layers: zorro for the ``mamba`` layers of Mamba2, Bamba, Granite 4 hybrid
-(granitemoehybrid) and Nemotron-H.
+"""State-space layers: zorro for the ``mamba`` layers of Mamba2, Bamba, Granite 4 hybrid (granitemoehybrid) and
+Nemotron-H (Mamba-2 mixers) and of Mamba, FalconMamba and Jamba (Mamba v1 mixers).
 
-A ``mamba`` layer (``config.layer_types``) mixes the sequence with a depthwise causal conv over ``[x | B | C]`` and the
-Mamba-2 selective scan (:mod:`zorro_verl.recurrent.ssd`), not through the attention interface.
-:func:`wrap_mamba` replaces the ``forward`` of each Mamba-2 mixer **instance** with :func:`zorro_mamba2_forward`, which
-runs the layer on the packed row with each prompt processed once (the conv over a context-expanded row, the scan from
-each prompt's final state); :func:`unwrap_mamba` undoes it.
+A ``mamba`` layer (``config.layer_types``) mixes the sequence with a depthwise causal conv and a selective scan
+(:mod:`zorro_verl.recurrent.ssd`: Mamba-2's per-head scalar decay, or Mamba v1's per-element one), not through the
+attention interface. :func:`wrap_mamba` replaces the ``forward`` of each mixer **instance** with
+:func:`zorro_mamba2_forward` / :func:`zorro_mamba1_forward`, which run the layer on the packed row with each prompt
+processed once (the conv over a context-expanded row, the scan from each prompt's final state); :func:`unwrap_mamba`
+undoes it.
 
 The step context reaches the mixer as the ``zorro_ctx`` kwarg where the family's decoder layer passes its kwargs on
-(Bamba, Granite 4); where it does not, a *carrier* hands it over: each decoder layer instance (Nemotron-H: the layer
-gets the kwarg, its mixer does not) and the root model (Mamba2: neither the backbone nor its blocks get kwargs) set it
-on the mixer for the duration of their call. A layer re-run by gradient checkpointing re-runs its carrier, so
-checkpointing works where the layer gets the kwarg; where only the root carries it (Mamba2), checkpointing is refused.
+(Bamba, Granite 4); where it does not, a *carrier* hands it over: each decoder layer instance (Nemotron-H, Jamba: the
+layer gets the kwarg, its mixer does not) and the root model (Mamba2, Mamba, FalconMamba: neither the backbone nor its
+blocks get kwargs) set it on the mixer for the duration of their call. A layer re-run by gradient checkpointing
+re-runs its carrier, so checkpointing works where the layer gets the kwarg; where only the root carries it,
+checkpointing is refused.
 
-Kernels: the scan always runs :func:`~zorro_verl.recurrent.chunk_ssd` (torch, fp64 kept in fp64, else fp32 as the
-models' torch path computes): mamba-ssm's fused kernels are not used by zorro, which on CUDA is warned about once per
-process and counted per layer call in ``LayerCalls.fallbacks["mamba-ssm"]``. The conv runs causal-conv1d's
+Kernels: the Mamba-2 scan runs :func:`~zorro_verl.recurrent.chunk_ssd` (torch, fp64 kept in fp64, else fp32 as the
+models' torch path computes), the Mamba v1 scan :func:`~zorro_verl.recurrent.selective_scan` (step by step, as
+transformers' torch path): mamba-ssm's fused kernels are not used by zorro, which on CUDA is warned about once per
+process and counted per layer call in ``LayerCalls.fallbacks["mamba-ssm"]``. The Mamba-2 conv runs causal-conv1d's
 ``causal_conv1d_fn`` when the model's module has it (the same contract as the gated delta-net's), else torch's conv1d
 (counted as ``"causal-conv1d"`` on CUDA).
-
-Mamba v1 mixers (Mamba, FalconMamba, Jamba, Zamba) have another selective scan and are refused by name.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ import torch.nn.functional as F
 
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext, require_context
 from zorro_verl.integrations.transformers.hybrid import _report_fallback, text_config
-from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_ssd
+from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective_scan, packed_ssd
 
-__all__ = ["MAMBA", "mamba_modules", "mamba_sp_unsupported", "check_mamba_supported", "wrap_mamba", "unwrap_mamba",
-           "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
-           "zorro_mamba2_forward"]
+__all__ = ["MAMBA", "mamba_modules", "mamba_sp_unsupported", "check_mamba_supported", "is_mamba1", "wrap_mamba",
+           "unwrap_mamba", "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
+           "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward"]
 
 MAMBA = "mamba"
 
@@ -48,8 +49,10 @@ MAMBA = "mamba"
 _MIXER_ATTRS = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "act", "activation", "num_heads",
                 "head_dim", "ssm_state_size", "n_groups", "intermediate_size", "conv_dim", "time_step_limit",
                 "chunk_size", "torch_forward")
-#: Attributes of a Mamba v1 mixer (selective scan over a per-channel state [intermediate, N], x_proj / dt_proj).
-_MAMBA1_ATTRS = ("x_proj", "dt_proj", "A_log", "D")
+#: Attributes of a Mamba (v1) mixer (MambaMixer, FalconMambaMixer, JambaMambaMixer): in_proj -> [x | gate], conv
+#: over x, x_proj -> [dt_rank | B | C], dt_proj, a selective scan over a per-channel state [intermediate, N].
+_MAMBA1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "act", "intermediate_size",
+                 "ssm_state_size", "time_step_rank")
 _NO_FORWARD = object()
 _warned: set = set()
 
@@ -91,38 +94,40 @@ def mamba_modules(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
 
 
 def check_mamba_supported(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
-    """Check every ``mamba`` layer's mixer is a Mamba-2 mixer zorro can run; returns :func:`mamba_modules`.
-    Raises ``ValueError`` naming the mixer class (Mamba v1 / unknown layouts)."""
+    """Check every ``mamba`` layer's mixer is a Mamba-2 or Mamba v1 mixer zorro can run; returns
+    :func:`mamba_modules`. Raises ``ValueError`` naming the mixer class."""
     mods = mamba_modules(model)
     for i, _, mod in mods:
         name = type(mod).__name__
-        if all(hasattr(mod, a) for a in _MAMBA1_ATTRS) and not hasattr(mod, "n_groups"):
-            raise ValueError(
-                f"model: mamba layer {i} ({name}) is a Mamba v1 mixer (Mamba, FalconMamba, Jamba, Zamba): its "
-                "selective scan carries a per-channel state zorro does not run; running it over the packed row would "
-                "let a response see its siblings — refused. zorro runs Mamba-2 mixers (Mamba2, Bamba, Granite 4 "
-                "hybrid, Nemotron-H).")
+        if is_mamba1(mod):
+            continue
         missing = [a for a in _MIXER_ATTRS if not hasattr(mod, a)]
         if missing or hasattr(mod, "mup_vector"):
             raise ValueError(
                 f"model: mamba layer {i} ({name}) is not a Mamba-2 mixer zorro knows (missing {missing or 'nothing'}"
                 f"{', has muP multipliers' if hasattr(mod, 'mup_vector') else ''}); running it over the packed row "
-                "would let a response see its siblings — refused. zorro runs Mamba-2 mixers (Mamba2, Bamba, Granite "
-                "4 hybrid, Nemotron-H).")
+                "would let a response see its siblings — refused. zorro runs the Mamba-2 mixers of Mamba2, Bamba, "
+                "Granite 4 hybrid, Nemotron-H and the Mamba (v1) mixers of Mamba, FalconMamba, Jamba.")
     return mods
 
 
-_SP_REFUSAL = ("Mamba-2 (state-space) layers under Ulysses sequence parallelism are not supported by zorro (their "
-               "scan would need its heads and B / C groups exchanged across ranks); use "
-               "ulysses_sequence_parallel_size = 1 for Mamba2 / Bamba / Granite 4 hybrid / Nemotron-H models.")
+_SP_REFUSAL = ("state-space (Mamba / Mamba-2) layers under Ulysses sequence parallelism are not supported by zorro "
+               "(their scan would need its channels / heads and B / C exchanged across ranks); use "
+               "ulysses_sequence_parallel_size = 1 for Mamba2, Bamba, Granite 4 hybrid, Nemotron-H, Mamba, FalconMamba "
+               "and Jamba models.")
 
 
 def mamba_sp_unsupported(model, sp_size: int) -> str | None:
-    """Why ``model`` cannot run under Ulysses SP of ``sp_size`` (it has Mamba-2 layers and ``sp_size > 1``), or
+    """Why ``model`` cannot run under Ulysses SP of ``sp_size`` (it has ``mamba`` layers and ``sp_size > 1``), or
     None."""
     if sp_size > 1 and mamba_modules(model):
         return f"ulysses_sequence_parallel_size = {sp_size}: {_SP_REFUSAL}"
     return None
+
+
+def is_mamba1(mod) -> bool:
+    """A Mamba (v1) mixer: the v1 attributes and a per-channel ``A_log [intermediate, N]``."""
+    return all(hasattr(mod, a) for a in _MAMBA1_ATTRS) and getattr(mod.A_log, "dim", lambda: 0)() == 2
 
 
 def is_wrapped(module: torch.nn.Module) -> bool:
@@ -150,14 +155,14 @@ def _call_saved(mod, *args, **kwargs):
 
 
 def wrap_mamba(model) -> int:
-    """Replace ``forward`` of each Mamba-2 mixer instance, and add the context carriers on its decoder layer and the
+    """Replace ``forward`` of each Mamba mixer instance, and add the context carriers on its decoder layer and the
     root (idempotent). Returns how many mixers are wrapped."""
     mods = check_mamba_supported(model)
     if not mods:
         return 0
     for _, layer, mixer in mods:
         if not is_wrapped(mixer):
-            _swap(mixer, zorro_mamba2_forward)
+            _swap(mixer, zorro_mamba1_forward if is_mamba1(mixer) else zorro_mamba2_forward)
         if not is_wrapped(layer):
             layer._zorro_mixer = mixer
             _swap(layer, _layer_carrier_forward)
@@ -325,3 +330,58 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     y = y + self.D[:, None] * x  # the skip term, token-wise, as the model adds it
     out = self.norm(y.reshape(1, T, -1), gate)
     return self.out_proj(out.to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------- Mamba v1
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """FalconMamba's weightless ``rms_forward``: fp32 (fp64 kept) compute, back to the input dtype."""
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(dt)
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def mamba1_selection(mod, x: torch.Tensor):
+    """The token-wise selection of a Mamba (v1) mixer as the model computes it: ``x [.., D]`` (after the conv) ->
+    ``dt [.., D]`` (``softplus(dt_proj(.))``), ``B, C [.., N]`` — with FalconMamba's weightless RMS norms
+    (``rms_eps``) or Jamba's ``dt`` / ``B`` / ``C`` layer norms on the way."""
+    t, B, C = torch.split(mod.x_proj(x), [mod.time_step_rank, mod.ssm_state_size, mod.ssm_state_size], dim=-1)
+    if hasattr(mod, "rms_eps"):  # FalconMamba
+        B, C, t = _rms(B, mod.rms_eps), _rms(C, mod.rms_eps), _rms(t, mod.rms_eps)
+    if hasattr(mod, "dt_layernorm"):  # Jamba
+        t, B, C = mod.dt_layernorm(t), mod.b_layernorm(B), mod.c_layernorm(C)
+    return F.softplus(mod.dt_proj(t)), B, C
+
+
+def zorro_mamba1_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                         zorro_ctx: StepContext | None = None, **kwargs) -> torch.Tensor:
+    """The wrapped forward of a Mamba (v1) mixer instance on the packed row: ``out_proj((scan(x, dt, A, B, C) + D x)
+    * act(gate))`` with the conv and the scan of each response continuing from its prompt's
+    (:func:`~zorro_verl.recurrent.packed_causal_conv`, :func:`~zorro_verl.recurrent.packed_selective_scan`).
+
+    Args: hidden_states ``[1, T, hidden]``. Returns ``[1, T, hidden]`` equal, token for token, to the mixer's output
+    on each ordinary row. The scan runs step by step in torch (transformers' torch path does too); mamba-ssm's
+    ``selective_scan_fn`` is not used (counted on CUDA as for Mamba-2).
+    """
+    ctx = zorro_ctx or self.__dict__.get("_zorro_layer_ctx") or self.__dict__.get("_zorro_root_ctx")
+    ctx = require_context(ctx, "zorro Mamba layer")
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("zorro Mamba layer: got a cache or an attention_mask; zorro runs training forwards on the "
+                         "packed row. Call the model with use_cache=False and without a mask.")
+    plan = ctx.plan
+    if ctx.shard is not None:
+        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
+    T = plan.T
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
+        raise ValueError(f"zorro Mamba layer: expected hidden_states [1, {T}, hidden] (one packed row), got "
+                         f"{tuple(hidden_states.shape)}.")
+    ctx.calls.recurrent += 1
+    dtype = hidden_states.dtype
+    if hidden_states.is_cuda:
+        _report_unused_kernel(ctx.calls)
+    x, gate = self.in_proj(hidden_states)[0].chunk(2, dim=-1)  # [T, D] each
+    x = self.act(packed_causal_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))  # [T, D]
+    dt, B, C = mamba1_selection(self, x)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    y = packed_selective_scan(x, dt, -self.A_log.to(cdt).exp(), B, C, plan).to(dtype)  # [T, D]
+    y = (y + x * self.D) * self.act(gate)
+    return self.out_proj(y[None])
