@@ -378,6 +378,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "`chunk_size`", "transformers' torch path of its mixer depends on where the chunk boundaries fall (not "
             "the Mamba-2 recurrence); no deduplicated forward can equal it", "call", _HF + "ssm",
             "crosses one, so no deduplicated forward can equal"),
+    Refusal("step.mamba_fused_group_norm", _STEP, "Mamba2 / Bamba / Granite 4 hybrid with `n_groups > 1` on CUDA "
+            "with mamba-ssm installed", "the stock fused path normalises the scan output per group, its torch path "
+            "(whose norm zorro runs) over all channels", "call", _HF + "ssm",
+            "the stock fused path normalises the scan output per group"),
     Refusal("step.vlm_family", _STEP, "vision towers outside the Qwen2-VL family", "zorro's media handling is "
             "written for its placeholders and grids", "model", _HF + "vision", "zorro supports the Qwen2-VL family"),
     Refusal("step.media_keys", _STEP, "multimodal inputs other than images / videos of the Qwen2-VL family",

@@ -262,3 +262,16 @@ def test_nemotron_h_torch_path_is_chunk_dependent_so_long_rows_are_refused():
     batch = _batch(B=2, G=1, P=20, R=14)
     with pytest.raises(ValueError, match="crosses one, so no deduplicated forward can equal"):
         zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 14))
+
+
+def test_fused_path_with_grouped_norm_refused_where_the_torch_norm_is_not_grouped():
+    """On CUDA with mamba-ssm the stock mixer runs mamba_split_conv1d_scan_combined, whose gated norm is per group of
+    intermediate / n_groups channels; the torch path's norm module (which zorro runs) is grouped only for Nemotron-H.
+    The check (called on that path) refuses the others with n_groups > 1."""
+    for kind, groups, refused in (("bamba", 2, True), ("bamba", 1, False), ("mamba2", 2, True),
+                                  ("nemotron_h", 2, False)):
+        mix = ssm.mamba_modules(tiny_ssm_model(kind, seed=0, groups=groups))[0][2]
+        reason = ssm.fused_path_unsupported(mix)
+        assert (reason is not None) == refused, (kind, groups, reason)
+        if refused:
+            assert "normalises the scan output per group" in reason

@@ -39,7 +39,7 @@ from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective
 
 __all__ = ["MAMBA", "mamba_modules", "mamba_sp_unsupported", "check_mamba_supported", "is_mamba1", "wrap_mamba",
            "unwrap_mamba", "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
-           "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward"]
+           "fused_path_unsupported", "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward"]
 
 MAMBA = "mamba"
 
@@ -247,6 +247,19 @@ def stock_runs_fused(mod, h: torch.Tensor) -> bool:
     return h.is_cuda and bool(getattr(sys.modules.get(type(mod).__module__), "is_fast_path_available", False))
 
 
+def fused_path_unsupported(mod) -> str | None:
+    """Why zorro cannot equal the stock mixer's fused CUDA path (mamba-ssm's ``mamba_split_conv1d_scan_combined``), or
+    None. Its gated RMS norm normalises each of the ``n_groups`` groups of ``intermediate / n_groups`` channels; the
+    torch path's norm module of Mamba2 / Bamba / Granite normalises all channels at once, and zorro calls that module.
+    The two agree for ``n_groups = 1`` (and for Nemotron-H, whose norm module is grouped)."""
+    if mod.n_groups > 1 and getattr(mod.norm, "group_size", None) != mod.intermediate_size // mod.n_groups:
+        return (f"model: {type(mod).__name__} with n_groups = {mod.n_groups} on CUDA with mamba-ssm: the stock fused "
+                "path normalises the scan output per group, its torch path (whose norm zorro runs) over all channels "
+                "at once, so zorro cannot equal the stock forward. Uninstall mamba-ssm (the stock model then runs its "
+                "torch path, which zorro equals) or use a model with n_groups = 1.")
+    return None
+
+
 def ssm_step_size(mod, dt: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """``clamp(softplus(dt + dt_bias))`` ``[.., H]`` in the model's dtype, as the stock mixer computes it: clamped to
     ``time_step_limit``, or (Nemotron-H's torch path, ``fused`` False) from below at ``time_step_min``."""
@@ -317,6 +330,9 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     x = x.reshape(T, H, P).to(cdt)
     fused = stock_runs_fused(self, hidden_states)
+    reason = fused_path_unsupported(self) if fused else None
+    if reason is not None:
+        raise ValueError(reason)
     if not fused and type(self).__name__ in _CHUNK_DEPENDENT_TORCH_PATH and plan.max_row_len > self.chunk_size:
         raise ValueError(
             f"model: {type(self).__name__} without mamba-ssm runs transformers' torch path, whose output is not the "
