@@ -77,6 +77,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("fsdp.ulysses_heads", _FSDP, "Ulysses SP > 1 with `Hq % sp != 0`",
             "every rank must get whole heads (verl's condition)", "model",
             "zorro_verl.attention.ulysses", "must divide the attention heads"),
+    Refusal("fsdp.ulysses_mamba_heads", _FSDP, "Ulysses SP > 1 with Mamba-2 heads `num_heads % sp != 0`",
+            "each rank runs whole heads of the scan", "model", _HF + "ssm", "must divide the Mamba-2 heads"),
     Refusal("fsdp.ulysses_kv_heads", _FSDP, "Ulysses SP > 1 where neither of `Hkv`, `sp` divides the other",
             "KV heads are repeated up to SP ranks or split over them, whole", "model",
             "zorro_verl.attention.ulysses", "must divide one another"),
@@ -371,9 +373,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.mamba_checkpointing", _STEP, "gradient checkpointing on Mamba2 / Mamba / FalconMamba (pure) "
             "models", "their backbone passes no kwargs to its blocks, so a recomputed block could not find zorro's "
             "plan", "call", _HF + "ssm", "whose model does not pass zorro's step context"),
-    Refusal("step.mamba_ulysses", _STEP, "Mamba / Mamba-2 layers under Ulysses SP > 1 (also refused at FSDP engine "
-            "initialisation)", "the scan's channels / heads and B / C are not exchanged across ranks", "call",
-            _HF + "ssm", "layers under Ulysses sequence parallelism are not supported by zorro"),
+    Refusal("step.mamba_ulysses", _STEP, "Mamba v1 layers (Mamba, FalconMamba, Jamba) under Ulysses SP > 1 (also "
+            "refused at FSDP engine initialisation)", "their scan's B / C are shared by all channels and not "
+            "exchanged across ranks", "call", _HF + "ssm",
+            "layers under Ulysses sequence parallelism are not supported by zorro"),
     Refusal("step.nemotron_h_torch_path", _STEP, "Nemotron-H without mamba-ssm on rows longer than its mixer's "
             "`chunk_size`", "transformers' torch path of its mixer depends on where the chunk boundaries fall (not "
             "the Mamba-2 recurrence); no deduplicated forward can equal it", "call", _HF + "ssm",

@@ -235,10 +235,32 @@ def test_parallel_hybrid_layers_refused(kind):
         install_zorro(model)
 
 
-def test_ulysses_refused_by_name():
-    model = tiny_ssm_model("bamba", seed=0)
-    assert ssm.mamba_sp_unsupported(model, 1) is None
-    assert "layers under Ulysses sequence parallelism are not supported" in ssm.mamba_sp_unsupported(model, 2)
+def test_sp2_mamba2_fp64(tmp_path):
+    """Mamba-2 under Ulysses SP = 2 (two processes over gloo, tests/support/ulysses_step.py): each rank runs the conv
+    and the scan of its heads over the whole deduplicated row; Bamba with 2 B / C groups (one per rank), Mamba2 with 1
+    (repeated per head before the exchange), Bamba with a prefix tree; logits modes none and memory. SP vs the same
+    plan without SP <= 1e-12 (relative, Frobenius); vs the ordinary per-row forward: log-probs / entropy <= 1e-12
+    abs, every gradient <= 1e-12 relative."""
+    from tests.support import HANG_TIMEOUT_S
+    from tests.support.multi_rank import run_ranks
+
+    for r in run_ranks("tests.support.ulysses_step", 2, ["cpu", "ssm"], tmp_path, HANG_TIMEOUT_S):
+        assert set(r) >= {"bamba_g2", "mamba2_g1", "bamba_tree"} and r["bamba_tree"]["tree"]
+        for case in ("bamba_g2", "mamba2_g1", "bamba_tree"):
+            for mode in ("none", "memory"):
+                err, orc = r[case][mode]["sp_vs_ref"], r[case][mode]["sp_vs_oracle"]
+                assert max(err["log_probs"], err["entropy"], err["grads"]) <= 1e-12, (case, mode, err)
+                assert max(orc["log_probs_max_abs"], orc["entropy_max_abs"]) <= LP_ABS_TOL, (case, mode, orc)
+                assert orc["grad_per_param"] <= GRAD_REL_TOL, (case, mode, orc)
+
+
+def test_ulysses_refusals_by_name():
+    """Mamba v1 layers, and Mamba-2 heads SP does not divide, are refused (the FSDP engine asks at initialisation)."""
+    assert ssm.mamba_sp_unsupported(tiny_ssm_model("bamba", seed=0), 2) is None  # 4 heads
+    assert "must divide the Mamba-2 heads (num_heads = 4)" in ssm.mamba_sp_unsupported(
+        tiny_ssm_model("bamba", seed=0), 8)
+    assert "Mamba (v1) layers under Ulysses sequence parallelism" in ssm.mamba_sp_unsupported(
+        tiny_ssm_model("jamba", seed=0), 2)
     assert ssm.mamba_sp_unsupported(tiny_model(), 2) is None  # no mamba layers: nothing to refuse
 
 

@@ -33,6 +33,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from zorro_verl.attention.ulysses import heads_to_sequence, sequence_to_heads
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext, require_context
 from zorro_verl.integrations.transformers.hybrid import _report_fallback, text_config
 from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective_scan, packed_ssd
@@ -111,17 +112,29 @@ def check_mamba_supported(model) -> list[tuple[int, torch.nn.Module, torch.nn.Mo
     return mods
 
 
-_SP_REFUSAL = ("state-space (Mamba / Mamba-2) layers under Ulysses sequence parallelism are not supported by zorro "
-               "(their scan would need its channels / heads and B / C exchanged across ranks); use "
-               "ulysses_sequence_parallel_size = 1 for Mamba2, Bamba, Granite 4 hybrid, Nemotron-H, Mamba, FalconMamba "
-               "and Jamba models.")
+_SP_REFUSAL = ("Mamba (v1) layers under Ulysses sequence parallelism are not supported by zorro (their scan's B / C "
+               "are shared by all channels and not exchanged across ranks); use ulysses_sequence_parallel_size = 1 "
+               "for Mamba, FalconMamba and Jamba models.")
 
 
 def mamba_sp_unsupported(model, sp_size: int) -> str | None:
-    """Why ``model`` cannot run under Ulysses SP of ``sp_size`` (it has ``mamba`` layers and ``sp_size > 1``), or
-    None."""
-    if sp_size > 1 and mamba_modules(model):
-        return f"ulysses_sequence_parallel_size = {sp_size}: {_SP_REFUSAL}"
+    """Why ``model`` cannot run under Ulysses SP of ``sp_size``, or None: Mamba v1 layers, or Mamba-2 heads that
+    ``sp_size`` does not divide (each rank runs whole heads of the scan)."""
+    if sp_size <= 1:
+        return None
+    for _, _, mod in mamba_modules(model):
+        if is_mamba1(mod):
+            return f"ulysses_sequence_parallel_size = {sp_size}: {_SP_REFUSAL}"
+        reason = _sp_heads_unsupported(mod, sp_size)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _sp_heads_unsupported(mod, sp: int) -> str | None:
+    if mod.num_heads % sp:
+        return (f"ulysses_sequence_parallel_size: {sp} must divide the Mamba-2 heads (num_heads = {mod.num_heads}); "
+                "each rank runs whole heads of the scan. Choose a sequence-parallel size that divides them.")
     return None
 
 
@@ -287,14 +300,20 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
                          zorro_ctx: StepContext | None = None, seq_idx=None, **kwargs) -> torch.Tensor:
     """The wrapped forward of a Mamba-2 mixer instance on the packed row.
 
+    Under Ulysses sequence parallelism (``zorro_ctx.shard``) the token-wise projection and step size run on the
+    rank's slice, the conv inputs and the step size are exchanged for head shards of the whole row (the attention
+    layers' all-to-all; :func:`_exchange_to_heads`), the conv and the scan run there on the rank's heads, and the
+    output comes back to the slice before the gated norm and ``out_proj``.
+
     Args:
-        hidden_states: ``[1, T, hidden]`` (the packed dedup row).
+        hidden_states: ``[1, T, hidden]`` (the packed dedup row; ``[1, L, hidden]``, this rank's slice, under SP).
         zorro_ctx: the step context (or the one its carriers set, module docstring).
 
     Returns:
-        ``[1, T, hidden]`` equal, token for token, to the mixer's output on each ordinary row ``[prompt|response]``:
-        ``out_proj(norm(scan(x, dt, A, B, C) + D x, gate))`` with the conv and the scan of each response continuing
-        from its prompt's (:func:`~zorro_verl.recurrent.packed_causal_conv`, :func:`~zorro_verl.recurrent.packed_ssd`).
+        ``[1, T, hidden]`` (``[1, L, hidden]`` under SP) equal, token for token, to the mixer's output on each
+        ordinary row ``[prompt|response]``: ``out_proj(norm(scan(x, dt, A, B, C) + D x, gate))`` with the conv and
+        the scan of each response continuing from its prompt's (:func:`~zorro_verl.recurrent.packed_causal_conv`,
+        :func:`~zorro_verl.recurrent.packed_ssd`).
     """
     ctx = zorro_ctx or self.__dict__.get("_zorro_layer_ctx") or self.__dict__.get("_zorro_root_ctx")
     ctx = require_context(ctx, "zorro Mamba-2 layer")
@@ -305,30 +324,12 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
         raise ValueError("zorro Mamba-2 layer: got an attention_mask / seq_idx; call the model without one (the plan "
                          "carries the structure).")
     plan, shard = ctx.plan, ctx.shard
-    if shard is not None:
-        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
     T = plan.T
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
-        raise ValueError(f"zorro Mamba-2 layer: expected hidden_states [1, {T}, hidden] (one packed row), got "
+    n = T if shard is None else shard.local_len
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != n:
+        what = "one packed row" if shard is None else f"this rank's slice of {shard.sp_size}"
+        raise ValueError(f"zorro Mamba-2 layer: expected hidden_states [1, {n}, hidden] ({what}), got "
                          f"{tuple(hidden_states.shape)}.")
-    ctx.calls.recurrent += 1
-    dtype = hidden_states.dtype
-    gate, xBC, dt = mamba2_projections(self, hidden_states)  # [1, T, I], [1, T, conv_dim], [1, T, H]
-    conv_fn = _conv_fn(self) if self.activation in ("silu", "swish") else None
-    if hidden_states.is_cuda:
-        _report_unused_kernel(ctx.calls)
-        if conv_fn is None:
-            _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
-                             "causal-conv1d")
-    weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [conv_dim, Kc], [conv_dim] | None
-    if conv_fn is not None:
-        xBC = packed_causal_conv(xBC[0], weight, bias, plan, activation="silu", causal_conv1d_fn=conv_fn)
-    else:
-        xBC = self.act(packed_causal_conv(xBC[0], weight, bias, plan))  # [T, conv_dim]
-    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
-    x, B, C = torch.split(xBC, [self.intermediate_size, G * N, G * N], dim=-1)
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x = x.reshape(T, H, P).to(cdt)
     fused = stock_runs_fused(self, hidden_states)
     reason = fused_path_unsupported(self) if fused else None
     if reason is not None:
@@ -340,12 +341,84 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
             f"chunk boundaries fall); a row of {plan.max_row_len} tokens crosses one, so no deduplicated forward can "
             "equal the ordinary one. Install mamba-ssm and causal-conv1d (the fused CUDA path computes the "
             "recurrence), or keep rows within chunk_size tokens.")
-    dt = ssm_step_size(self, dt[0], fused)  # [T, H], model dtype
+    ctx.calls.recurrent += 1
+    dtype = hidden_states.dtype
+    gate, xBC, dt = mamba2_projections(self, hidden_states)  # [1, n, I], [1, n, conv_dim], [1, n, H]
+    dt = ssm_step_size(self, dt, fused)  # [1, n, H], model dtype; token-wise, so before any exchange
+    conv_fn = _conv_fn(self) if self.activation in ("silu", "swish") else None
+    if hidden_states.is_cuda:
+        _report_unused_kernel(ctx.calls)
+        if conv_fn is None:
+            _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
+                             "causal-conv1d")
+    weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [conv_dim, Kc], [conv_dim] | None
+    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    xBC, dt = xBC[0], dt[0]
+    heads = None
+    if shard is not None:  # Ulysses: sequence shards -> head shards around the conv and the scan
+        xBC, weight, bias, dt, heads, G = _exchange_to_heads(self, xBC, weight, bias, dt, shard)
+        H = H // shard.sp_size
+    if conv_fn is not None:
+        xBC = packed_causal_conv(xBC, weight, bias, plan, activation="silu", causal_conv1d_fn=conv_fn)
+    else:
+        xBC = self.act(packed_causal_conv(xBC, weight, bias, plan))  # [T, conv_dim (this rank's channels)]
+    x, B, C = torch.split(xBC, [H * P, G * N, G * N], dim=-1)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.reshape(T, H, P).to(cdt)
+    A, D = ssm_decay_rate(self, cdt), self.D
+    if heads is not None:
+        A, D = A[heads], D[heads]
     kernel = functools.partial(chunk_ssd, chunk_size=self.chunk_size)
-    y = packed_ssd(kernel, x, dt, ssm_decay_rate(self, cdt), B.reshape(T, G, N), C.reshape(T, G, N), plan)
-    y = y + self.D[:, None] * x  # the skip term, token-wise, as the model adds it
-    out = self.norm(y.reshape(1, T, -1), gate)
+    y = packed_ssd(kernel, x, dt, A, B.reshape(T, G, N), C.reshape(T, G, N), plan)
+    y = y + D[:, None] * x  # the skip term, token-wise, as the model adds it
+    if shard is not None:
+        y = heads_to_sequence(y, shard)  # [L, H, P]
+    out = self.norm(y.reshape(1, n, -1), gate)
     return self.out_proj(out.to(dtype))
+
+
+def _exchange_to_heads(mod, xBC: torch.Tensor, weight: torch.Tensor, bias, dt: torch.Tensor, shard):
+    """The Ulysses exchange of a Mamba-2 layer's sequence mixers' inputs (as the gated delta-net's, hybrid.py).
+
+    The conv is depthwise and the scan runs per head (each head reading its group's ``B`` / ``C``), so both run
+    unchanged on a subset of heads. Channels are ``[x (H P) | B (G N) | C (G N)]``, the conv weight's rows in the same
+    order. When ``sp`` divides ``G`` each rank takes its heads' groups; otherwise ``B`` / ``C`` (and their conv
+    channels) are repeated per head first, so every head carries its own copy.
+
+    Args:
+        xBC: ``[L, conv_dim]`` conv inputs of this rank's tokens; weight ``[conv_dim, Kc]``; bias ``[conv_dim]`` or
+            None; dt ``[L, H]`` (before softplus: token-wise).
+
+    Returns:
+        ``(xBC [T, C_l], weight [C_l, Kc], bias [C_l] | None, dt [T, H/sp], heads [H/sp] int64, G_l)``: the whole
+        deduplicated row for this rank's heads, their conv channels and weight rows, the rank's head indices and its
+        number of ``B`` / ``C`` groups.
+    """
+    H, P, G, N, sp, r = mod.num_heads, mod.head_dim, mod.n_groups, mod.ssm_state_size, shard.sp_size, shard.rank
+    reason = _sp_heads_unsupported(mod, sp)
+    if reason is not None:
+        raise ValueError(reason)
+    L = xBC.shape[0]
+    sizes = [H * P, G * N, G * N]
+    x, B, C = torch.split(xBC, sizes, dim=-1)
+    x, B, C = x.reshape(L, H, P), B.reshape(L, G, N), C.reshape(L, G, N)
+    parts = [w.reshape(h, d, -1) for w, h, d in zip(torch.split(weight, sizes, dim=0), (H, G, G), (P, N, N))]
+    if bias is not None:
+        parts += [b.reshape(h, d) for b, h, d in zip(torch.split(bias, sizes), (H, G, G), (P, N, N))]
+    if G % sp:  # fewer groups than ranks (or not divisible): one copy of its group per head
+        rep = H // G
+        B, C = B.repeat_interleave(rep, 1), C.repeat_interleave(rep, 1)
+        parts = [p if i % 3 == 0 else p.repeat_interleave(rep, 0) for i, p in enumerate(parts)]
+        G = H
+    h_l, g_l = H // sp, G // sp
+    x, B, C, dt = (sequence_to_heads(t, shard) for t in (x, B, C, dt))  # [T, H/sp or G/sp, ...]
+    T = x.shape[0]
+    own = [p[r * k:(r + 1) * k] for p, k in zip(parts, (h_l, g_l, g_l) * 2)]
+    xBC = torch.cat([x.reshape(T, -1), B.reshape(T, -1), C.reshape(T, -1)], -1)
+    weight = torch.cat([p.reshape(-1, p.shape[-1]) for p in own[:3]], 0)
+    bias = torch.cat([p.reshape(-1) for p in own[3:]]) if bias is not None else None
+    heads = torch.arange(r * h_l, (r + 1) * h_l, device=xBC.device)
+    return xBC, weight, bias, dt, heads, g_l
 
 
 # ---------------------------------------------------------------------------------------------------- Mamba v1

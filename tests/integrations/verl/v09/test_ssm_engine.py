@@ -35,3 +35,24 @@ def test_bamba_infer_and_train_match_stock(bamba_ckpt, strategy):
 
     r = padded_stock_vs_zorro(bamba_ckpt, strategy=strategy)
     assert_matches_stock(r, ATOL, RTOL)
+
+
+def test_bamba_ulysses_sp2_matches_stock(bamba_ckpt, tmp_path):
+    """Bamba under Ulysses SP = 2 through the zorro engine (FSDP2, two processes over gloo; each Mamba-2 layer
+    exchanges sequence shards for head shards around its conv and scan) vs verl's stock engine without SP, padded
+    (tests/support/verl_ssm_sp.py). Same fp32 tolerances."""
+    from tests.support import HANG_TIMEOUT_S
+    from tests.support.multi_rank import run_ranks
+
+    for r in run_ranks("tests.support.verl_ssm_sp", 2, [bamba_ckpt], tmp_path, HANG_TIMEOUT_S):
+        assert r["fallback"] == [0.0], r  # zorro ran every batch (no stock fallback)
+        for key in ("log_probs", "entropy"):
+            assert r[f"{key}_scale"] > 0.1 and r[f"{key}_max_abs"] <= ATOL, (key, r)
+        la, lb = r["loss"]
+        assert abs(la) > 1e-4 and abs(la - lb) <= RTOL * abs(la), r
+        if r["grad_norm"] is not None:
+            ga, gb = r["grad_norm"]
+            assert ga > 1e-4 and abs(ga - gb) <= RTOL * ga, r
+        assert r["grad_rel"] <= RTOL, r
+        print(f"rank {r['rank']}: log-prob {r['log_probs_max_abs']:.1e}, entropy {r['entropy_max_abs']:.1e}, loss "
+              f"rel {abs(la - lb) / abs(la):.1e}, grad rel {r['grad_rel']:.1e}")
