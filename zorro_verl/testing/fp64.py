@@ -244,11 +244,27 @@ def _exact_logits_root_forward(self, input_ids=None, logits_to_keep=0, labels=No
     return CausalLMOutput(logits=self.get_output_embeddings()(h[:, keep]))
 
 
+def _exact_topk_gating_forward(self, hidden_states: torch.Tensor):
+    """Granite MoE's top-k gating (``GraniteMoeHybridTopKGating``) with its router logits kept in fp64 for fp64 inputs
+    (transformers: ``.float()``). hidden_states ``[N, H]``; returns the module's tuple ``(index_sorted_experts,
+    batch_index, batch_gates, expert_size, logits)``."""
+    logits = self.layer(hidden_states).to(_compute_dtype(hidden_states))  # [N, E]
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    gates = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype,
+                        device=top_k_gates.device).scatter(1, top_k_indices, 1)
+    expert_size = gates.long().sum(0).tolist()
+    _, index_sorted_experts = top_k_indices.flatten().sort(0)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
 def exact_fp64_ssm(model) -> None:
     """Per-instance fp64-exact swaps for state-space models (test oracle only; fp32/bf16 behaviour unchanged): the
-    RMSNorms (:func:`exact_fp64_norms`), the gated norms of the mixers' output, the mixers' forward
-    (:func:`_exact_mamba2_mixer_forward`, :func:`_exact_mamba1_mixer_forward`: the scan in fp64) and, for roots that
-    cast their logits to fp32 (Mamba2, Nemotron-H, Mamba, FalconMamba), the root forward."""
+    RMSNorms (:func:`exact_fp64_norms`), Granite's MoE top-k gating, the gated norms of the mixers' output, the
+    mixers' forward (:func:`_exact_mamba2_mixer_forward`, :func:`_exact_mamba1_mixer_forward`: the scan in fp64) and,
+    for roots that cast their logits to fp32 (Mamba2, Nemotron-H, Mamba, FalconMamba), the root forward."""
     exact_fp64_norms(model)
     for mod in model.modules():
         name = type(mod).__name__
@@ -258,6 +274,8 @@ def exact_fp64_ssm(model) -> None:
             mod.forward = types.MethodType(_exact_mamba2_mixer_forward, mod)
         elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "x_proj", "dt_proj")):
             mod.forward = types.MethodType(_exact_mamba1_mixer_forward, mod)
+        elif name.endswith("TopKGating") and all(hasattr(mod, a) for a in ("layer", "top_k", "num_experts")):
+            mod.forward = types.MethodType(_exact_topk_gating_forward, mod)
     if type(model).__name__ in ("Mamba2ForCausalLM", "NemotronHForCausalLM", "MambaForCausalLM",
                                 "FalconMambaForCausalLM"):
         model.forward = types.MethodType(_exact_logits_root_forward, model)

@@ -124,15 +124,17 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
 
 
 #: ``kind`` names of :func:`tiny_ssm_config`: state-space models (Mamba-2, then Mamba v1), pure and hybrid.
-SSM_KINDS = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "mamba", "falcon_mamba", "jamba")
+SSM_KINDS = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "granitemoehybrid_moe", "mamba", "falcon_mamba",
+             "jamba")
 
 
 def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int = 32, heads: int = 4,
                     ssm_heads: int = 4, ssm_head_dim: int = 16, state: int = 8, groups: int = 2, conv_kernel: int = 4,
                     chunk: int = 8):
     """A small state-space config built offline: ``mamba2`` (two Mamba-2 layers), ``bamba`` / ``granitemoehybrid``
-    (mamba, attention, mamba; Granite without routed experts), ``nemotron_h`` (mamba, attention, mlp, mamba); Mamba
-    v1: ``mamba`` / ``falcon_mamba`` (two layers), ``jamba`` (mamba, attention, mamba).
+    (mamba, attention, mamba; Granite without routed experts, ``granitemoehybrid_moe`` with 4, top 2), ``nemotron_h``
+    (mamba, attention, mlp, mamba); Mamba v1: ``mamba`` / ``falcon_mamba`` (two layers), ``jamba`` (mamba, attention,
+    mamba).
     ``ssm_heads * ssm_head_dim = 2 * hidden`` (expand 2); ``groups`` < heads exercises the B / C group repeat; a small
     ``chunk`` makes prompts and responses cross scan chunks."""
     att = dict(num_attention_heads=heads, num_key_value_heads=heads // 2, attention_dropout=0.0,
@@ -166,12 +168,13 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
 
         return BambaConfig(num_hidden_layers=3, attn_layer_indices=[1], intermediate_size=2 * hidden, **mamba, **att,
                            **common)
-    if kind == "granitemoehybrid":
+    if kind in ("granitemoehybrid", "granitemoehybrid_moe"):  # the latter with 4 routed experts (top 2)
         from transformers import GraniteMoeHybridConfig
 
+        moe = dict(num_local_experts=4, num_experts_per_tok=2) if kind.endswith("_moe") else dict(num_local_experts=0)
         return GraniteMoeHybridConfig(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
-                                      num_local_experts=0, shared_intermediate_size=2 * hidden,
-                                      intermediate_size=2 * hidden, **mamba, **att, **common)
+                                      shared_intermediate_size=2 * hidden, intermediate_size=2 * hidden, **moe,
+                                      **mamba, **att, **common)
     if kind == "nemotron_h":
         from transformers import NemotronHConfig
 
