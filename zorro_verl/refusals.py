@@ -77,6 +77,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("fsdp.ulysses_heads", _FSDP, "Ulysses SP > 1 with `Hq % sp != 0`",
             "every rank must get whole heads (verl's condition)", "model",
             "zorro_verl.attention.ulysses", "must divide the attention heads"),
+    Refusal("fsdp.ulysses_mamba_heads", _FSDP, "Ulysses SP > 1 with Mamba-2 heads `num_heads % sp != 0`",
+            "each rank runs whole heads of the scan", "model", _HF + "ssm", "must divide the Mamba-2 heads"),
     Refusal("fsdp.ulysses_kv_heads", _FSDP, "Ulysses SP > 1 where neither of `Hkv`, `sp` divides the other",
             "KV heads are repeated up to SP ranks or split over them, whole", "model",
             "zorro_verl.attention.ulysses", "must divide one another"),
@@ -311,7 +313,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`linear_attention`", "such layers would let a response see its siblings", "model", _HF + "install",
+            "`attention`, `linear_attention`, `mamba`, `mlp`, `moe` (e.g. the `hybrid` layers of Falcon-H1, Zamba, "
+            "Zamba2)", "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
     Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
             "model", _HF + "install", "zorro's attention has no dropout"),
@@ -358,6 +361,30 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
             "a response would see its siblings' state", "model", _HF + "hybrid",
             "is not a gated delta-net zorro knows"),
+    Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
+            "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
+            "multipliers)", "a response would see its siblings' state",
+            "model", _HF + "ssm", "running it over the packed row would let a response see its siblings"),
+    Refusal("step.mamba_layers", _STEP, "`mamba` layers zorro cannot find (no `layers` list, no `mamba` / `mixer` "
+            "module)", "they would run over the packed row unseparated", "model", _HF + "ssm",
+            "has mamba layers but the decoder has no"),
+    Refusal("step.mamba_mixer_missing", _STEP, "a `mamba` layer without a `mamba` / `mixer` module",
+            "as above", "model", _HF + "ssm", "is a mamba layer without a `mamba` / `mixer` module"),
+    Refusal("step.mamba_checkpointing", _STEP, "gradient checkpointing on Mamba2 / Mamba / FalconMamba (pure) "
+            "models", "their backbone passes no kwargs to its blocks, so a recomputed block could not find zorro's "
+            "plan", "call", _HF + "ssm", "whose model does not pass zorro's step context"),
+    Refusal("step.mamba_ulysses", _STEP, "Mamba v1 layers (Mamba, FalconMamba, Jamba) under Ulysses SP > 1 (also "
+            "refused at FSDP engine initialisation)", "their scan's B / C are shared by all channels and not "
+            "exchanged across ranks", "call", _HF + "ssm",
+            "layers under Ulysses sequence parallelism are not supported by zorro"),
+    Refusal("step.nemotron_h_torch_path", _STEP, "Nemotron-H without mamba-ssm on rows longer than its mixer's "
+            "`chunk_size`", "transformers' torch path of its mixer depends on where the chunk boundaries fall (not "
+            "the Mamba-2 recurrence); no deduplicated forward can equal it", "call", _HF + "ssm",
+            "crosses one, so no deduplicated forward can equal"),
+    Refusal("step.mamba_fused_group_norm", _STEP, "Mamba2 / Bamba / Granite 4 hybrid with `n_groups > 1` on CUDA "
+            "with mamba-ssm installed", "the stock fused path normalises the scan output per group, its torch path "
+            "(whose norm zorro runs) over all channels", "call", _HF + "ssm",
+            "the stock fused path normalises the scan output per group"),
     Refusal("step.vlm_family", _STEP, "vision towers outside the Qwen2-VL family", "zorro's media handling is "
             "written for its placeholders and grids", "model", _HF + "vision", "zorro supports the Qwen2-VL family"),
     Refusal("step.media_keys", _STEP, "multimodal inputs other than images / videos of the Qwen2-VL family",
@@ -376,6 +403,7 @@ EXEMPT = {
     (_V09 + "registration", "not the zorro engine (another plugin replaced it?)"): "install check of the plugin",
     (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
     (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
+    (_HF + "ssm", "ulysses_sequence_parallel_size = {}: {}"): "wraps ssm._SP_REFUSAL (step.mamba_ulysses)",
     (_V09 + "engine", "logits_optimization=memory: {}"): "wraps step.head_fn_unsupported (step.softcap_head_fn)",
     ("zorro_verl.packing.routes", "router replay: the recorded routes"):
         "a data check of router replay, which the step and the engine refuse before (mcore.routing_replay)",

@@ -1,4 +1,5 @@
-"""Recurrent (linear-attention) layers on the packed dedup row (docs/design/model-step.md): the names of :mod:`.packed`.
+"""Recurrent layers on the packed dedup row (docs/design/model-step.md): the names of :mod:`.packed` (causal conv,
+gated delta rule) and :mod:`.ssd` (the Mamba-2 scan, the Mamba v1 selective scan).
 Imports torch and :mod:`zorro_verl.packing` only."""
 
 from zorro_verl.recurrent.packed import (
@@ -9,6 +10,14 @@ from zorro_verl.recurrent.packed import (
     recurrent_gated_delta_rule_ref,
     recurrent_segment_index,
 )
+from zorro_verl.recurrent.ssd import (
+    chunk_ssd,
+    packed_selective_scan,
+    packed_ssd,
+    recurrent_ssd_ref,
+    selective_scan,
+)
 
 __all__ = ["conv_expanded_index", "packed_causal_conv", "recurrent_segment_index", "packed_gated_delta_rule",
-           "chunk_gated_delta_rule_ref", "recurrent_gated_delta_rule_ref"]
+           "chunk_gated_delta_rule_ref", "recurrent_gated_delta_rule_ref",
+           "packed_ssd", "chunk_ssd", "recurrent_ssd_ref", "selective_scan", "packed_selective_scan"]

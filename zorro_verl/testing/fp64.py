@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "FP64_EAGER", "register_fp64_eager_attention"]
+__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "exact_fp64_ssm", "FP64_EAGER", "register_fp64_eager_attention"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -154,6 +154,131 @@ def exact_fp64_hybrid(model) -> None:
             mod.chunk_gated_delta_rule = chunk_gated_delta_rule_ref
             mod.recurrent_gated_delta_rule = recurrent_gated_delta_rule_ref
             mod.forward = types.MethodType(_exact_gated_deltanet_forward, mod)
+
+
+def _exact_gate_first_rmsnorm_forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None):
+    """The Mamba-2 gated norm: ``weight * g / rms(g)``, ``g = x * silu(gate)``, the rms over each ``group_size``
+    block where the module has one (Nemotron-H / Zamba2), else over the last dim. hidden_states, gate: ``[.., I]``."""
+    dt = _compute_dtype(hidden_states)
+    x = hidden_states.to(dt)
+    if gate is not None:
+        x = x * torch.nn.functional.silu(gate.to(dt))
+    gs = getattr(self, "group_size", x.shape[-1])
+    xg = x.reshape(*x.shape[:-1], -1, gs)
+    x = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).reshape(x.shape)
+    return self.weight * x.to(hidden_states.dtype)
+
+
+def _exact_mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                **kwargs) -> torch.Tensor:
+    """The ordinary (one sequence per batch row) Mamba-2 mixer forward for the fp64 oracle: the model's own math
+    (projection, causal conv per row, the scan over each whole row, ``D`` skip, gated norm, out_proj) with the scan in
+    fp64 for fp64 inputs (the models' torch path casts ``x``, ``B``, ``C`` and ``A`` to fp32). Training forwards only.
+
+    Args:
+        hidden_states: ``[Bsz, L, hidden]``, one unpadded sequence per row.
+
+    Returns:
+        ``[Bsz, L, hidden]`` in the input dtype.
+    """
+    # zorro's (public) transcriptions of the token-wise parts, so the oracle and zorro cannot drift apart there; the
+    # sequence mixing (conv per row, the scan over each whole row) is what the oracle checks and stays written out.
+    from zorro_verl.integrations.transformers.ssm import (
+        mamba2_projections,
+        ssm_decay_rate,
+        ssm_step_size,
+        stock_runs_fused,
+    )
+    from zorro_verl.recurrent import chunk_ssd
+
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("exact Mamba-2 oracle: got a cache or an attention_mask; expected neither (run each row "
+                         "unpadded with use_cache=False).")
+    b, L, _ = hidden_states.shape
+    gate, xBC, dt = mamba2_projections(self, hidden_states)
+    xBC = self.act(self.conv1d(xBC.transpose(1, 2))[..., :L].transpose(1, 2))  # causal per row: the first L
+    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    x, B, C = torch.split(xBC, [self.intermediate_size, G * N, G * N], dim=-1)
+    cdt = _compute_dtype(x)
+    x = x.reshape(b, L, H, P).to(cdt)
+    y, _ = chunk_ssd(x, ssm_step_size(self, dt, stock_runs_fused(self, hidden_states)), ssm_decay_rate(self, cdt),
+                     B.reshape(b, L, G, N),
+                     C.reshape(b, L, G, N), chunk_size=self.chunk_size)
+    y = y + self.D[:, None] * x
+    return self.out_proj(self.norm(y.reshape(b, L, -1), gate).to(hidden_states.dtype))
+
+
+def _exact_mamba1_mixer_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                **kwargs) -> torch.Tensor:
+    """The ordinary (one sequence per batch row) Mamba (v1) mixer forward for the fp64 oracle: the model's math
+    (projection, causal conv per row, selection, the step-by-step scan over each whole row, ``D`` skip, gate,
+    out_proj) with the scan in fp64 for fp64 inputs (the models' torch path casts ``A`` and ``B`` to fp32).
+
+    Args: hidden_states ``[Bsz, L, hidden]``, one unpadded sequence per row. Returns ``[Bsz, L, hidden]``.
+    """
+    from zorro_verl.integrations.transformers.ssm import mamba1_selection
+    from zorro_verl.recurrent import selective_scan
+
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("exact Mamba oracle: got a cache or an attention_mask; expected neither (run each row "
+                         "unpadded with use_cache=False).")
+    L = hidden_states.shape[1]
+    x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [b, L, D]
+    x = self.act(self.conv1d(x.transpose(1, 2))[..., :L].transpose(1, 2))  # causal per row: the first L
+    dt, B, C = mamba1_selection(self, x)
+    y, _ = selective_scan(x, dt, -self.A_log.to(_compute_dtype(x)).exp(), B, C)
+    y = (y.to(x.dtype) + x * self.D) * self.act(gate)
+    return self.out_proj(y)
+
+
+def _exact_logits_root_forward(self, input_ids=None, logits_to_keep=0, labels=None, **kwargs):
+    """A ``*ForCausalLM`` forward without the fp32 cast of the logits (Mamba2 and Nemotron-H end in ``.float()``,
+    which rounds fp64 logits to fp32): decoder, then the head on the kept rows. Returns ``CausalLMOutput``."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    if labels is not None:
+        raise ValueError("exact fp64 root forward: labels are not supported (the oracles compute log-probs).")
+    kwargs.pop("use_cache", None)
+    h = self.get_decoder()(input_ids=input_ids, use_cache=False, **kwargs)[0]
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return CausalLMOutput(logits=self.get_output_embeddings()(h[:, keep]))
+
+
+def _exact_topk_gating_forward(self, hidden_states: torch.Tensor):
+    """Granite MoE's top-k gating (``GraniteMoeHybridTopKGating``) with its router logits kept in fp64 for fp64 inputs
+    (transformers: ``.float()``). hidden_states ``[N, H]``; returns the module's tuple ``(index_sorted_experts,
+    batch_index, batch_gates, expert_size, logits)``."""
+    logits = self.layer(hidden_states).to(_compute_dtype(hidden_states))  # [N, E]
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    gates = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype,
+                        device=top_k_gates.device).scatter(1, top_k_indices, 1)
+    expert_size = gates.long().sum(0).tolist()
+    _, index_sorted_experts = top_k_indices.flatten().sort(0)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
+def exact_fp64_ssm(model) -> None:
+    """Per-instance fp64-exact swaps for state-space models (test oracle only; fp32/bf16 behaviour unchanged): the
+    RMSNorms (:func:`exact_fp64_norms`), Granite's MoE top-k gating, the gated norms of the mixers' output, the
+    mixers' forward (:func:`_exact_mamba2_mixer_forward`, :func:`_exact_mamba1_mixer_forward`: the scan in fp64) and,
+    for roots that cast their logits to fp32 (Mamba2, Nemotron-H, Mamba, FalconMamba), the root forward."""
+    exact_fp64_norms(model)
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNormGated") and hasattr(mod, "variance_epsilon"):
+            mod.forward = types.MethodType(_exact_gate_first_rmsnorm_forward, mod)
+        elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "n_groups", "ssm_state_size")):
+            mod.forward = types.MethodType(_exact_mamba2_mixer_forward, mod)
+        elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "x_proj", "dt_proj")):
+            mod.forward = types.MethodType(_exact_mamba1_mixer_forward, mod)
+        elif name.endswith("TopKGating") and all(hasattr(mod, a) for a in ("layer", "top_k", "num_experts")):
+            mod.forward = types.MethodType(_exact_topk_gating_forward, mod)
+    if type(model).__name__ in ("Mamba2ForCausalLM", "NemotronHForCausalLM", "MambaForCausalLM",
+                                "FalconMambaForCausalLM"):
+        model.forward = types.MethodType(_exact_logits_root_forward, model)
 
 
 #: Name of :func:`fp64_eager_attention` in transformers' attention and mask interfaces (test oracles only).

@@ -4,6 +4,7 @@ the one model step (docs/design/attention.md, model-step.md).
 * :mod:`.attention` — the function registered as ``"zorro"`` in ``AttentionInterface``;
 * :mod:`.context` — :class:`StepContext` (plan, backend, :class:`LayerCalls`), the ``zorro_ctx`` kwarg;
 * :mod:`.hybrid` — gated delta-net layers of hybrid models (Qwen3.5, Qwen3-Next);
+* :mod:`.ssm` — Mamba-2 layers (Mamba2, Bamba, Granite 4 hybrid, Nemotron-H);
 * :mod:`.install` — :func:`install_zorro` / :func:`uninstall_zorro` and the checked packed forward;
 * :mod:`.step` — :func:`zorro_step`, used by every caller;
 * :mod:`.loading` — :func:`load_causal_lm`.

@@ -1,9 +1,10 @@
 """Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/design/model-step.md).
 
 * :func:`install_zorro` sets the model's attention to the registered ``"zorro"`` function, wraps gated delta-net
-  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), and — with ``probe`` — checks with a tiny forward
-  that every decoder layer's sequence mixing goes through zorro. Any other layer type, or a model that does not
-  dispatch through ``ALL_ATTENTION_FUNCTIONS``, raises here, never silently.
+  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`) and Mamba-2 (``mamba``) layers (:mod:`.ssm`),
+  and — with ``probe`` — checks with a tiny forward that every decoder layer's sequence mixing goes through zorro.
+  Any other layer type, or a model that does not dispatch through ``ALL_ATTENTION_FUNCTIONS``, raises here, never
+  silently.
 * :func:`forward_packed` is the only place a model runs on a packed row: it zeroes the step's counters, calls the
   root module (so FSDP hooks and any final processing run as in the stock forward) and checks that every attention
   and linear-attention layer ran through zorro exactly once.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from zorro_verl.integrations.transformers import hybrid, vision
+from zorro_verl.integrations.transformers import hybrid, ssm, vision
 from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
@@ -24,10 +25,12 @@ from zorro_verl.packing import build_plan
 __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_calls", "check_layer_calls",
            "forward_packed", "expected_windows", "check_windows", "probe_report"]
 
-#: config.layer_types entries zorro handles: full and sliding-window attention (registered function) and linear
-#: attention (hybrid.py).
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION)
+#: config.layer_types entries zorro handles: full and sliding-window attention (registered function; ``attention`` is
+#: the state-space hybrids' name for full attention), linear attention (hybrid.py), Mamba-2 (ssm.py) and the
+#: token-wise MLP / MoE layers of Nemotron-H (no sequence mixing).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
+_TOKENWISE_LAYER_TYPES = ("mlp", "moe")
+_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, *_TOKENWISE_LAYER_TYPES)
 
 
 def is_installed(model) -> bool:
@@ -35,9 +38,9 @@ def is_installed(model) -> bool:
 
 
 def expected_layer_calls(model) -> tuple[int, int]:
-    """``(attention layers, linear-attention layers)`` one forward must run through zorro: the ``full_attention``
-    and ``sliding_attention`` entries of ``config.layer_types`` when the config lists them, else
-    ``num_hidden_layers``."""
+    """``(attention layers, recurrent layers)`` one forward must run through zorro: the attention entries of
+    ``config.layer_types`` when the config lists them, else ``num_hidden_layers``; the recurrent ones are the
+    ``linear_attention`` (gated delta-net) and ``mamba`` (Mamba-2) layers."""
     cfg = hybrid.text_config(model)
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
@@ -45,7 +48,7 @@ def expected_layer_calls(model) -> tuple[int, int]:
                          "supports decoder-only language models.")
     types = getattr(cfg, "layer_types", None)
     attn = sum(t in _ATTENTION_LAYER_TYPES for t in types[:n]) if types else n
-    return attn, len(hybrid.linear_attention_modules(model))
+    return attn, len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
 
 
 def _check_layer_types(model) -> None:
@@ -59,6 +62,7 @@ def _check_layer_types(model) -> None:
                 f"{list(_HANDLED_LAYER_TYPES)} are handled). Running them over the packed row would let one response "
                 "see its siblings — refused. Use a model whose layers are all of the handled types.")
     hybrid.check_linear_attention_supported(model)
+    ssm.check_mamba_supported(model)
     cfg = hybrid.text_config(model)
     drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
     if drop:
@@ -138,9 +142,9 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
             "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
     if calls.recurrent != rec:
         raise ValueError(
-            f"model: {rec} linear-attention layers but zorro's gated delta-net forward ran {calls.recurrent} times; a "
-            "linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) again "
-            "after changing the model.")
+            f"model: {rec} linear-attention / mamba layers but zorro's recurrent forwards ran {calls.recurrent} "
+            "times; a linear-attention or Mamba module was bypassed or replaced after install_zorro. Call "
+            "install_zorro(model) again after changing the model.")
     check_windows(model, calls)
 
 
@@ -179,6 +183,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     _check_layer_types(model)
     if is_installed(model):
         hybrid.wrap_linear_attention(model)  # idempotent
+        ssm.wrap_mamba(model)
         return getattr(model, "zorro_features", None)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model._zorro_previous_sub_attn = vision.sub_attention(model)
@@ -188,6 +193,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
     try:
         hybrid.wrap_linear_attention(model)
+        ssm.wrap_mamba(model)
         report = _probe(model) if probe else None
     except Exception:
         uninstall_zorro(model)
@@ -200,6 +206,7 @@ def uninstall_zorro(model) -> None:
     """Restore the attention implementation (and linear-attention forwards) the model had before
     :func:`install_zorro`."""
     hybrid.unwrap_linear_attention(model)
+    ssm.unwrap_mamba(model)
     if is_installed(model):
         previous = getattr(model, "_zorro_previous_attn", None) or "sdpa"
         subs = getattr(model, "_zorro_previous_sub_attn", None) or {}
