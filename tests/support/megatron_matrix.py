@@ -5,19 +5,20 @@ computed in the test process and in every rank process alike).
 Factors (the engine's options):
 
 * ``builder``: verl's Megatron-Bridge (its default, ``vanilla_mbridge=False``) or the legacy vanilla mbridge;
-* ``tp`` (1, 2), ``sp`` (sequence parallelism; on needs TP = 2), ``pp`` (1, 2), ``vpp`` (2 virtual stages per
-  pipeline stage on a 4-layer checkpoint; on needs PP = 2);
+* ``tp`` (1, 2), ``sp`` (sequence parallelism; on needs TP = 2, and MoE with TP = 2 needs it: megatron's MoE layer
+  raises in training without), ``pp`` (1, 2), ``vpp`` (2 virtual stages per pipeline stage on a 4-layer checkpoint;
+  on needs PP = 2);
 * ``dynamic``: ``use_dynamic_bsz`` (a token budget) or fixed micro-batch sizes;
 * ``sharing``: zorro's ``prompt`` dedup or the ``prefix`` tree (on prompts with a common start);
-* ``model``: a dense Qwen3-like checkpoint, Qwen3-MoE (4 experts, top-2) with EP = 1, or with EP = 2 (expert tensor
-  parallelism 1: the expert-parallel group is the TP group when TP = 2, else the DP group);
+* ``model``: a dense Qwen3-like checkpoint, Qwen3-MoE (4 experts, top-2) with EP = 1, or with EP = 2 (verl's default
+  expert tensor parallelism, = TP: the experts are split over DP = 2; with TP = PP = 2 that needs 8 ranks, excluded);
 * ``lora``: verl's Megatron LoRA (Megatron-Bridge PEFT; verl asserts "LoRA/PEFT only supported via Megatron-Bridge",
   so LoRA with vanilla mbridge is excluded: a constraint, not a zorro refusal);
 * ``fused``: ``use_fused_kernels`` on the zorro engine (verl's fused head is a CUDA Triton kernel: the stock reference
   runs the non-fused head, as tests/integrations/megatron/test_engine_vpp.py).
 
-The world of a case is TP x PP x DP: DP = 2 where EP = 2 needs a second rank beside TP = 1, and where TP = PP = 1
-(the cases then share the 2-process group: one process group per world size, 2 and 4).
+The world of a case is TP x PP x DP: DP = 2 where EP = 2 needs it, and where TP = PP = 1 (those cases then share the
+2-process group: one process group per world size, 2 and 4).
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def allowed(a: dict) -> bool:
         return False
     if a.get("vpp") is True and a.get("pp", 2) != 2:  # virtual stages need a pipeline
         return False
+    # megatron's MoE layer raises in training with TP > 1 and no sequence parallelism ("During training, performance
+    # may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism")
+    if a.get("model", "dense") != "dense" and a.get("tp") == 2 and a.get("sp") is False:
+        return False
+    # EP = 2 beside TP = 2 x PP = 2 needs 8 ranks (verl's default expert TP = TP: the expert grid is TP x EP x PP)
+    if a.get("model") == "moe_ep2" and a.get("tp") == 2 and a.get("pp") == 2:
+        return False
     # verl's Megatron LoRA is Megatron-Bridge's PEFT (verl asserts the bridge)
     return not (a.get("lora") is True and a.get("builder", "megatron-bridge") != "megatron-bridge")
 
@@ -55,11 +63,9 @@ CASES: list[dict] = covering_array(FACTORS, allowed)
 
 
 def dp_of(case: dict) -> int:
-    """Data-parallel size: 2 where TP = PP = 1 (so every case has a second rank) or where EP = 2 needs one beside
-    TP = 1 (the experts are split over the DP group)."""
-    if case["tp"] * case["pp"] == 1:
-        return 2
-    return 2 if case["model"] == "moe_ep2" and case["tp"] == 1 else 1
+    """Data-parallel size: 2 where TP = PP = 1 (so every case has a second rank) or where EP = 2 needs it (verl's
+    default expert TP = TP: the experts of a TP x PP grid are split over DP = 2)."""
+    return 2 if case["tp"] * case["pp"] == 1 or case["model"] == "moe_ep2" else 1
 
 
 def world_of(case: dict) -> int:
