@@ -25,11 +25,19 @@ def attend(plan: ZorroPlan, backend: str, query: torch.Tensor, key: torch.Tensor
     """Split attention of ``plan`` with the registered ``backend``. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]``
     -> ``[1, T, Hq, D]``; ``v`` may have its own head dim ``Dv`` (multi-latent attention: ``k [1, Hkv, T, Dqk]``,
     ``v [1, Hkv, T, Dv]`` -> ``[1, T, Hq, Dv]``, by zero columns, exact). ``features`` (None: plain attention): the
-    layer's window (in original positions), sinks ``[Hq]`` and soft-cap; a window no row is long enough to reach
-    past is dropped first (exact)."""
+    layer's window and chunk (in original positions), sinks ``[Hq]`` and soft-cap; a window or chunk no row is long
+    enough to reach past is dropped first (exact). A chunk that cuts inside the plan raises ``ValueError`` on the
+    backends that cannot express it (``flash``, ``flash_copyfree``)."""
     b = get_backend(backend)
     features = (features or NO_FEATURES).for_plan(plan)
     features.check_heads(query.shape[1])
+    if features.chunk is not None and not b.chunks:
+        raise ValueError(
+            f"attention backend {backend!r}: this layer attends in chunks of attention_chunk_size={features.chunk} "
+            f"positions (chunked_attention) and rows of this micro-batch are up to {plan.max_row_len} tokens long, so "
+            "the chunk boundary cuts inside them; the flash kernels' mask is one causal band per call and cannot "
+            "express it. Use attention backend 'sdpa', 'eager', 'standard' or 'flex' for this model (or rows no "
+            "longer than the chunk size).")
     dqk, dv = query.shape[-1], value.shape[-1]
     if dqk == dv:
         return b.attend(plan, query, key, value, scaling, features)

@@ -33,6 +33,9 @@ class Backend:
     summary: str
     #: Device types it runs on at all (``available`` may still say no there, e.g. flex has no CPU backward).
     device_types: tuple = ("cpu", "cuda")
+    #: Whether it expresses chunked attention (``features.chunk`` cutting inside a plan). The flash kernels' mask is
+    #: one causal band per call, which a chunk boundary inside a segment is not: those backends say False.
+    chunks: bool = True
 
 
 def always(device: torch.device) -> bool:

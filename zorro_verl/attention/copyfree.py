@@ -276,4 +276,4 @@ def _available(device: torch.device) -> bool:
 
 BACKEND = Backend("flash_copyfree", attend_copyfree, copyfree_index, _available,
                   "flash varlen, prompt and own parts merged by log-sum-exp; no K/V copies (CUDA fp16/bf16 flash "
-                  "kernels; CPU: PyTorch's CPU flash kernels per segment, any float dtype)")
+                  "kernels; CPU: PyTorch's CPU flash kernels per segment, any float dtype)", chunks=False)

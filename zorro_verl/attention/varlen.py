@@ -192,4 +192,5 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
 
 
 BACKEND = Backend("flash", attend_varlen, varlen_index, flash_available,
-                  "flash varlen, two calls; per-response gather of the prompt's K/V (CUDA, fp16/bf16)", ("cuda",))
+                  "flash varlen, two calls; per-response gather of the prompt's K/V (CUDA, fp16/bf16)", ("cuda",),
+                  chunks=False)
