@@ -186,7 +186,8 @@ def tiny_llama4_config(*, layer_types: str = "default", chunk: int = 4, floor_sc
     """A tiny Llama 4 text config (``Llama4ForCausalLM``). ``layer_types="default"``: Llama 4's own pattern (RoPE
     layers ``chunked_attention`` with ``attention_chunk_size = chunk``, every 4th layer NoPE ``full_attention`` with
     the query temperature); ``"full"``: every layer ``full_attention`` (the NoPE layers keep their temperature).
-    ``floor_scale`` small (default 2) so the temperature varies within a few tokens (real models: 8192). ``moe``:
+    ``floor_scale`` small (default 2) so the temperature varies within a few tokens (real models: 8192); weights
+    drawn with std 0.2 (``initializer_range``) so attention is far from uniform and each rule shows. ``moe``:
     every layer a mixture of 2 experts (top-1, a shared expert), else dense MLPs."""
     from transformers import Llama4TextConfig
 
@@ -196,7 +197,8 @@ def tiny_llama4_config(*, layer_types: str = "default", chunk: int = 4, floor_sc
     return Llama4TextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                             num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=chunk,
-                            floor_scale=floor_scale, attn_scale=0.5, attention_dropout=0.0, **extra, **kwargs)
+                            floor_scale=floor_scale, attn_scale=0.5, attention_dropout=0.0,
+                            initializer_range=kwargs.pop("initializer_range", 0.2), **extra, **kwargs)
 
 
 def tiny_llama4_model(*, dtype: torch.dtype = torch.float64, seed: int = 0, attn_implementation: str = "sdpa",
