@@ -31,13 +31,7 @@ def attend(plan: ZorroPlan, backend: str, query: torch.Tensor, key: torch.Tensor
     b = get_backend(backend)
     features = (features or NO_FEATURES).for_plan(plan)
     features.check_heads(query.shape[1])
-    if features.chunk is not None and not b.chunks:
-        raise ValueError(
-            f"attention backend {backend!r}: this layer attends in chunks of attention_chunk_size={features.chunk} "
-            f"positions (chunked_attention) and rows of this micro-batch are up to {plan.max_row_len} tokens long, so "
-            "the chunk boundary cuts inside them; the flash kernels' mask is one causal band per call and cannot "
-            "express it. Use attention backend 'sdpa', 'eager', 'standard' or 'flex' for this model (or rows no "
-            "longer than the chunk size).")
+    b.check_chunk(plan, features)
     dqk, dv = query.shape[-1], value.shape[-1]
     if dqk == dv:
         return b.attend(plan, query, key, value, scaling, features)

@@ -41,3 +41,23 @@ def test_llama4_infer_and_train_match_stock(llama4_ckpt):
     print(f"Llama 4 verl engine vs stock: log-prob {r['log_probs']:.2e}, entropy {r['entropy']:.2e}, loss "
           f"{abs(loss_a - loss_b) / abs(loss_a):.2e} rel, grad norm {abs(gn_a - gn_b) / gn_a:.2e} rel, grads "
           f"{r['grad_rel']:.2e} rel")
+
+
+def test_flash_backend_refuses_rows_past_the_chunk_per_batch(llama4_ckpt):
+    """``flash_copyfree`` (what ``auto`` picks; it runs on CPU) cannot express a chunk boundary: a batch whose rows
+    pass the chunk (4) is refused before any forward — ``raise`` names it, ``warn`` runs the stock forward for it
+    (counted) and matches the stock engine."""
+    from tests.support.verl_engines import build_engine, infer, make_engine_batch, output_values
+
+    td = make_engine_batch(batch_size=4, num_prompts=2, prompt_len=6, response_len=3, seed=1)
+    z = build_engine(llama4_ckpt, zorro=True, zorro_settings={"attention_backend": "flash_copyfree"})
+    with pytest.raises(ValueError, match=r"attention_chunk_size=4\) with rows up to \d+ tokens on "
+                                         r"attention_backend='flash_copyfree', which cannot express a chunk boundary"):
+        infer(z, td.clone())
+    warn = build_engine(llama4_ckpt, zorro=True,
+                        zorro_settings={"attention_backend": "flash_copyfree", "on_unsupported": "warn"})
+    out = infer(warn, td.clone())
+    assert out["metrics"]["zorro/fallback_batches"] == [1.0]
+    ref = infer(build_engine(llama4_ckpt, zorro=False), td.clone())
+    mask = td["response_mask"].bool()
+    assert (output_values(ref, td, "log_probs") - output_values(out, td, "log_probs"))[mask].abs().max().item() <= ATOL
