@@ -144,7 +144,7 @@ def test_flash_backends_refuse_a_cutting_chunk_and_run_a_longer_one(cpu_flash):
 
 def test_the_fix_and_the_chunks_matter(monkeypatch):
     """Teeth: without zorro's temperature fix the NoPE layer scales queries by their packed index (the error shows
-    at ~1e-5 and the install probe refuses the model, naming the layer); the chunk rule and the temperature each
+    at ~0.1 and the install probe refuses the model, naming the layer); the chunk rule and the temperature each
     change the ordinary log-probs."""
     batch = batch_of(8, 3, 14, 6, seed=3)
     R = batch["responses"].shape[1]
@@ -161,7 +161,7 @@ def test_the_fix_and_the_chunks_matter(monkeypatch):
     with torch.no_grad():
         lp_ref, _ = ordinary_logprobs(ref, batch["input_ids"], batch["attention_mask"], R)
         lp, _ = zorro_step(z, plan)
-    assert (lp - lp_ref).abs().max().item() > 1e-6
+    assert (lp - lp_ref).abs().max().item() > 1e-2
     uninstall_zorro(z)
     with torch.no_grad():
         for kw in (dict(layer_types="full", chunk=4), dict(layer_types="default", chunk=64),
