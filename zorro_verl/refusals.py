@@ -74,11 +74,6 @@ _ORDINARY_ROUTES = "routes are recorded per token of the ordinary rows; the pack
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---------------------------------------------------------------- verl 0.9 FSDP engine
-    Refusal("fsdp.chunk_flash", _FSDP, "`attention_backend` `flash` / `flash_copyfree` (what `auto` picks) on a model "
-            "with `chunked_attention` layers (Llama 4) and a batch whose longest row passes the chunk",
-            "a chunk boundary is no single flash band; rows within the chunk run, so the check is per batch (use "
-            "`sdpa`, `eager`, `standard` or `flex`)", "batch", _V09 + "engine",
-            "which cannot express a chunk boundary"),
     Refusal("fsdp.ulysses_heads", _FSDP, "Ulysses SP > 1 with `Hq % sp != 0`",
             "every rank must get whole heads (verl's condition)", "model",
             "zorro_verl.attention.ulysses", "must divide the attention heads"),
@@ -329,11 +324,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.chunk_size_missing", _STEP, "a `chunked_attention` layer with `config.attention_chunk_size = None`",
             "the ordinary mask needs the chunk size", "call", _HF + "attention",
             "is a chunked_attention layer but config.attention_chunk_size is None"),
-    Refusal("step.chunk_flash", _STEP, "`attention_backend` `flash` / `flash_copyfree` on a `chunked_attention` layer "
-            "(Llama 4) whose chunk is shorter than the micro-batch's longest row",
-            "the flash kernels' mask is one causal band per call; a chunk boundary inside a segment is not (use "
-            "`sdpa`, `eager`, `standard` or `flex`; a chunk no row reaches past runs on every backend)", "call",
-            "zorro_verl.attention.base", "one causal band per call and cannot express it"),
     Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
             "model", _HF + "install", "zorro's attention has no dropout"),
     Refusal("step.bidirectional", _STEP, "`use_bidirectional_attention`, non-causal attention calls",

@@ -1,7 +1,7 @@
 """Chunked attention (Llama 4's ``chunked_attention`` layers: key visible iff ``pos_q // C == pos_k // C``, causal)
-in every backend that expresses it vs the dense-mask oracle with the chunk rule (fp64, outputs and q/k/v/sink
-gradients), prompt and prefix-tree plans; the flash backends refuse a chunk that cuts inside the plan by name and
-are exact when it does not (the chunk is then a no-op, dropped like a long window)."""
+in every backend vs the dense-mask oracle with the chunk rule (fp64, outputs and q/k/v/sink gradients), prompt and
+prefix-tree plans: the flash designs (one segment per chunk piece) over the plain-torch varlen primitives and the
+copy-free backend as registered on CPU (its CPU flash kernels); flex forward only."""
 
 import pytest
 import torch
@@ -12,11 +12,25 @@ from tests.attention.test_tree_backends import _tree_plan
 from tests.packing.test_plan import IDS, MASK, grpo_batches
 from tests.packing.test_tree import tree_rows
 from zorro_verl.attention import AttentionFeatures, attend
+from zorro_verl.attention.copyfree import attend_copyfree
+from zorro_verl.attention.primitives import torch_primitives
+from zorro_verl.attention.varlen import attend_varlen
 from zorro_verl.packing import build_plan
 from zorro_verl.testing import dense_attention_oracle, dense_mask, multi_turn_rows
 
 TOL = 1e-12  # fp64: both sides are the same math up to summation order
-CHUNK_BACKENDS = ("sdpa", "eager", "standard")
+PRIMS = torch_primitives()
+#: name -> attend(plan, q, k, v, scaling, features): the registered backends, and the flash designs with the CPU
+#: reference kernels
+VARIANTS = {
+    "sdpa": lambda p, *a: attend(p, "sdpa", *a),
+    "eager": lambda p, *a: attend(p, "eager", *a),
+    "standard": lambda p, *a: attend(p, "standard", *a),
+    "flash_copyfree": lambda p, *a: attend(p, "flash_copyfree", *a),  # as registered: its CPU flash kernels
+    "flash": lambda p, q, k, v, s, f: attend_varlen(p, q, k, v, s, f.for_plan(p), prims=PRIMS),
+    "flash_copyfree_prims": lambda p, q, k, v, s, f: attend_copyfree(p, q, k, v, s, f.for_plan(p), prims=PRIMS),
+}
+CHUNK_BACKENDS = tuple(VARIANTS)
 
 
 def _check(plan, backend, chunk, window=None, sinks=False, softcap=None, hq=4, hkv=2, seed=0):
@@ -26,7 +40,8 @@ def _check(plan, backend, chunk, window=None, sinks=False, softcap=None, hq=4, h
     s = mk(hq) if sinks else None
     w = torch.randn(1, plan.T, hq, 8, generator=g, dtype=torch.float64)
     ref = dense_attention_oracle(plan, q, k, v, 0.7, window=window, sinks=s, softcap=softcap, chunk=chunk)
-    out = attend(plan, backend, q, k, v, 0.7, AttentionFeatures(window=window, sinks=s, softcap=softcap, chunk=chunk))
+    out = VARIANTS[backend](plan, q, k, v, 0.7, AttentionFeatures(window=window, sinks=s, softcap=softcap,
+                                                                 chunk=chunk))
     leaves = (q, k, v) + ((s,) if s is not None else ())
     errs = [(out - ref).abs().max().item()] + [
         (a - b).abs().max().item() for a, b in zip(torch.autograd.grad((out * w).sum(), leaves),
@@ -101,18 +116,21 @@ def test_flex_forward_with_chunks():
             assert (out - ref).abs().max().item() <= TOL, (chunk, window)
 
 
-@pytest.mark.parametrize("backend", ["flash", "flash_copyfree"])
-def test_flash_backends_refuse_a_chunk_that_cuts_and_run_one_that_does_not(backend):
-    """A chunk boundary inside a segment is no single causal band: refused by name. A chunk at least as long as
-    every row cuts nothing and is dropped (exact, the flash_copyfree CPU kernels)."""
+def test_chunk_pieces_of_the_flash_design():
+    """The hand example, chunk 2: prompt [5, 6, 7] -> pieces of 2 and 1 tokens; row 0's response (positions 3, 4;
+    prefix 3) -> a query-less piece over prompt positions 0-1, then [prompt position 2 ; response position 3] with
+    one query, then position 4 alone."""
+    from zorro_verl.attention.varlen import chunk_index
+
     plan = build_plan(IDS, MASK, 3)
-    q, k, v = (torch.randn(1, h, plan.T, 8, dtype=torch.float64) for h in (4, 2, 2))
-    with pytest.raises(ValueError, match=f"attention backend '{backend}'.*attention_chunk_size=2"):
-        attend(plan, backend, q, k, v, 0.7, AttentionFeatures(chunk=2))
-    if backend == "flash_copyfree":  # runs on CPU: the no-op chunk is exact
-        ref = dense_attention_oracle(plan, q, k, v, 0.7)
-        out = attend(plan, backend, q, k, v, 0.7, AttentionFeatures(chunk=plan.max_row_len))
-        assert (out - ref).abs().max().item() <= TOL
+    c = chunk_index(plan, 2)
+    assert plan.prompt_lens.tolist()[0] == 3 and c["cu_seqlens_prompt"].diff().tolist()[:2] == [2, 1]
+    row0 = plan.nonempty_rows().tolist().index(0)
+    m = c["cu_seqlens_q"].numel() - 1
+    per = m // plan.num_nonempty_responses
+    ql = c["cu_seqlens_q"].diff().view(-1, per)[row0].tolist()
+    kl = c["cu_seqlens_k"].diff().view(-1, per)[row0].tolist()
+    assert ql[:3] == [0, 1, 1] and kl[:3] == [2, 2, 1] and sum(ql[3:]) == sum(kl[3:]) == 0
 
 
 def test_bad_chunk_refused():

@@ -26,12 +26,10 @@ def attend(plan: ZorroPlan, backend: str, query: torch.Tensor, key: torch.Tensor
     -> ``[1, T, Hq, D]``; ``v`` may have its own head dim ``Dv`` (multi-latent attention: ``k [1, Hkv, T, Dqk]``,
     ``v [1, Hkv, T, Dv]`` -> ``[1, T, Hq, Dv]``, by zero columns, exact). ``features`` (None: plain attention): the
     layer's window and chunk (in original positions), sinks ``[Hq]`` and soft-cap; a window or chunk no row is long
-    enough to reach past is dropped first (exact). A chunk that cuts inside the plan raises ``ValueError`` on the
-    backends that cannot express it (``flash``, ``flash_copyfree``)."""
+    enough to reach past is dropped first (exact)."""
     b = get_backend(backend)
     features = (features or NO_FEATURES).for_plan(plan)
     features.check_heads(query.shape[1])
-    b.check_chunk(plan, features)
     dqk, dv = query.shape[-1], value.shape[-1]
     if dqk == dv:
         return b.attend(plan, query, key, value, scaling, features)

@@ -33,20 +33,6 @@ class Backend:
     summary: str
     #: Device types it runs on at all (``available`` may still say no there, e.g. flex has no CPU backward).
     device_types: tuple = ("cpu", "cuda")
-    #: Whether it expresses chunked attention (``features.chunk`` cutting inside a plan). The flash kernels' mask is
-    #: one causal band per call, which a chunk boundary inside a segment is not: those backends say False.
-    chunks: bool = True
-
-    def check_chunk(self, plan: ZorroPlan, features) -> None:
-        """Raise ``ValueError`` when ``features`` (already :meth:`~.features.AttentionFeatures.for_plan`) keep a chunk
-        that cuts inside ``plan`` and this backend cannot express chunks."""
-        if features.chunk is not None and not self.chunks:
-            raise ValueError(
-                f"attention backend {self.name!r}: this layer attends in chunks of attention_chunk_size="
-                f"{features.chunk} positions (chunked_attention) and rows of this micro-batch are up to "
-                f"{plan.max_row_len} tokens long, so the chunk boundary cuts inside them; the flash kernels' mask is "
-                "one causal band per call and cannot express it. Use attention backend 'sdpa', 'eager', 'standard' "
-                "or 'flex' for this model (or rows no longer than the chunk size).")
 
 
 def always(device: torch.device) -> bool:

@@ -33,7 +33,6 @@ from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
-from zorro_verl.attention import get_backend
 from zorro_verl.attention.ulysses import check_ulysses_heads
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
 from zorro_verl.integrations.transformers.hybrid import (
@@ -41,7 +40,6 @@ from zorro_verl.integrations.transformers.hybrid import (
     linear_attention_sp_repeat,
     text_config,
 )
-from zorro_verl.integrations.transformers.install import expected_chunks
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
 from zorro_verl.integrations.transformers.vision import is_multimodal
@@ -115,16 +113,6 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
         reason = common_batch_unsupported(data)
         if reason is not None:
             return reason
-        chunks = [c for c in expected_chunks(self.module).values() if c is not None]
-        if chunks and not get_backend(self._zorro_backend).chunks:
-            # Llama 4's chunked layers: the flash backends run them while no row passes the chunk (it is then a
-            # no-op) and cannot once one does; decided per batch, before any forward
-            p, r = row_lengths(data)
-            longest = int((p + r).max()) if p.numel() else 0
-            if longest > min(chunks):
-                return (f"chunked_attention layers (attention_chunk_size={min(chunks)}) with rows up to {longest} "
-                        f"tokens on attention_backend={self._zorro_backend!r}, which cannot express a chunk boundary "
-                        "inside a row; set zorro.attention_backend to 'sdpa', 'eager', 'standard' or 'flex'")
         if (get(data=data, key="use_fused_kernels", default=False) and "temperature" in data.keys()
                 and isinstance(data["temperature"], torch.Tensor)):
             # verl's fused path asserts one float temperature per batch
