@@ -313,9 +313,20 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`attention`, `linear_attention`, `mamba`, `mlp`, `moe` (e.g. the `hybrid` layers of Falcon-H1, Zamba, "
-            "Zamba2)", "such layers would let a response see its siblings", "model", _HF + "install",
+            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `mlp`, `moe` (e.g. the `hybrid` layers of "
+            "Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
+    Refusal("step.packed_row_reader", _STEP, "a layer whose output on zorro's packed row differs from its output on "
+            "each row alone (the install probe: it reads the packed length, packed indices or a mask over the packed "
+            "row)", "the deduplicated forward would train a different function", "model", _HF + "install",
+            "zorro's packed row than on each row alone"),
+    Refusal("step.chunk_mismatch", _STEP, "a `chunked_attention` layer whose attention module's chunk differs from "
+            "`config.attention_chunk_size` (no `config` / `layer_idx` on the module)",
+            "the ordinary forward's mask follows the layer types, zorro reads the chunk from the module",
+            "model", _HF + "install", "config.attention_chunk_size; zorro reads"),
+    Refusal("step.chunk_size_missing", _STEP, "a `chunked_attention` layer with `config.attention_chunk_size = None`",
+            "the ordinary mask needs the chunk size", "call", _HF + "attention",
+            "is a chunked_attention layer but config.attention_chunk_size is None"),
     Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
             "model", _HF + "install", "zorro's attention has no dropout"),
     Refusal("step.bidirectional", _STEP, "`use_bidirectional_attention`, non-causal attention calls",

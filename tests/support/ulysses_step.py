@@ -260,9 +260,13 @@ def run_rank(rank: int, world: int, init_file: str, device: str, suite: str = "a
         res[f"heads{heads}"] = out
     if not cuda and suite in ("all", "base"):
         # attention features under SP: gpt-oss (sliding windows, per-head sinks, sliced to each rank's heads, with
-        # their gradient) and Gemma 2 (windows, logit soft-capping; its final-logit soft-cap rules out memory mode)
-        for kind, modes in (("gpt_oss", ("none", "memory")), ("gemma2", ("none",))):
-            m = tiny_window_model(kind, dtype=torch.float64, seed=0, window=4)
+        # their gradient), Gemma 2 (windows, logit soft-capping; its final-logit soft-cap rules out memory mode) and
+        # Llama 4 (chunks of 4 positions; the NoPE query temperature from the rank's slice of the positions)
+        from zorro_verl.testing import tiny_llama4_model
+
+        for kind, modes in (("gpt_oss", ("none", "memory")), ("gemma2", ("none",)), ("llama4", ("none",))):
+            m = tiny_llama4_model(seed=0) if kind == "llama4" else \
+                tiny_window_model(kind, dtype=torch.float64, seed=0, window=4)
             install_zorro(m)
             shard = ulysses_shard(plan, world, rank, dist.group.WORLD)
             res[kind] = {mode: {"sp_vs_ref": _errors(step(m, "sdpa", None, mode), step(m, "sdpa", shard, mode))}

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "exact_fp64_ssm", "FP64_EAGER", "register_fp64_eager_attention"]
+__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "exact_fp64_ssm", "exact_fp64_llama4", "FP64_EAGER",
+           "register_fp64_eager_attention"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -126,6 +127,63 @@ def exact_fp64_norms(model) -> None:
         elif type(mod).__name__.startswith("Gemma") and type(mod).__name__.endswith("RMSNorm") and \
                 hasattr(mod, "eps") and isinstance(w, torch.Tensor) and w.dim() == 1:
             mod.forward = types.MethodType(_exact_offset_rmsnorm_forward, mod)  # Gemma: (1 + weight) * x / rms(x)
+
+
+def _exact_llama4_rmsnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Llama 4's RMSNorm ``weight * x / rms(x)`` (and its weightless q/k L2 norm), fp64 kept."""
+    y = x.to(_compute_dtype(x))
+    y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+    return y * self.weight if getattr(self, "weight", None) is not None else y
+
+
+def _exact_llama4_router_forward(self, hidden_states: torch.Tensor):
+    """Llama 4's router (top-k logits, sigmoid scores), the sigmoid in fp64 for fp64 inputs."""
+    logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+    top_value, top_index = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, top_index, top_value)
+    return torch.sigmoid(scores.to(_compute_dtype(scores))).to(scores.dtype), logits
+
+
+def _exact_llama4_rotary(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Llama 4's complex rotary embedding with fp64 queries / keys kept in complex128."""
+    dt = _compute_dtype(xq)
+    xq_ = torch.view_as_complex(xq.to(dt).reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.to(dt).reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def exact_fp64_llama4(model) -> None:
+    """Per-instance fp64-exact swaps for Llama 4 text models (test oracle only; fp32/bf16 behaviour unchanged):
+    its RMSNorm, q/k L2 norm and router sigmoid cast to fp32 whatever the input dtype, and its rotary embedding
+    multiplies in complex64 (``xq.float()``). The rotary function is module-level in transformers, so each attention
+    instance gets a forward that calls :func:`_exact_llama4_rotary` through the module's globals swapped for the
+    call. Both the ordinary model and zorro's copy get the same swaps."""
+    import transformers.models.llama4.modeling_llama4 as ml4
+
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name in ("Llama4TextRMSNorm", "Llama4TextL2Norm"):
+            mod.forward = types.MethodType(_exact_llama4_rmsnorm_forward, mod)
+        elif name == "Llama4Router":
+            mod.forward = types.MethodType(_exact_llama4_router_forward, mod)
+        elif name == "Llama4TextAttention":
+            mod.forward = types.MethodType(_with_exact_rotary(ml4.Llama4TextAttention.forward, ml4), mod)
+
+
+def _with_exact_rotary(forward, module):
+    """``forward`` with ``module.apply_rotary_emb`` swapped for :func:`_exact_llama4_rotary` during the call."""
+
+    def call(self, *args, **kwargs):
+        saved = module.apply_rotary_emb
+        module.apply_rotary_emb = _exact_llama4_rotary
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            module.apply_rotary_emb = saved
+
+    return call
 
 
 def exact_fp64_hybrid(model) -> None:

@@ -264,3 +264,36 @@ def tiny_window_model(kind: str, *, dtype: torch.dtype = torch.float64, seed: in
     if exact:
         exact_fp64_norms(model)
     return model
+
+
+def tiny_llama4_config(*, layer_types: str = "default", chunk: int = 4, floor_scale: int = 2, layers: int = 4,
+                       vocab_size: int = 128, moe: bool = True, **kwargs):
+    """A tiny Llama 4 text config (``Llama4ForCausalLM``). ``layer_types="default"``: Llama 4's own pattern (RoPE
+    layers ``chunked_attention`` with ``attention_chunk_size = chunk``, every 4th layer NoPE ``full_attention`` with
+    the query temperature); ``"full"``: every layer ``full_attention`` (the NoPE layers keep their temperature).
+    ``floor_scale`` small (default 2) so the temperature varies within a few tokens (real models: 8192); weights
+    drawn with std 0.2 (``initializer_range``) so attention is far from uniform and each rule shows. ``moe``:
+    every layer a mixture of 2 experts (top-1, a shared expert), else dense MLPs."""
+    from transformers import Llama4TextConfig
+
+    extra = {"layer_types": ["full_attention"] * layers} if layer_types == "full" else {}
+    if not moe:
+        extra["moe_layers"] = []
+    return Llama4TextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=chunk,
+                            floor_scale=floor_scale, attn_scale=0.5, attention_dropout=0.0,
+                            initializer_range=kwargs.pop("initializer_range", 0.2), **extra, **kwargs)
+
+
+def tiny_llama4_model(*, dtype: torch.dtype = torch.float64, seed: int = 0, attn_implementation: str = "sdpa",
+                      **cfg_kwargs):
+    """A randomly initialised ``Llama4ForCausalLM`` of :func:`tiny_llama4_config`; in fp64 with Llama 4's fp32
+    casts (norms, router, rotary) kept in fp64 (:func:`~zorro_verl.testing.fp64.exact_fp64_llama4`)."""
+    from zorro_verl.testing.fp64 import exact_fp64_llama4
+
+    model = model_from_config(tiny_llama4_config(**cfg_kwargs), dtype, seed, attn_implementation)
+    _perturb_vectors(model)
+    if dtype == torch.float64:
+        exact_fp64_llama4(model)
+    return model

@@ -228,10 +228,10 @@ def test_unsupported_layer_type_raises_at_install():
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                      layer_types=["full_attention", "chunked_attention"])
+                      layer_types=["full_attention", "heavily_compressed_attention"])  # a type zorro does not handle
     model = AutoModelForCausalLM.from_config(cfg)
     prev = model.config._attn_implementation
-    with pytest.raises(ValueError, match="chunked_attention"):
+    with pytest.raises(ValueError, match="heavily_compressed_attention"):
         install_zorro(model)
     assert model.config._attn_implementation == prev
 

@@ -27,8 +27,8 @@ class LayerCalls:
     attention: int = 0
     recurrent: int = 0
     fallbacks: dict = field(default_factory=dict)
-    #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling)``
-    #: — what the install probe reports and checks against the model's layer types.
+    #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling,
+    #: chunk | None)`` — what the install probe reports and checks against the model's layer types.
     features: list = field(default_factory=list)
 
     def reset(self) -> None:
@@ -38,7 +38,8 @@ class LayerCalls:
         self.features.clear()
 
     def record_features(self, layer_idx, features, scaling: float) -> None:
-        self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling))
+        self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling,
+                              features.chunk))
 
 
 class StepContext:
