@@ -313,8 +313,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`attention`, `linear_attention`, `mamba`, `mlp`, `moe` (e.g. the `hybrid` layers of Falcon-H1, Zamba, "
-            "Zamba2)", "such layers would let a response see its siblings", "model", _HF + "install",
+            "`attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe` (e.g. the `hybrid` layers of Falcon-H1, "
+            "Zamba, Zamba2)", "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
     Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
             "model", _HF + "install", "zorro's attention has no dropout"),
@@ -358,9 +358,19 @@ REFUSALS: tuple[Refusal, ...] = (
             "PEFT prompt learning"),
     Refusal("step.hybrid_layers", _STEP, "`linear_attention` layers zorro cannot find (no `layers` list)",
             "they would run over the packed row unseparated", "model", _HF + "hybrid", "has no `layers` list"),
-    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
+    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than the gated delta-nets of Qwen3.5 / "
+            "Qwen3-Next / OLMo-hybrid and MiniMax's lightning attention",
             "a response would see its siblings' state", "model", _HF + "hybrid",
             "is not a gated delta-net zorro knows"),
+    Refusal("step.short_conv_unknown", _STEP, "`conv` layers whose `conv` module is not LFM2's short gated conv",
+            "a response would see its siblings' conv inputs", "model", _HF + "mixers",
+            "whose `conv` module zorro does not know"),
+    Refusal("step.short_conv_layers", _STEP, "`conv` layers zorro cannot find (no `layers` list)",
+            "they would run over the packed row unseparated", "model", _HF + "mixers",
+            "layers but the decoder has no `layers` list"),
+    Refusal("step.mixers_ulysses", _STEP, "LFM2 short-conv and MiniMax lightning-attention layers under Ulysses SP > 1 "
+            "(also refused at FSDP engine initialisation)", "their conv channels / heads are not exchanged across "
+            "ranks", "call", _HF + "mixers", "lightning-attention layers under Ulysses sequence parallelism are not"),
     Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
             "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
             "multipliers)", "a response would see its siblings' state",
@@ -404,6 +414,7 @@ EXEMPT = {
     (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
     (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
     (_HF + "ssm", "ulysses_sequence_parallel_size = {}: {}"): "wraps ssm._SP_REFUSAL (step.mamba_ulysses)",
+    (_HF + "mixers", "ulysses_sequence_parallel_size = {}: {}"): "wraps mixers._SP_REFUSAL (step.mixers_ulysses)",
     (_V09 + "engine", "logits_optimization=memory: {}"): "wraps step.head_fn_unsupported (step.softcap_head_fn)",
     ("zorro_verl.packing.routes", "router replay: the recorded routes"):
         "a data check of router replay, which the step and the engine refuse before (mcore.routing_replay)",

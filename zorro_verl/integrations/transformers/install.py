@@ -1,7 +1,8 @@
 """Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/design/model-step.md).
 
 * :func:`install_zorro` sets the model's attention to the registered ``"zorro"`` function, wraps gated delta-net
-  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`) and Mamba-2 (``mamba``) layers (:mod:`.ssm`),
+  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), Mamba-2 (``mamba``) layers (:mod:`.ssm`), LFM2's
+  short convs (``conv``) and MiniMax's lightning attention (:mod:`.mixers`),
   and — with ``probe`` — checks with a tiny forward that every decoder layer's sequence mixing goes through zorro.
   Any other layer type, or a model that does not dispatch through ``ALL_ATTENTION_FUNCTIONS``, raises here, never
   silently.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from zorro_verl.integrations.transformers import hybrid, ssm, vision
+from zorro_verl.integrations.transformers import hybrid, mixers, ssm, vision
 from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
@@ -26,11 +27,13 @@ __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_c
            "forward_packed", "expected_windows", "check_windows", "probe_report"]
 
 #: config.layer_types entries zorro handles: full and sliding-window attention (registered function; ``attention`` is
-#: the state-space hybrids' name for full attention), linear attention (hybrid.py), Mamba-2 (ssm.py) and the
-#: token-wise MLP / MoE layers of Nemotron-H (no sequence mixing).
+#: the state-space hybrids' name for full attention), linear attention (gated delta-nets: hybrid.py; MiniMax's
+#: lightning attention: mixers.py), Mamba-2 (ssm.py), LFM2's short convs (mixers.py) and the token-wise MLP / MoE
+#: layers of Nemotron-H (no sequence mixing).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
 _TOKENWISE_LAYER_TYPES = ("mlp", "moe")
-_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, *_TOKENWISE_LAYER_TYPES)
+_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, mixers.SHORT_CONV,
+                        *_TOKENWISE_LAYER_TYPES)
 
 
 def is_installed(model) -> bool:
@@ -40,7 +43,7 @@ def is_installed(model) -> bool:
 def expected_layer_calls(model) -> tuple[int, int]:
     """``(attention layers, recurrent layers)`` one forward must run through zorro: the attention entries of
     ``config.layer_types`` when the config lists them, else ``num_hidden_layers``; the recurrent ones are the
-    ``linear_attention`` (gated delta-net) and ``mamba`` (Mamba-2) layers."""
+    ``linear_attention`` (gated delta-net, lightning attention), ``mamba`` (Mamba-2) and ``conv`` (LFM2) layers."""
     cfg = hybrid.text_config(model)
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
@@ -48,7 +51,8 @@ def expected_layer_calls(model) -> tuple[int, int]:
                          "supports decoder-only language models.")
     types = getattr(cfg, "layer_types", None)
     attn = sum(t in _ATTENTION_LAYER_TYPES for t in types[:n]) if types else n
-    return attn, len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
+    return attn, (len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
+                  + len(mixers.short_conv_modules(model)) + len(mixers.lightning_modules(model)))
 
 
 def _check_layer_types(model) -> None:
@@ -63,6 +67,7 @@ def _check_layer_types(model) -> None:
                 "see its siblings — refused. Use a model whose layers are all of the handled types.")
     hybrid.check_linear_attention_supported(model)
     ssm.check_mamba_supported(model)
+    mixers.check_mixers_supported(model)
     cfg = hybrid.text_config(model)
     drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
     if drop:
@@ -142,9 +147,9 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
             "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
     if calls.recurrent != rec:
         raise ValueError(
-            f"model: {rec} linear-attention / mamba layers but zorro's recurrent forwards ran {calls.recurrent} "
-            "times; a linear-attention or Mamba module was bypassed or replaced after install_zorro. Call "
-            "install_zorro(model) again after changing the model.")
+            f"model: {rec} linear-attention / mamba / short-conv layers but zorro's recurrent forwards ran "
+            f"{calls.recurrent} times; a linear-attention, Mamba or short-conv module was bypassed or replaced after "
+            "install_zorro. Call install_zorro(model) again after changing the model.")
     check_windows(model, calls)
 
 
@@ -184,6 +189,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     if is_installed(model):
         hybrid.wrap_linear_attention(model)  # idempotent
         ssm.wrap_mamba(model)
+        mixers.wrap_mixers(model)
         return getattr(model, "zorro_features", None)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model._zorro_previous_sub_attn = vision.sub_attention(model)
@@ -194,6 +200,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     try:
         hybrid.wrap_linear_attention(model)
         ssm.wrap_mamba(model)
+        mixers.wrap_mixers(model)
         report = _probe(model) if probe else None
     except Exception:
         uninstall_zorro(model)
@@ -207,6 +214,7 @@ def uninstall_zorro(model) -> None:
     :func:`install_zorro`."""
     hybrid.unwrap_linear_attention(model)
     ssm.unwrap_mamba(model)
+    mixers.unwrap_mixers(model)
     if is_installed(model):
         previous = getattr(model, "_zorro_previous_attn", None) or "sdpa"
         subs = getattr(model, "_zorro_previous_sub_attn", None) or {}
