@@ -123,10 +123,11 @@ def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     _check_fp64(model, plan, lp_ref, ent_ref, g_ref)
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "olmo_hybrid"])
+@pytest.mark.parametrize("kind", ["lfm2", "olmo_hybrid", "minimax"])
 def test_gradient_checkpointing_fp64(kind):
-    """Their decoder layers call the mixer without kwargs: the layer carrier hands the context over again when
-    gradient checkpointing re-runs the layer. Same values and gradients."""
+    """LFM2's and OLMo-hybrid's decoder layers call the mixer without kwargs: the layer carrier hands the context
+    over again when gradient checkpointing re-runs the layer (MiniMax's layer passes it on). Same values and
+    gradients."""
     batch = _batch(B=4, G=2, P=6, R=4, seed=2)
     plan = build_plan(batch["input_ids"], batch["attention_mask"], 4)
     model = tiny_mixer_model(kind, seed=2)
