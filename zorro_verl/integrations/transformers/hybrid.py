@@ -1,4 +1,5 @@
-"""Hybrid linear-attention models (Qwen3.5 dense/MoE, Qwen3-Next): zorro for their gated delta-net layers.
+"""Hybrid linear-attention models (Qwen3.5 dense/MoE, Qwen3-Next, OLMo-hybrid): zorro for their gated delta-net
+layers.
 
 These models interleave ``full_attention`` layers (they dispatch through the registered ``"zorro"`` attention) with
 ``linear_attention`` layers (``config.layer_types``), whose module mixes the sequence with a short causal conv and the
@@ -11,6 +12,11 @@ on GPU (then called varlen with ``cu_seqlens`` and one initial state per respons
 padded) — and ``causal_conv1d_fn`` (causal-conv1d on GPU, else torch's conv1d) over a context-expanded row
 (:func:`~zorro_verl.recurrent.packed_causal_conv`). On CUDA a missing fast kernel is warned about once per process and
 counted per layer call in the step's ``LayerCalls.fallbacks[<library>]``.
+
+OLMo-hybrid: separate ``q/k/v/a/b/g`` projections and a short conv module per ``q`` / ``k`` / ``v`` projection (fla's
+``ShortConvolution`` on GPU); being depthwise, the three are one conv over ``[q | k | v]`` with their weights stacked
+(:func:`deltanet_conv`), which zorro runs with torch's conv1d on every device (exact; fla's conv is not called).
+``beta`` is doubled where ``allow_neg_eigval``; ``o_norm`` / ``o_proj`` stand for ``norm`` / ``out_proj``.
 """
 
 from __future__ import annotations
@@ -267,9 +273,9 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
                          f"{tuple(hidden_states.shape)}.")
     ctx.calls.recurrent += 1
     mixed, z, b, a = gated_deltanet_projections(self, hidden_states)  # [n, C], [n, Hv, Dv], [n, Hv], [n, Hv]
-    conv_fn = getattr(self, "causal_conv1d_fn", None)  # OLMo-hybrid: fla's ShortConvolution, not called here
+    conv_fn = getattr(self, "causal_conv1d_fn", None)
     if hidden_states.is_cuda:
-        if conv_fn is None:
+        if conv_fn is None and not passes_no_kwargs(self):  # OLMo-hybrid: torch's conv1d always (docstring)
             _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
                              "causal-conv1d")
         if not _uses_fla(self.chunk_gated_delta_rule):
