@@ -368,9 +368,12 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.short_conv_layers", _STEP, "`conv` layers zorro cannot find (no `layers` list)",
             "they would run over the packed row unseparated", "model", _HF + "mixers",
             "layers but the decoder has no `layers` list"),
-    Refusal("step.mixers_ulysses", _STEP, "LFM2 short-conv and MiniMax lightning-attention layers under Ulysses SP > 1 "
-            "(also refused at FSDP engine initialisation)", "their conv channels / heads are not exchanged across "
-            "ranks", "call", _HF + "mixers", "lightning-attention layers under Ulysses sequence parallelism are not"),
+    Refusal("step.short_conv_ulysses_channels", _STEP, "LFM2 short convs under Ulysses SP not dividing `hidden_size` "
+            "(also refused at FSDP engine initialisation)", "each rank runs whole channels of the conv", "call",
+            _HF + "mixers", "must divide the short conv's channels"),
+    Refusal("step.lightning_ulysses_heads", _STEP, "MiniMax lightning attention under Ulysses SP not dividing its "
+            "heads (also refused at FSDP engine initialisation)", "each rank runs whole heads of the recurrence",
+            "call", _HF + "mixers", "must divide the lightning attention's heads"),
     Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
             "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
             "multipliers)", "a response would see its siblings' state",
@@ -414,7 +417,6 @@ EXEMPT = {
     (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
     (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
     (_HF + "ssm", "ulysses_sequence_parallel_size = {}: {}"): "wraps ssm._SP_REFUSAL (step.mamba_ulysses)",
-    (_HF + "mixers", "ulysses_sequence_parallel_size = {}: {}"): "wraps mixers._SP_REFUSAL (step.mixers_ulysses)",
     (_V09 + "engine", "logits_optimization=memory: {}"): "wraps step.head_fn_unsupported (step.softcap_head_fn)",
     ("zorro_verl.packing.routes", "router replay: the recorded routes"):
         "a data check of router replay, which the step and the engine refuse before (mcore.routing_replay)",

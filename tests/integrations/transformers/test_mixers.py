@@ -207,12 +207,15 @@ def test_install_wraps_instances_and_uninstall_restores():
         assert torch.equal(before, after)
 
 
-def test_ulysses_refused_by_name():
-    for kind in ("lfm2", "minimax"):
+def test_ulysses_sizes_that_do_not_divide_are_refused_by_name():
+    """Under Ulysses each rank runs whole conv channels (hidden 32) / lightning heads (4): sp must divide them
+    (the exchange itself: test_ulysses_step.py)."""
+    for kind, what in (("lfm2", "short conv's channels (hidden_size = 32"),
+                       ("minimax", "lightning attention's heads (num_attention_heads = 4")):
         model = tiny_mixer_model(kind, seed=0, exact=False)
-        assert mixers.mixers_sp_unsupported(model, 1) is None
-        reason = mixers.mixers_sp_unsupported(model, 2)
-        assert reason.startswith("ulysses_sequence_parallel_size = 2:") and "short-conv" in reason
+        assert mixers.mixers_sp_unsupported(model, 1) is None and mixers.mixers_sp_unsupported(model, 2) is None
+        reason = mixers.mixers_sp_unsupported(model, 3)
+        assert reason.startswith("ulysses_sequence_parallel_size: 3 must divide the ") and what in reason
 
 
 def test_unknown_conv_module_raises_at_install():

@@ -13,8 +13,9 @@
   runs once and every response starts from its prompt's final state. The decoder layer passes the context kwarg on.
 
 :func:`wrap_mixers` replaces the ``forward`` of each such module **instance** (never the class);
-:func:`unwrap_mixers` undoes it. Both run on the packed row only without Ulysses sequence parallelism (refused by
-name: their channels / heads are not exchanged across ranks).
+:func:`unwrap_mixers` undoes it. Under Ulysses sequence parallelism each rank runs the short conv on ``1 / sp`` of the
+channels and the lightning attention on ``1 / sp`` of the heads over the whole deduplicated row, exchanged around
+them as the gated delta-net's are (``sp`` must divide them: refused by name otherwise).
 
 Kernels: the short conv runs causal-conv1d's ``causal_conv1d_fn`` where the model's module loaded it (as the stock
 CUDA path does), else torch's conv1d (counted as ``"causal-conv1d"`` on CUDA). Lightning attention runs zorro's torch
@@ -27,6 +28,7 @@ import sys
 
 import torch
 
+from zorro_verl.attention.ulysses import heads_to_sequence, sequence_to_heads
 from zorro_verl.integrations.transformers.context import StepContext, require_context
 from zorro_verl.integrations.transformers.hybrid import (
     LINEAR_ATTENTION,
@@ -100,15 +102,21 @@ def check_mixers_supported(model) -> None:
     short_conv_modules(model)
 
 
-_SP_REFUSAL = ("LFM2 short-conv and MiniMax lightning-attention layers under Ulysses sequence parallelism are not "
-               "supported by zorro (their conv channels / heads would need an exchange across ranks); use "
-               "ulysses_sequence_parallel_size = 1 for these models.")
-
-
 def mixers_sp_unsupported(model, sp_size: int) -> str | None:
-    """Why ``model`` cannot run under Ulysses SP of ``sp_size`` (it has short-conv or lightning layers), or None."""
-    if sp_size > 1 and (short_conv_modules(model) or lightning_modules(model)):
-        return f"ulysses_sequence_parallel_size = {sp_size}: {_SP_REFUSAL}"
+    """Why ``model`` cannot run under Ulysses SP of ``sp_size``, or None: each rank runs whole channels of a short
+    conv (``sp`` must divide ``hidden_size``) and whole heads of a lightning attention (``sp`` must divide its
+    heads)."""
+    if sp_size <= 1:
+        return None
+    for i, _, mod in short_conv_modules(model):
+        if mod.conv.weight.shape[0] % sp_size:
+            return (f"ulysses_sequence_parallel_size: {sp_size} must divide the short conv's channels (hidden_size = "
+                    f"{mod.conv.weight.shape[0]}, layer {i}); choose a sequence-parallel size that divides it.")
+    for i, mod in lightning_modules(model):
+        if mod.num_attention_heads % sp_size:
+            return (f"ulysses_sequence_parallel_size: {sp_size} must divide the lightning attention's heads "
+                    f"(num_attention_heads = {mod.num_attention_heads}, layer {i}); choose a sequence-parallel size "
+                    "that divides it.")
     return None
 
 
@@ -159,11 +167,11 @@ def _checked_context(self, zorro_ctx, hidden_states, what: str, cache, attention
     if attention_mask is not None:
         raise ValueError(f"{what}: got an attention_mask; call the model without one (the plan carries the "
                          "structure).")
-    if ctx.shard is not None:
-        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
-    T = ctx.plan.T
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
-        raise ValueError(f"{what}: expected hidden_states [1, {T}, hidden] (one packed row), got "
+    shard = ctx.shard
+    n = ctx.plan.T if shard is None else shard.local_len
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != n:
+        what_row = "one packed row" if shard is None else f"this rank's slice of {shard.sp_size}"
+        raise ValueError(f"{what}: expected hidden_states [1, {n}, hidden] ({what_row}), got "
                          f"{tuple(hidden_states.shape)}.")
     ctx.calls.recurrent += 1
     return ctx
@@ -173,21 +181,38 @@ def zorro_short_conv_forward(self, hidden_states: torch.Tensor, past_key_values=
                              zorro_ctx: StepContext | None = None, **kwargs) -> torch.Tensor:
     """The wrapped forward of an LFM2 short-conv instance on the packed row.
 
+    Under Ulysses SP (``zorro_ctx.shard``) the conv inputs ``B * x`` of the rank's slice are exchanged for a
+    ``1 / sp`` share of the channels over the whole row (the conv is depthwise: it runs unchanged on any channels,
+    with those channels' weight rows), and the output comes back to the slice before the gate and ``out_proj``.
+
     Args:
-        hidden_states: ``[1, T, hidden]`` (the packed dedup row); the context comes from the layer carrier.
+        hidden_states: ``[1, T, hidden]`` (the packed dedup row; ``[1, L, hidden]``, this rank's slice, under SP);
+            the context comes from the layer carrier.
 
     Returns:
-        ``[1, T, hidden]`` equal, token for token, to the module's output on each ordinary row: ``out_proj(C *
-        conv(B * x))``, the conv of each response continuing from its prompt's last ``L_cache - 1`` inputs.
+        ``[1, T, hidden]`` (``[1, L, hidden]`` under SP) equal, token for token, to the module's output on each
+        ordinary row: ``out_proj(C * conv(B * x))``, the conv of each response continuing from its prompt's last
+        ``L_cache - 1`` inputs.
     """
     ctx = _checked_context(self, zorro_ctx, hidden_states, "zorro short conv", past_key_values, attention_mask)
-    B, C, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)  # [T, hidden] each, as the model splits them
+    shard, n = ctx.shard, hidden_states.shape[1]
+    B, C, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)  # [n, hidden] each, as the model splits them
     conv_fn = getattr(sys.modules.get(type(self).__module__), "causal_conv1d_fn", None)
     if hidden_states.is_cuda and conv_fn is None:
         _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
                          "causal-conv1d")
-    weight = self.conv.weight.squeeze(1)  # [hidden, Kc]
-    y = packed_causal_conv(B * x, weight, self.conv.bias, ctx.plan, causal_conv1d_fn=conv_fn)  # [T, hidden]
+    bx, weight, bias = B * x, self.conv.weight.squeeze(1), self.conv.bias  # [n, hidden], [hidden, Kc], [hidden]
+    if shard is not None:  # channel shares as "heads": [n, sp, hidden / sp] -> [T, 1, hidden / sp]
+        sp, c = shard.sp_size, bx.shape[-1] // shard.sp_size
+        if bx.shape[-1] % sp:
+            raise ValueError(f"ulysses_sequence_parallel_size: {sp} must divide the short conv's channels "
+                             f"(hidden_size = {bx.shape[-1]}); choose a sequence-parallel size that divides it.")
+        own = slice(shard.rank * c, (shard.rank + 1) * c)
+        bx = sequence_to_heads(bx.reshape(n, sp, c), shard).reshape(-1, c)
+        weight, bias = weight[own], (bias[own] if bias is not None else None)
+    y = packed_causal_conv(bx, weight, bias, ctx.plan, causal_conv1d_fn=conv_fn)  # [T, hidden or hidden / sp]
+    if shard is not None:
+        y = heads_to_sequence(y[:, None], shard).reshape(n, -1)  # [n, hidden]
     return self.out_proj((C * y)[None])
 
 
@@ -195,23 +220,38 @@ def zorro_lightning_forward(self, hidden_states: torch.Tensor, position_embeddin
                             past_key_values=None, zorro_ctx: StepContext | None = None, **kwargs):
     """The wrapped forward of a MiniMax lightning attention instance on the packed row.
 
+    Under Ulysses SP (``zorro_ctx.shard``) ``q``, ``k``, ``v`` of the rank's slice are exchanged for ``1 / sp`` of
+    the heads over the whole row (heads are independent; each keeps its own slope), and the output comes back to the
+    slice before the norm, the gate and ``out_proj``.
+
     Args:
-        hidden_states: ``[1, T, hidden]`` (the packed dedup row); zorro_ctx: the step context (the decoder layer
-            passes it on).
+        hidden_states: ``[1, T, hidden]`` (the packed dedup row; ``[1, L, hidden]``, this rank's slice, under SP);
+            zorro_ctx: the step context (the decoder layer passes it on).
 
     Returns:
-        ``(out [1, T, hidden], None)``: ``out_proj(sigmoid(output_gate(h)) * norm(o))`` with ``o`` the lightning
-        attention of each ordinary row (:func:`~zorro_verl.recurrent.packed_lightning_attention`, computed in fp32,
-        fp64 kept, and cast to the model's dtype as the stock output is); no state is returned (no cache).
+        ``(out [1, T, hidden], None)`` (``[1, L, hidden]`` under SP): ``out_proj(sigmoid(output_gate(h)) *
+        norm(o))`` with ``o`` the lightning attention of each ordinary row
+        (:func:`~zorro_verl.recurrent.packed_lightning_attention`, computed in fp32, fp64 kept, and cast to the
+        model's dtype as the stock output is); no state is returned (no cache).
     """
     ctx = _checked_context(self, zorro_ctx, hidden_states, "zorro lightning attention", past_key_values,
                            attention_mask)
-    T, H, D = ctx.plan.T, self.num_attention_heads, self.head_dim
-    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(T, H, 3 * D)
-    q, k, v = torch.split(qkv, D, dim=-1)  # [T, H, D] each
+    shard, n, H, D = ctx.shard, hidden_states.shape[1], self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(n, H, 3 * D)
+    q, k, v = torch.split(qkv, D, dim=-1)  # [n, H, D] each
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o = packed_lightning_attention(q.to(cdt), k.to(cdt), v.to(cdt), self.slope_rate.to(cdt).reshape(H), ctx.plan,
-                                   chunk_size=self.block_size)  # [T, H, D]
-    o = self.norm(o.to(hidden_states.dtype).reshape(1, T, H * D))
+    slope = self.slope_rate.to(cdt).reshape(H)
+    if shard is not None:  # this rank's heads over the whole row: [T, H / sp, D]
+        h = H // shard.sp_size
+        if H % shard.sp_size:
+            raise ValueError(f"ulysses_sequence_parallel_size: {shard.sp_size} must divide the lightning attention's "
+                             f"heads (num_attention_heads = {H}); choose a sequence-parallel size that divides it.")
+        q, k, v = (sequence_to_heads(t, shard) for t in (q, k, v))
+        slope = slope[shard.rank * h:(shard.rank + 1) * h]
+    o = packed_lightning_attention(q.to(cdt), k.to(cdt), v.to(cdt), slope, ctx.plan,
+                                   chunk_size=self.block_size)  # [T, H or H / sp, D]
+    if shard is not None:
+        o = heads_to_sequence(o, shard)  # [n, H, D]
+    o = self.norm(o.to(hidden_states.dtype).reshape(1, n, H * D))
     o = torch.sigmoid(self.output_gate(hidden_states)) * o
     return self.out_proj(o), None

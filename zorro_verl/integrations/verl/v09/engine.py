@@ -149,9 +149,9 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
 
     def _zorro_model_unsupported(self):
         """Static refusals that need the built model: LoRA adapters with dropout, attention or gated delta-net head
-        counts Ulysses cannot shard, Mamba-2 / LFM2 short-conv / MiniMax lightning layers under Ulysses; the
-        ``memory`` logits mode computes the head as ``F.linear(hidden, weight, bias)`` and needs the head's output
-        returned unchanged as the logits."""
+        counts Ulysses cannot shard, Mamba layers / LFM2 short-conv channels / MiniMax lightning heads Ulysses cannot
+        shard; the ``memory`` logits mode computes the head as ``F.linear(hidden, weight, bias)`` and needs the
+        head's output returned unchanged as the logits."""
         reason = lora_unsupported(self.module)
         if reason is not None:
             return reason
