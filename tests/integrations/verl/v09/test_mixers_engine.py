@@ -10,7 +10,8 @@ left-padding tokens, which leaves their conv context and state at zero. zorro ru
 prompt's context and state whatever ``use_remove_padding`` says, so it is checked with the default (True).
 Measured (FSDP2 and FSDP1 alike): log-probs / entropy 4.8e-7 (LFM2, OLMo-hybrid), 0 (MiniMax: below fp32's
 resolution; its lightning layers move the log-probs by 1.8e-2); gradients 1.6e-7 (LFM2), 1.1e-6 (OLMo-hybrid),
-3.2e-7 (MiniMax) relative.
+3.2e-7 (MiniMax) relative. Under Ulysses SP = 2 (two processes) vs the stock engine without SP: the same figures
+(LFM2's gradients 1.4e-7).
 """
 
 import pytest
@@ -39,3 +40,24 @@ def test_mixers_infer_and_train_match_stock(mixer_ckpt, strategy):
 
     r = padded_stock_vs_zorro(mixer_ckpt, strategy=strategy)
     assert_matches_stock(r, ATOL, RTOL)
+
+
+def test_mixers_ulysses_sp2_match_stock(mixer_ckpt, tmp_path):
+    """Each family under Ulysses SP = 2 through the zorro engine (FSDP2, two processes over gloo: LFM2's conv
+    channels, MiniMax's lightning heads, OLMo-hybrid's delta-net heads exchanged around the mixer) vs verl's stock
+    engine without SP, padded (tests/support/verl_ssm_sp.py). Same fp32 tolerances."""
+    from tests.support import HANG_TIMEOUT_S
+    from tests.support.multi_rank import run_ranks
+
+    for r in run_ranks("tests.support.verl_ssm_sp", 2, [mixer_ckpt], tmp_path, HANG_TIMEOUT_S):
+        assert r["fallback"] == [0.0], r  # zorro ran every batch (no stock fallback)
+        for key in ("log_probs", "entropy"):
+            assert r[f"{key}_scale"] > 0.1 and r[f"{key}_max_abs"] <= ATOL, (key, r)
+        la, lb = r["loss"]
+        assert abs(la) > 1e-4 and abs(la - lb) <= RTOL * abs(la), r
+        if r["grad_norm"] is not None:
+            ga, gb = r["grad_norm"]
+            assert ga > 1e-4 and abs(ga - gb) <= RTOL * ga, r
+        assert r["grad_rel"] <= RTOL, r
+        print(f"{mixer_ckpt.rsplit('/', 1)[-1]} rank {r['rank']}: log-prob {r['log_probs_max_abs']:.1e}, entropy "
+              f"{r['entropy_max_abs']:.1e}, loss rel {abs(la - lb) / abs(la):.1e}, grad rel {r['grad_rel']:.1e}")
