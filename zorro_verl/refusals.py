@@ -313,8 +313,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `mlp`, `moe` (e.g. the `hybrid` layers of "
-            "Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model", _HF + "install",
+            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe` (e.g. the `hybrid` "
+            "layers of Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model",
+            _HF + "install",
             "do not mix the sequence through zorro"),
     Refusal("step.packed_row_reader", _STEP, "a layer whose output on zorro's packed row differs from its output on "
             "each row alone (the install probe: it reads the packed length, packed indices or a mask over the packed "
@@ -369,9 +370,22 @@ REFUSALS: tuple[Refusal, ...] = (
             "PEFT prompt learning"),
     Refusal("step.hybrid_layers", _STEP, "`linear_attention` layers zorro cannot find (no `layers` list)",
             "they would run over the packed row unseparated", "model", _HF + "hybrid", "has no `layers` list"),
-    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
+    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than the gated delta-nets of Qwen3.5 / "
+            "Qwen3-Next / OLMo-hybrid and MiniMax's lightning attention",
             "a response would see its siblings' state", "model", _HF + "hybrid",
             "is not a gated delta-net zorro knows"),
+    Refusal("step.short_conv_unknown", _STEP, "`conv` layers whose `conv` module is not LFM2's short gated conv",
+            "a response would see its siblings' conv inputs", "model", _HF + "mixers",
+            "whose `conv` module zorro does not know"),
+    Refusal("step.short_conv_layers", _STEP, "`conv` layers zorro cannot find (no `layers` list)",
+            "they would run over the packed row unseparated", "model", _HF + "mixers",
+            "layers but the decoder has no `layers` list"),
+    Refusal("step.short_conv_ulysses_channels", _STEP, "LFM2 short convs under Ulysses SP not dividing `hidden_size` "
+            "(also refused at FSDP engine initialisation)", "each rank runs whole channels of the conv", "call",
+            _HF + "mixers", "must divide the short conv's channels"),
+    Refusal("step.lightning_ulysses_heads", _STEP, "MiniMax lightning attention under Ulysses SP not dividing its "
+            "heads (also refused at FSDP engine initialisation)", "each rank runs whole heads of the recurrence",
+            "call", _HF + "mixers", "must divide the lightning attention's heads"),
     Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
             "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
             "multipliers)", "a response would see its siblings' state",

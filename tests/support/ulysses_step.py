@@ -39,7 +39,9 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
     """CPU fp64 cases beyond the prompt plan: a prefix tree (a shared system prompt over three questions, two
     responses sharing their first tokens, an identical row, and verl's multi-output agent-loop samples with tool
     tokens masked out) on tiny Qwen3, and hybrid Qwen3.5 / Qwen3-Next (gated delta-net) with the prompt plan and
-    with a tree. Each: SP vs the same plan without SP, and SP vs the ordinary per-row forward."""
+    with a tree, OLMo-hybrid (its delta-net layout) and MiniMax (lightning attention: heads exchanged) with the prompt
+    plan, LFM2 (short convs: channels exchanged) with the prompt plan and with a tree. Each: SP vs the same plan
+    without SP, and SP vs the ordinary per-row forward."""
     import functools
 
     import torch
@@ -57,6 +59,7 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
         ordinary_logprobs,
         shared_system_rows,
         tiny_hybrid_model,
+        tiny_mixer_model,
         tiny_model,
     )
 
@@ -92,7 +95,11 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
     cases = [("tree_qwen3", "qwen3", {}, tree_batch, "prefix"),
              ("hybrid_qwen3_5", "qwen3_5", {}, prompt_batch, "prompt"),
              ("hybrid_qwen3_next_k1", "qwen3_next", {"linear_k_heads": 1}, prompt_batch, "prompt"),
-             ("hybrid_tree_qwen3_5", "qwen3_5", {}, tree_batch, "prefix")]
+             ("hybrid_tree_qwen3_5", "qwen3_5", {}, tree_batch, "prefix"),
+             ("hybrid_olmo_hybrid", "olmo_hybrid", {}, prompt_batch, "prompt"),
+             ("mixer_lfm2", "lfm2", {}, prompt_batch, "prompt"),
+             ("mixer_tree_lfm2", "lfm2", {}, tree_batch, "prefix"),
+             ("mixer_minimax", "minimax", {}, prompt_batch, "prompt")]
     for name, kind, cfg, batch, sharing in cases:
         if names is not None and name not in names:
             continue
@@ -102,6 +109,8 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
         w1, w2 = (torch.randn(plan.N, generator=gen, dtype=torch.float64) for _ in range(2))
         if kind == "qwen3":
             ref_model, model = (tiny_model("qwen3", dtype=torch.float64, seed=0, heads=4) for _ in range(2))
+        elif kind in ("olmo_hybrid", "lfm2", "minimax"):  # OLMo-hybrid: its three convs exchanged as one conv
+            ref_model, model = (tiny_mixer_model(kind, dtype=torch.float64, seed=1, **cfg) for _ in range(2))
         else:
             ref_model, model = (tiny_hybrid_model(kind, dtype=torch.float64, seed=1, **cfg) for _ in range(2))
         oracle = ordinary(ref_model, batch, w1, w2)

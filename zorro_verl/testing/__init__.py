@@ -5,8 +5,8 @@ inside the functions that build models).
   :func:`batch_from_rows` from explicit rows, and agentic shapes (:func:`shared_system_rows`,
   :func:`multi_turn_rows`).
 * :mod:`~zorro_verl.testing.models` — tiny models built offline from a config (:func:`tiny_model`,
-  :func:`tiny_hybrid_model`, :func:`tiny_ssm_model`, :func:`tiny_window_model`, :func:`tiny_llama4_model` and their
-  configs).
+  :func:`tiny_hybrid_model`, :func:`tiny_ssm_model`, :func:`tiny_mixer_model`, :func:`tiny_window_model`,
+  :func:`tiny_llama4_model` and their configs).
 * :mod:`~zorro_verl.testing.fp64` — per-instance swaps that keep fp64 end to end (:func:`exact_fp64_norms`,
   :func:`exact_fp64_hybrid`, :func:`exact_fp64_ssm`) and an fp64 eager attention for the oracles
   (``"fp64_eager"``), so fp64 comparisons measure zorro, not transformers' fp32 casts.
@@ -20,6 +20,7 @@ from zorro_verl.testing.compare import grad_rel_error, grads_of, max_rel_grad_er
 from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_llama4, exact_fp64_norms, exact_fp64_ssm
 from zorro_verl.testing.models import (
     HYBRID_KINDS,
+    MIXER_KINDS,
     SSM_KINDS,
     WINDOW_KINDS,
     model_from_config,
@@ -28,6 +29,8 @@ from zorro_verl.testing.models import (
     tiny_hybrid_model,
     tiny_llama4_config,
     tiny_llama4_model,
+    tiny_mixer_config,
+    tiny_mixer_model,
     tiny_model,
     tiny_ssm_config,
     tiny_ssm_model,
@@ -55,8 +58,11 @@ __all__ = [
     "exact_fp64_norms",
     "exact_fp64_hybrid",
     "exact_fp64_ssm",
+    "MIXER_KINDS",
     "SSM_KINDS",
     "tiny_ssm_config",
+    "tiny_mixer_config",
+    "tiny_mixer_model",
     "tiny_ssm_model",
     "exact_fp64_llama4",
     "ordinary_logprobs",

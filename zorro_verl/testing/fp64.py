@@ -69,9 +69,10 @@ def _exact_normalized_router_forward(self, hidden_states: torch.Tensor):
 
 def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
                                   **kwargs) -> torch.Tensor:
-    """The ordinary (one sequence per batch row) gated delta-net forward of Qwen3.5 / Qwen3-Next for the fp64
-    oracle: the model's own math, with the log-decay kept in fp64 for fp64 inputs (transformers rounds ``a`` and
-    ``A_log`` to fp32 there). Training forwards only: no cache, no padding mask.
+    """The ordinary (one sequence per batch row) gated delta-net forward of Qwen3.5 / Qwen3-Next / OLMo-hybrid for
+    the fp64 oracle: the model's own math (OLMo-hybrid's conv modules called as the model calls them), with the
+    log-decay kept in fp64 for fp64 inputs (transformers rounds ``a`` and ``A_log`` to fp32 there). Training
+    forwards only: no cache, no padding mask.
 
     Args:
         hidden_states: ``[Bsz, L, hidden]``, one unpadded sequence per row.
@@ -82,7 +83,12 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
     # Lazy: keeps `import zorro_verl.testing` light. The token-wise projections and the log-decay are zorro's own
     # (public) transcriptions of the model, so the oracle and zorro cannot drift apart there; the sequence mixing
     # (causal conv per row, the delta rule over each whole row) is what the oracle checks and stays written out.
-    from zorro_verl.integrations.transformers.hybrid import gated_deltanet_projections, log_decay
+    from zorro_verl.integrations.transformers.hybrid import (
+        deltanet_beta,
+        deltanet_output,
+        gated_deltanet_projections,
+        log_decay,
+    )
 
     F = torch.nn.functional
     if cache_params is not None or attention_mask is not None:
@@ -94,8 +100,12 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
     mixed, z, b, a = gated_deltanet_projections(self, hidden_states.reshape(1, Bsz * L, -1))
     mixed = mixed.reshape(Bsz, L, -1)  # [Bsz, L, C]
     b, a = b.reshape(Bsz, L, -1), a.reshape(Bsz, L, -1)  # [Bsz, L, Hv]
-    mixed = F.silu(self.conv1d(mixed.transpose(1, 2))[:, :, :L]).transpose(1, 2)  # causal per row: keep the first L
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    if hasattr(self, "conv1d"):
+        mixed = F.silu(self.conv1d(mixed.transpose(1, 2))[:, :, :L]).transpose(1, 2)  # causal per row: first L
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    else:  # OLMo-hybrid: the family's own conv module per projection (causal, silu)
+        q, k, v = (conv(x)[0] for conv, x in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v)))
     q = q.reshape(Bsz, L, -1, self.head_k_dim)
     k = k.reshape(Bsz, L, -1, self.head_k_dim)
     v = v.reshape(Bsz, L, -1, self.head_v_dim)
@@ -103,10 +113,9 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
     rep = self.num_v_heads // self.num_k_heads
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    o, _ = self.chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), initial_state=None, output_final_state=False,
-                                       use_qk_l2norm_in_kernel=True)
-    o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(o.reshape(Bsz, L, -1))
+    o, _ = self.chunk_gated_delta_rule(q, k, v, g=g, beta=deltanet_beta(self, b), initial_state=None,
+                                       output_final_state=False, use_qk_l2norm_in_kernel=True)
+    return deltanet_output(self, o.reshape(-1, self.head_v_dim), z, Bsz * L).reshape(Bsz, L, -1)
 
 
 def exact_fp64_norms(model) -> None:
@@ -190,7 +199,8 @@ def exact_fp64_hybrid(model) -> None:
     """Per-instance fp64-exact swaps for hybrid models (test oracle only; fp32/bf16 behaviour unchanged).
 
     transformers computes these in fp32 whatever the input dtype: the ``1 + weight`` RMSNorms, the gated RMSNorm of
-    the delta-net output, the MoE routers, the delta-net log-decay and the torch fallback delta-rule kernels. The
+    the delta-net output, the MoE routers, the delta-net log-decay and the torch fallback delta-rule kernels (and
+    a MiniMax lightning attention cast from fp32 keeps fp32-rounded decay buffers: recomputed from its slopes). The
     kernels are replaced by :func:`zorro_verl.recurrent.chunk_gated_delta_rule_ref` (the same math,
     dtype-preserving), set on the instance attribute the module calls, so the ordinary forward and zorro use the
     same kernel; the delta-net forward by :func:`_exact_gated_deltanet_forward`, which keeps the log-decay in fp64
@@ -208,6 +218,10 @@ def exact_fp64_hybrid(model) -> None:
         elif name.endswith("TopKRouter") and isinstance(w, torch.Tensor) and w.dim() == 2:
             fwd = _exact_topk_router_forward if hasattr(mod, "norm_topk_prob") else _exact_normalized_router_forward
             mod.forward = types.MethodType(fwd, mod)
+        if hasattr(mod, "decay_factors") and hasattr(mod, "slope_rate") and mod.slope_rate.dtype == torch.float64:
+            # MiniMax lightning attention: its block-wise decay buffers, from the slopes, in fp64 (a model built in
+            # fp32 and cast to fp64 keeps fp32-rounded decays, ~1e-8 off the recurrence with those slopes)
+            mod.query_decay, mod.key_decay, mod.diagonal_decay = mod.decay_factors(mod.slope_rate)
         if hasattr(mod, "chunk_gated_delta_rule") and hasattr(mod, "A_log"):
             mod.chunk_gated_delta_rule = chunk_gated_delta_rule_ref
             mod.recurrent_gated_delta_rule = recurrent_gated_delta_rule_ref

@@ -15,7 +15,7 @@ from zorro_verl.testing.fp64 import (
 
 __all__ = ["tiny_config", "tiny_model", "HYBRID_KINDS", "tiny_hybrid_config", "tiny_hybrid_model",
            "model_from_config", "WINDOW_KINDS", "tiny_window_config", "tiny_window_model", "SSM_KINDS",
-           "tiny_ssm_config", "tiny_ssm_model"]
+           "tiny_ssm_config", "tiny_ssm_model", "MIXER_KINDS", "tiny_mixer_config", "tiny_mixer_model"]
 
 
 def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab_size: int = 128,
@@ -296,4 +296,66 @@ def tiny_llama4_model(*, dtype: torch.dtype = torch.float64, seed: int = 0, attn
     _perturb_vectors(model)
     if dtype == torch.float64:
         exact_fp64_llama4(model)
+    return model
+
+
+#: ``kind`` names of :func:`tiny_mixer_config`: hybrids whose other sequence mixers are short convs (LFM2), lightning
+#: attention (MiniMax) or OLMo-hybrid's gated delta-net layout.
+MIXER_KINDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid")
+
+
+def tiny_mixer_config(kind: str, *, vocab_size: int = 128, hidden: int = 32, heads: int = 4, conv_kernel: int = 3,
+                      block_size: int = 4, linear_k_heads: int = 2, linear_v_heads: int = 4, linear_head_dim: int = 8):
+    """A small config, three layers (mixer, full attention, mixer), built offline:
+
+    * ``lfm2`` / ``lfm2_moe``: ``conv`` layers (short gated conv of kernel ``conv_kernel``, with bias for ``lfm2``);
+      LFM2-MoE with one dense layer first, then 4-expert top-2 MoE;
+    * ``minimax``: lightning-attention ``linear_attention`` layers (``block_size`` small, so rows cross blocks), a
+      4-expert top-2 MoE;
+    * ``olmo_hybrid``: OLMo-hybrid's gated delta-net (a conv per projection, ``allow_neg_eigval``), ``linear_v_heads >
+      linear_k_heads`` exercises the key-head repeat.
+    """
+    att = dict(vocab_size=vocab_size, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads // 2,
+               max_position_embeddings=4096, tie_word_embeddings=False, attention_dropout=0.0, num_hidden_layers=3)
+    if kind in ("lfm2", "lfm2_moe"):
+        types = ["conv", "full_attention", "conv"]
+        if kind == "lfm2":
+            from transformers import Lfm2Config
+
+            return Lfm2Config(layer_types=types, intermediate_size=2 * hidden, block_auto_adjust_ff_dim=False,
+                              conv_L_cache=conv_kernel, conv_bias=True, **att)
+        from transformers import Lfm2MoeConfig
+
+        return Lfm2MoeConfig(layer_types=types, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+                             num_experts=4, num_experts_per_tok=2, num_dense_layers=1, conv_L_cache=conv_kernel,
+                             **att)
+    types = ["linear_attention", "full_attention", "linear_attention"]
+    if kind == "minimax":
+        from transformers import MiniMaxConfig
+
+        return MiniMaxConfig(layer_types=types, intermediate_size=hidden, num_local_experts=4, num_experts_per_tok=2,
+                             block_size=block_size, head_dim=hidden // heads, **att)
+    if kind == "olmo_hybrid":
+        from transformers import OlmoHybridConfig
+
+        return OlmoHybridConfig(layer_types=types, intermediate_size=2 * hidden, linear_num_key_heads=linear_k_heads,
+                                linear_num_value_heads=linear_v_heads, linear_key_head_dim=linear_head_dim,
+                                linear_value_head_dim=linear_head_dim, linear_conv_kernel_dim=conv_kernel + 1,
+                                pad_token_id=0, eos_token_id=1, **att)
+    raise ValueError(f"kind: expected one of {MIXER_KINDS}, got {kind!r}.")
+
+
+def tiny_mixer_model(kind: str, *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                     attn_implementation: str = "sdpa", exact: bool = True, **cfg_kwargs):
+    """A randomly initialised ``*ForCausalLM`` of :func:`tiny_mixer_config`; deterministic per ``seed``. With
+    ``exact`` and fp64, the norms, routers and delta-net decays keep fp64 (:func:`exact_fp64_norms`,
+    :func:`exact_fp64_hybrid`)."""
+    model = model_from_config(tiny_mixer_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    # OLMo-hybrid creates A_log in fp32 whatever the model dtype: an fp32 gradient, summed in a different order by
+    # the ordinary and the deduplicated backward, would differ by fp32 rounding (~1e-7)
+    model.to(dtype)
+    _perturb_vectors(model)
+    if exact and dtype == torch.float64:
+        exact_fp64_norms(model)
+        exact_fp64_hybrid(model)
     return model

@@ -219,7 +219,7 @@ def test_bypassed_linear_layer_is_caught():
     _, mod = hybrid.linear_attention_modules(model)[1]
     mod.forward = mod.__dict__.pop("_zorro_saved_forward")  # someone re-patched it after install
     batch = _batch(B=2, G=1, P=4, R=2)
-    with pytest.raises(ValueError, match="linear-attention / mamba layers but zorro's recurrent forwards ran 1"):
+    with pytest.raises(ValueError, match="short-conv layers but zorro's recurrent forwards ran 1"):
         zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 2))
 
 

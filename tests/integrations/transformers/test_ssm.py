@@ -191,9 +191,11 @@ def test_install_wraps_instances_and_uninstall_restores():
     saved = [m.__dict__["forward"] for _, _, m in mods]  # the exact oracle's instance forward
     root_saved = model.__dict__["forward"]
     assert [i for i, _, _ in mods] == [0, 3] and expected_layer_calls(model) == (1, 2)
+    keys = list(model.state_dict())
     install_zorro(model)
     install_zorro(model)  # idempotent
     assert is_installed(model) and all(ssm.is_wrapped(m) and ssm.is_wrapped(lay) for _, lay, m in mods)
+    assert list(model.state_dict()) == keys  # the carriers hold their mixer without registering it again
     cls = type(mods[0][2])
     assert cls.forward.__name__ == "forward"  # class untouched
     with pytest.raises(ValueError, match="without zorro's step context"):

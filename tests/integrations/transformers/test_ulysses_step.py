@@ -9,7 +9,9 @@ the rank's slice of the positions), a packed row of odd length, a 1-token and an
 log-probs, entropy and the gradient relative (Frobenius) <= 1e-12. Prefix trees and hybrid layers (the same two
 processes; SP = 4 in four more, the two tree cases): a tree over a shared system prompt, responses sharing their
 first tokens, an identical row and multi-output agent-loop samples with masked tool tokens on tiny Qwen3; Qwen3.5
-and Qwen3-Next (one key head: repeated before the exchange) with the prompt plan, Qwen3.5 with the tree (trees also
+and Qwen3-Next (one key head: repeated before the exchange), OLMo-hybrid (its three convs exchanged as one) and
+MiniMax (lightning-attention heads exchanged) with the prompt plan, LFM2 (short-conv channels exchanged) with the
+prompt plan and the tree, Qwen3.5 with the tree (trees also
 with per-row temperatures: outputs sharing a head row divide it by their own). SP vs the
 same plan without SP: relative (Frobenius) <= 1e-12; SP vs the ordinary per-row forward: log-probs / entropy
 <= 1e-12 abs, gradients per parameter (floored at 1e-6 of the largest) <= 1e-9 for attention-only models
@@ -28,7 +30,8 @@ from tests.support import HANG_TIMEOUT_S  # a hang guard, never a speed check
 FP64_TOL = 1e-12
 CASES = ("heads4", "heads2")
 MODES = ("none", "memory")
-TREE_CASES = ("tree_qwen3", "hybrid_qwen3_5", "hybrid_qwen3_next_k1", "hybrid_tree_qwen3_5")
+TREE_CASES = ("tree_qwen3", "hybrid_qwen3_5", "hybrid_qwen3_next_k1", "hybrid_tree_qwen3_5", "hybrid_olmo_hybrid",
+              "mixer_lfm2", "mixer_tree_lfm2", "mixer_minimax")
 ORACLE_ABS_TOL = 1e-12
 TREE_GRAD_TOL = 1e-9
 

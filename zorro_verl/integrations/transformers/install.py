@@ -1,12 +1,12 @@
 """Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/design/model-step.md).
 
 * :func:`install_zorro` sets the model's attention to the registered ``"zorro"`` function, wraps gated delta-net
-  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`) and Mamba-2 (``mamba``) layers (:mod:`.ssm`),
-  moves Llama 4's NoPE query temperature into zorro's attention (:mod:`.positions`), and — with ``probe`` — checks
-  with a tiny forward that every decoder layer's sequence mixing goes through zorro and that every module's output
-  on the packed row equals its output on each row alone. Any other layer type, a model that does not dispatch
-  through ``ALL_ATTENTION_FUNCTIONS``, or a layer that reads the packed row (its length, packed indices, a mask over
-  it), raises here, never silently.
+  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), Mamba-2 (``mamba``) layers (:mod:`.ssm`), LFM2's
+  short convs (``conv``) and MiniMax's lightning attention (:mod:`.mixers`), moves Llama 4's NoPE query temperature
+  into zorro's attention (:mod:`.positions`), and — with ``probe`` — checks with a tiny forward that every decoder
+  layer's sequence mixing goes through zorro and that every module's output on the packed row equals its output on
+  each row alone. Any other layer type, a model that does not dispatch through ``ALL_ATTENTION_FUNCTIONS``, or a
+  layer that reads the packed row (its length, packed indices, a mask over it), raises here, never silently.
 * :func:`forward_packed` is the only place a model runs on a packed row: it zeroes the step's counters, calls the
   root module (so FSDP hooks and any final processing run as in the stock forward) and checks that every attention
   and linear-attention layer ran through zorro exactly once.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from zorro_verl.integrations.transformers import hybrid, positions, ssm, vision
+from zorro_verl.integrations.transformers import hybrid, mixers, positions, ssm, vision
 from zorro_verl.integrations.transformers.attention import CHUNKED_ATTENTION, ZORRO_ATTN_NAME, register_zorro_attention
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
@@ -28,11 +28,13 @@ __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_c
            "forward_packed", "expected_windows", "expected_chunks", "check_windows", "probe_report", "PROBE_RTOL"]
 
 #: config.layer_types entries zorro handles: full, sliding-window and chunked attention (registered function;
-#: ``attention`` is the state-space hybrids' name for full attention), linear attention (hybrid.py), Mamba-2
-#: (ssm.py) and the token-wise MLP / MoE layers of Nemotron-H (no sequence mixing).
+#: ``attention`` is the state-space hybrids' name for full attention), linear attention (gated delta-nets: hybrid.py;
+#: MiniMax's lightning attention: mixers.py), Mamba-2 (ssm.py), LFM2's short convs (mixers.py) and the token-wise
+#: MLP / MoE layers of Nemotron-H (no sequence mixing).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION, "attention")
 _TOKENWISE_LAYER_TYPES = ("mlp", "moe")
-_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, *_TOKENWISE_LAYER_TYPES)
+_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, mixers.SHORT_CONV,
+                        *_TOKENWISE_LAYER_TYPES)
 
 
 def is_installed(model) -> bool:
@@ -42,7 +44,7 @@ def is_installed(model) -> bool:
 def expected_layer_calls(model) -> tuple[int, int]:
     """``(attention layers, recurrent layers)`` one forward must run through zorro: the attention entries of
     ``config.layer_types`` when the config lists them, else ``num_hidden_layers``; the recurrent ones are the
-    ``linear_attention`` (gated delta-net) and ``mamba`` (Mamba-2) layers."""
+    ``linear_attention`` (gated delta-net, lightning attention), ``mamba`` (Mamba-2) and ``conv`` (LFM2) layers."""
     cfg = hybrid.text_config(model)
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
@@ -50,7 +52,8 @@ def expected_layer_calls(model) -> tuple[int, int]:
                          "supports decoder-only language models.")
     types = getattr(cfg, "layer_types", None)
     attn = sum(t in _ATTENTION_LAYER_TYPES for t in types[:n]) if types else n
-    return attn, len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
+    return attn, (len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
+                  + len(mixers.short_conv_modules(model)) + len(mixers.lightning_modules(model)))
 
 
 def _check_layer_types(model) -> None:
@@ -65,6 +68,7 @@ def _check_layer_types(model) -> None:
                 "see its siblings — refused. Use a model whose layers are all of the handled types.")
     hybrid.check_linear_attention_supported(model)
     ssm.check_mamba_supported(model)
+    mixers.check_mixers_supported(model)
     cfg = hybrid.text_config(model)
     drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
     if drop:
@@ -167,9 +171,9 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
             "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
     if calls.recurrent != rec:
         raise ValueError(
-            f"model: {rec} linear-attention / mamba layers but zorro's recurrent forwards ran {calls.recurrent} "
-            "times; a linear-attention or Mamba module was bypassed or replaced after install_zorro. Call "
-            "install_zorro(model) again after changing the model.")
+            f"model: {rec} linear-attention / mamba / short-conv layers but zorro's recurrent forwards ran "
+            f"{calls.recurrent} times; a linear-attention, Mamba or short-conv module was bypassed or replaced after "
+            "install_zorro. Call install_zorro(model) again after changing the model.")
     check_windows(model, calls)
 
 
@@ -214,6 +218,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
         positions.fix_query_temperature(model)  # idempotent
         hybrid.wrap_linear_attention(model)  # idempotent
         ssm.wrap_mamba(model)
+        mixers.wrap_mixers(model)
         return getattr(model, "zorro_features", None)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model._zorro_previous_sub_attn = vision.sub_attention(model)
@@ -232,6 +237,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
         positions.fix_query_temperature(model)
         hybrid.wrap_linear_attention(model)
         ssm.wrap_mamba(model)
+        mixers.wrap_mixers(model)
         report = _probe(model, batch, reference) if probe else None
     except Exception:
         uninstall_zorro(model)
@@ -246,6 +252,7 @@ def uninstall_zorro(model) -> None:
     hybrid.unwrap_linear_attention(model)
     ssm.unwrap_mamba(model)
     positions.restore_query_temperature(model)
+    mixers.unwrap_mixers(model)
     if is_installed(model):
         _restore_attention(model)
 

@@ -40,7 +40,8 @@ from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective
 
 __all__ = ["MAMBA", "mamba_modules", "mamba_sp_unsupported", "check_mamba_supported", "is_mamba1", "wrap_mamba",
            "unwrap_mamba", "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
-           "fused_path_unsupported", "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward"]
+           "fused_path_unsupported", "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward",
+           "set_carried_mixer"]
 
 MAMBA = "mamba"
 
@@ -177,7 +178,7 @@ def wrap_mamba(model) -> int:
         if not is_wrapped(mixer):
             _swap(mixer, zorro_mamba1_forward if is_mamba1(mixer) else zorro_mamba2_forward)
         if not is_wrapped(layer):
-            layer._zorro_mixer = mixer
+            set_carried_mixer(layer, mixer)
             _swap(layer, _layer_carrier_forward)
     if not is_wrapped(model):
         model._zorro_mixers = [m for _, _, m in mods]
@@ -195,6 +196,13 @@ def unwrap_mamba(model) -> None:
     if is_wrapped(model) and "_zorro_mixers" in model.__dict__:
         _restore(model)
         del model._zorro_mixers
+
+
+def set_carried_mixer(layer: torch.nn.Module, mixer: torch.nn.Module) -> None:
+    """Point a decoder layer's carrier at its mixer, as a plain instance attribute: assigning a module to a module
+    attribute would register it as a submodule a second time (duplicate ``state_dict`` keys, a second path for FSDP
+    and ``named_modules``)."""
+    layer.__dict__["_zorro_mixer"] = mixer
 
 
 def _layer_carrier_forward(self, *args, **kwargs):
