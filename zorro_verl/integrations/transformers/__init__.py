@@ -6,7 +6,7 @@ the one model step (docs/design/attention.md, model-step.md).
 * :mod:`.hybrid` — gated delta-net layers of hybrid models (Qwen3.5, Qwen3-Next);
 * :mod:`.ssm` — Mamba-2 layers (Mamba2, Bamba, Granite 4 hybrid, Nemotron-H);
 * :mod:`.install` — :func:`install_zorro` / :func:`uninstall_zorro` and the checked packed forward;
-* :mod:`.step` — :func:`zorro_step`, used by every caller;
+* :mod:`.step` — :func:`zorro_step`, used by every caller (:func:`zorro_values` for value models);
 * :mod:`.loading` — :func:`load_causal_lm`.
 """
 
@@ -21,7 +21,7 @@ from zorro_verl.integrations.transformers.install import (
     uninstall_zorro,
 )
 from zorro_verl.integrations.transformers.loading import load_causal_lm
-from zorro_verl.integrations.transformers.step import zorro_step
+from zorro_verl.integrations.transformers.step import zorro_step, zorro_values
 
 __all__ = [
     "ZORRO_ATTN_NAME",
@@ -36,4 +36,5 @@ __all__ = [
     "forward_packed",
     "load_causal_lm",
     "zorro_step",
+    "zorro_values",
 ]
