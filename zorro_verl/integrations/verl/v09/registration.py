@@ -75,10 +75,36 @@ def is_installed() -> bool:
     return _installed
 
 
+#: The zorro engine modules whose classes the hook registers, with their class names.
+_ENGINE_MODULES = {"zorro_verl.integrations.verl.v09.engine": "ZorroFSDPEngineWithLMHead",
+                   "zorro_verl.integrations.verl.v09.value_engine": "ZorroFSDPEngineWithValueHead"}
+_pending: list = []
+
+
+def _mid_import() -> bool:
+    """Whether one of :data:`_ENGINE_MODULES` is being imported (in ``sys.modules`` without its class yet): it was
+    imported before ``verl.workers.engine``, whose import (by that module) ran this hook."""
+    import sys
+
+    return any(name in sys.modules and not hasattr(sys.modules[name], cls) for name, cls in _ENGINE_MODULES.items())
+
+
+def register_pending() -> None:
+    """Called at the end of each zorro engine module: run the hook that was deferred while that module was being
+    imported (:func:`_register_engine`), once both engine modules are complete."""
+    if _pending and not _mid_import():
+        _register_engine(_pending.pop())
+
+
 def _register_engine(engine_package) -> None:
-    """Post-import hook of ``verl.workers.engine``: put the zorro engine in its ``EngineRegistry``."""
+    """Post-import hook of ``verl.workers.engine``: put the zorro engines in its ``EngineRegistry``. When a zorro
+    engine module is itself being imported (it imports verl's engines, which ran this hook) the registration waits
+    for it (:func:`register_pending`)."""
     # Imported here, not at module level: the engine module imports verl's FSDP engine, which must not be loaded at
     # `import verl` (it resolves verl's device platform; tests install a CPU platform before that).
+    if _mid_import():
+        _pending.append(engine_package)
+        return
     from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
 
     table = engine_package.EngineRegistry._engines.setdefault("language_model", {})
@@ -104,7 +130,7 @@ def _register_engine(engine_package) -> None:
     from zorro_verl.integrations.verl.v09.value_engine import ZorroFSDPEngineWithValueHead
 
     values = engine_package.EngineRegistry._engines.setdefault("value_model", {})
-    stock_value = getattr(engine_package, "FSDPEngineWithValueHead", None)
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead as stock_value  # not re-exported
     for backend in _BACKENDS:
         slots = values.setdefault(backend, {})
         for key, cls in list(slots.items()):
