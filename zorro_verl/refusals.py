@@ -142,6 +142,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("v09.critic_megatron", _BOTH, "a Megatron critic (value-model engine, `critic.strategy=megatron`) "
             "config that enables zorro", "zorro's value-head engine is FSDP-only; always raises at engine "
             "construction", "start", _V09 + "registration", "zorro's value-model (critic) engine runs on strategy"),
+    Refusal("v09.critic_position_ids", _FSDP, "position ids that do not count 0, 1, 2, ... along each row, in "
+            "the critic", "zorro recomputes positions on its packed row", "batch", _V09 + "value_engine",
+            "position_ids that do not count 0, 1, 2, ... along each row"),
     Refusal("v09.critic_multimodal", _FSDP, "multimodal batches in the critic (value-head engine)",
             "zorro's value-head engine runs text value models only", "batch", _V09 + "value_engine",
             "zorro's value-head engine runs text value"),
@@ -410,6 +413,7 @@ EXEMPT = {
     (_HF + "install", "attention layers but the zorro attention was called"):
         "the per-step layer-call check (a layer bypassed zorro), not a setting",
     (_V09 + "registration", "not the zorro engine (another plugin replaced it?)"): "install check of the plugin",
+    (_V09 + "registration", "as the value-model (critic) engine for strategy"): "install check of the plugin",
     (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
     (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
     (_HF + "ssm", "ulysses_sequence_parallel_size = {}: {}"): "wraps ssm._SP_REFUSAL (step.mamba_ulysses)",

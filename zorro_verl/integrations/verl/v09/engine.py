@@ -46,7 +46,6 @@ from zorro_verl.integrations.transformers.step import forward_owner, head_fn_uns
 from zorro_verl.integrations.transformers.vision import is_multimodal
 from zorro_verl.integrations.verl.common import ZorroActorMixin, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
-from zorro_verl.integrations.verl.v09 import registration as _registration
 from zorro_verl.integrations.verl.v09.batching import (
     ZorroBatchingMixin,
     _standard_positions,
@@ -318,7 +317,3 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
                 metrics = {}
             output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
             return loss, output
-
-
-# this module may have been imported before verl's engines, whose import then deferred zorro's registration to here
-_registration.register_pending()

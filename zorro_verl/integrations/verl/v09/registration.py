@@ -90,16 +90,17 @@ def _mid_import() -> bool:
 
 
 def register_pending() -> None:
-    """Called at the end of each zorro engine module: run the hook that was deferred while that module was being
-    imported (:func:`_register_engine`), once both engine modules are complete."""
+    """Run the hook that was deferred while a zorro engine module was being imported (:func:`_register_engine`),
+    once both engine modules are complete. Called by :func:`check_engine_registered`, which every zorro-enabled
+    engine config runs before verl looks an engine up."""
     if _pending and not _mid_import():
         _register_engine(_pending.pop())
 
 
 def _register_engine(engine_package) -> None:
     """Post-import hook of ``verl.workers.engine``: put the zorro engines in its ``EngineRegistry``. When a zorro
-    engine module is itself being imported (it imports verl's engines, which ran this hook) the registration waits
-    for it (:func:`register_pending`)."""
+    engine module is itself being imported (a process that imports it before verl's engines: its import of verl's
+    engines ran this hook) the registration waits until a zorro config checks it (:func:`register_pending`)."""
     # Imported here, not at module level: the engine module imports verl's FSDP engine, which must not be loaded at
     # `import verl` (it resolves verl's device platform; tests install a CPU platform before that).
     if _mid_import():
@@ -223,6 +224,8 @@ def check_engine_registered(strategy: str = "fsdp") -> None:
     if not _installed:
         raise RuntimeError(f"zorro is enabled in the config but its verl plugin is not loaded: {why_not_installed()}.")
     from verl.workers.engine import EngineRegistry  # the import runs the post-import hook if it has not run yet
+
+    register_pending()
 
     for backend in _STRATEGY_BACKENDS[strategy]:
         try:

@@ -22,7 +22,6 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
 from verl.workers.engine.utils import detach_tree
 
 from zorro_verl.integrations.transformers.step import value_head, zorro_values
-from zorro_verl.integrations.verl.v09 import registration as _registration
 from zorro_verl.integrations.verl.v09.batching import (
     _standard_positions,
     common_batch_unsupported,
@@ -91,7 +90,3 @@ class ZorroFSDPEngineWithValueHead(ZorroFSDPEngineWithLMHead, FSDPEngineWithValu
                 metrics = {}
             output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
             return loss, output
-
-
-# this module may have been imported before verl's engines, whose import then deferred zorro's registration to here
-_registration.register_pending()
