@@ -57,3 +57,21 @@ def test_critic_steps_match_stock(verl_cpu, tiny_value_ckpt, strategy, dynamic, 
         for m in (step["inf"]["metrics"], step["tr"]["metrics"]):
             assert m["zorro/dedup_ratio"][0] > 1.0 and m["zorro/prompt_tokens_saved"][0] > 0
     print("critic", strategy, dynamic, rmpad, agg, errs)
+
+
+def test_critic_ulysses_sp2_matches_stock(verl_cpu, tiny_value_ckpt, tmp_path_factory):
+    """The zorro critic with Ulysses SP = 2 (two processes, one SP group) against verl's stock critic without SP,
+    FSDP2 and FSDP1, two steps each: values, value loss, grad norm and every gradient (tests/support/
+    verl_critic_ulysses.py runs each rank)."""
+    from tests.support import HANG_TIMEOUT_S
+    from tests.support.multi_rank import run_ranks
+    from tests.support.verl_engines import STRATEGIES, assert_value_steps_match
+
+    results = run_ranks("tests.support.verl_critic_ulysses", 2, [tiny_value_ckpt, 2],
+                        tmp_path_factory.mktemp("critic_sp2"), HANG_TIMEOUT_S)
+    for res in results:
+        for strategy in STRATEGIES:
+            r = res[strategy]
+            assert r["dedup_ratio"] > 1.0
+            assert_value_steps_match(r["errors"], ATOL, RTOL)
+            print("critic sp2", res["rank"], strategy, r)
