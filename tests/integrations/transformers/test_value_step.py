@@ -70,6 +70,10 @@ def test_value_head_refusals():
     with pytest.raises(ValueError, match=r"expected a \*ForTokenClassification model with num_labels=1"):
         zorro_values(lm, plan)
     vm = tiny_value_model()
+    vm.v_head = torch.nn.Linear(vm.config.hidden_size, 1)  # what trl's value-head wrapper carries
+    with pytest.raises(ValueError, match="a trl AutoModelForCausalLMWithValueHead"):
+        zorro_values(vm, plan)
+    del vm.v_head
     vm.dropout.p = 0.1
     vm.train()
     install_zorro(vm)

@@ -32,8 +32,10 @@ def _batches(dynamic, rmpad):
             for seed in (3, 4)]
 
 
-@pytest.mark.parametrize("dynamic, rmpad, agg", [(False, True, "token-mean"), (True, False, "seq-mean-token-mean")])
-def test_critic_steps_match_stock(verl_cpu, tiny_value_ckpt, strategy, dynamic, rmpad, agg):
+@pytest.mark.parametrize("dynamic, rmpad, agg, sharing", [(False, True, "token-mean", "prompt"),
+                                                           (True, False, "seq-mean-token-mean", "prompt"),
+                                                           (False, True, "token-mean", "prefix")])
+def test_critic_steps_match_stock(verl_cpu, tiny_value_ckpt, strategy, dynamic, rmpad, agg, sharing):
     from tests.support.verl_engines import (
         STEPS_OPTIM,
         assert_value_steps_match,
@@ -47,8 +49,10 @@ def test_critic_steps_match_stock(verl_cpu, tiny_value_ckpt, strategy, dynamic, 
     batches = _batches(dynamic, rmpad)
     runs = {}
     for z in (False, True):
+        settings = {"sharing": "prefix", "min_shared_len": 1} if sharing == "prefix" else None
         eng = build_engine(tiny_value_ckpt, zorro=z, model_type="value_model", strategy=strategy, micro_batch_size=3,
-                           max_token_len=40, use_remove_padding=rmpad, optim_overrides=STEPS_OPTIM)
+                           max_token_len=40, use_remove_padding=rmpad, optim_overrides=STEPS_OPTIM,
+                           zorro_settings=settings)
         assert isinstance(eng, ZorroFSDPEngineWithValueHead) == z
         runs[z] = run_steps(eng, batches, value_loss_fn(agg))
     errs = value_step_errors(runs[False], runs[True], batches)
@@ -56,7 +60,9 @@ def test_critic_steps_match_stock(verl_cpu, tiny_value_ckpt, strategy, dynamic, 
     for step in runs[True]:
         for m in (step["inf"]["metrics"], step["tr"]["metrics"]):
             assert m["zorro/dedup_ratio"][0] > 1.0 and m["zorro/prompt_tokens_saved"][0] > 0
-    print("critic", strategy, dynamic, rmpad, agg, errs)
+    if sharing == "prefix":
+        assert runs[True][0]["inf"]["metrics"]["zorro/tree_depth"][0] >= 1
+    print("critic", strategy, dynamic, rmpad, agg, sharing, errs)
 
 
 def test_critic_ulysses_sp2_matches_stock(verl_cpu, tiny_value_ckpt, tmp_path_factory):
