@@ -240,11 +240,11 @@ def test_critic_config_builds_the_zorro_value_engine(tiny_ckpt):
     from zorro_verl.integrations.verl.v09 import registration
     from zorro_verl.integrations.verl.v09.value_engine import ZorroFSDPEngineWithValueHead
 
-    target = "critic.fsdp._target_=zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig"
-    # the critic's engine config (verl's FSDPCriticConfig.engine is its `fsdp` node)
-    critic = omega_conf_to_dataclass(_compose([target, "+critic.fsdp.zorro.enable=true"]).critic.fsdp)
+    # the critic's engine config (verl's FSDPCriticConfig.engine is its `fsdp` node): the preset enables zorro there
+    # with the actor's switch
+    critic = omega_conf_to_dataclass(_compose().critic.fsdp)
     assert zorro_settings_of(critic).enable
-    plain = omega_conf_to_dataclass(_compose().critic.fsdp)
+    plain = omega_conf_to_dataclass(_compose(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"]).critic.fsdp)
     value_engines = EngineRegistry._engines["value_model"]
     assert all(c is ZorroFSDPEngineWithValueHead for b in ("fsdp", "fsdp2") for c in value_engines[b].values())
     assert {"cuda", "cpu"} <= set(value_engines["fsdp2"])
