@@ -81,3 +81,31 @@ def test_critic_ulysses_sp2_matches_stock(verl_cpu, tiny_value_ckpt, tmp_path_fa
             assert r["dedup_ratio"] > 1.0
             assert_value_steps_match(r["errors"], ATOL, RTOL)
             print("critic sp2", res["rank"], strategy, r)
+
+
+def test_critic_warn_falls_back_to_the_stock_value_forward(verl_cpu, tiny_value_ckpt):
+    """``on_unsupported=warn`` on a batch zorro refuses (position ids shifted by one: not verl's text layout) runs
+    verl's stock value-head forward (through the MRO to ``FSDPEngineWithValueHead``) and counts the batch; the values
+    and the training step equal the stock critic's on the same batch."""
+    import torch
+
+    from tests.support.verl_engines import (
+        STEPS_OPTIM,
+        build_engine,
+        make_value_batch,
+        run_steps,
+        value_loss_fn,
+        value_step_errors,
+    )
+
+    td = make_value_batch(batch_size=8, num_prompts=2, prompt_len=6, response_len=5, seed=7, micro_batch_size=4)
+    pos = td["position_ids"]
+    td["position_ids"] = torch.nested.nested_tensor_from_jagged(pos.values() + 1, pos.offsets())
+    runs = {z: run_steps(build_engine(tiny_value_ckpt, zorro=z, model_type="value_model", micro_batch_size=4,
+                                      optim_overrides=STEPS_OPTIM, zorro_settings={"on_unsupported": "warn"}),
+                         [td], value_loss_fn())
+            for z in (False, True)}
+    (e,) = value_step_errors(runs[False], runs[True], [td])
+    assert e["fallback"] == [1.0, 1.0]
+    assert e["values_scale"] > 0.1 and e["values"] <= ATOL
+    assert abs(e["loss"][0] - e["loss"][1]) <= RTOL * abs(e["loss"][0]) and e["grad_rel"] <= RTOL
