@@ -66,6 +66,19 @@ def test_config_checks_in_process():
     assert s == "FAIL" and "loss_scale_factor" in detail
     assert status(norm + ["actor_rollout_ref.actor.loss_scale_factor=64"], "zorro (actor)")[0] == "ok"
     assert status(norm + ["trainer.use_v1=false"], "zorro (actor)")[0] == "ok"  # padded [B, R] mask: equal
+    # the critic: no critic without GAE (verl's default estimator); with one, the preset runs zorro's value engine
+    # (or the stock one when off)
+    s, detail = status(["algorithm.adv_estimator=grpo"], "zorro (critic)")
+    assert s == "note" and "no critic in this run" in detail
+    gae = ["algorithm.adv_estimator=gae"]
+    s, detail = status(gae, "zorro (critic)")
+    assert s == "ok" and "enabled" in detail and "strategy fsdp" in detail
+    s, detail = status(gae + ["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"], "zorro (critic)")
+    assert s == "note" and "stock critic" in detail
+    s, detail = status(gae + ["critic.strategy=megatron"], "zorro (critic)")
+    assert s == "note" and "stock critic" in detail  # its megatron node has no zorro: verl's stock critic
+    s, detail = status(gae + ["critic.loss_agg_mode=seq-mean-token-sum-norm"], "zorro (critic)")
+    assert s == "FAIL" and "loss_scale_factor" in detail
 
 
 def test_backend_line_on_cuda(monkeypatch):

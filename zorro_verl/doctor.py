@@ -296,8 +296,59 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
                        "disabled")
         status = "FAIL" if problems else "note" if notes else "ok"
         out.append(Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail))
+    critic = _critic_check(cfg, device)
+    if critic is not None:
+        out.append(critic)
     hooks = _balance_hooks_check(cfg)
     return out + ([hooks] if hooks is not None else [])
+
+
+def _critic_check(cfg, device: torch.device) -> Check | None:
+    """The critic's zorro state (``zorro (critic)``): whether the run has a critic (verl's rule: ``critic.enable``,
+    else ``algorithm.adv_estimator == gae``), and with one, whether its engine config enables zorro and zorro can run
+    it (strategy fsdp / fsdp2, the keys, the backend, SP, its value loss settings). None without a ``critic`` node."""
+    from zorro_verl.integrations.verl.common import setup_unsupported
+    from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
+    from zorro_verl.integrations.verl.v09.losses import loss_unsupported
+
+    critic = cfg.get("critic")
+    if critic is None:
+        return None
+    name = "zorro (critic)"
+    enabled = critic.get("enable")
+    used = bool(enabled) if enabled is not None else str(cfg.get("algorithm", {}).get("adv_estimator")) == "gae"
+    strategy = critic.get("strategy", "fsdp")
+    key = "megatron" if strategy == "megatron" else "fsdp"
+    try:
+        s = ZorroSettings.from_mapping((critic.get(key, {}) or {}).get("zorro", {}) or {})
+    except ValueError as e:
+        return Check(name, "FAIL", str(e))
+    if not used:
+        return Check(name, "note", "no critic in this run (algorithm.adv_estimator is not gae and critic.enable is "
+                                   f"unset or false); critic.{key}.zorro.enable={str(s.enable).lower()}")
+    if not s.enable:
+        return Check(name, "note", f"disabled (critic.{key}.zorro.enable=false or unset): verl's stock critic runs")
+    problems = []
+    if strategy not in ("fsdp", "fsdp2"):
+        problems.append(f"critic.strategy={strategy!r}: zorro's value-model (critic) engine runs on strategy fsdp / "
+                        f"fsdp2 only; set critic.{key}.zorro.enable=false or critic.strategy=fsdp2")
+    try:
+        backend = resolve_attention_backend(s.attention_backend, device.type)
+    except ValueError as e:
+        problems.append(str(e))
+        backend = "?"
+    node = critic.get(key, {}) or {}
+    sp = int(node.get("ulysses_sequence_parallel_size", None) or critic.get("ulysses_sequence_parallel_size", 1) or 1)
+    reason = setup_unsupported(sp, ulysses_supported=True) or loss_unsupported(
+        functools.partial(_no_loss, config=critic), None if cfg.trainer.get("use_v1", True)
+        else {"response_mask": torch.zeros(1, 1)})
+    if reason is not None:
+        problems.append(reason)
+    if problems:
+        return Check(name, "FAIL" if s.on_unsupported == "raise" or strategy not in ("fsdp", "fsdp2") else "note",
+                     "; ".join(problems))
+    return Check(name, "ok", f"enabled: backend {s.attention_backend} -> {backend}, on_unsupported "
+                             f"{s.on_unsupported}, strategy {strategy}, ulysses SP {sp}")
 
 
 def _zorro_enabled_elsewhere(cfg, role: str, key: str):

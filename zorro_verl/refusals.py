@@ -139,9 +139,15 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("v09.strategy", _BOTH, "zorro enabled with an actor / ref strategy other than `fsdp` / `fsdp2` / "
             "`megatron`", "no zorro engine for it; always raises at engine construction", "start",
             _V09 + "registration", "the zorro engines support"),
-    Refusal("v09.critic", _BOTH, "a critic (value-model engine) config that enables zorro (`critic.fsdp.zorro`)",
-            "zorro deduplicates actor and reference only; always raises at engine construction", "start",
-            _V09 + "registration", "critic.fsdp.zorro: expected no zorro node"),
+    Refusal("v09.critic_megatron", _BOTH, "a Megatron critic (value-model engine, `critic.strategy=megatron`) "
+            "config that enables zorro", "zorro's value-head engine is FSDP-only; always raises at engine "
+            "construction", "start", _V09 + "registration", "zorro's value-model (critic) engine runs on strategy"),
+    Refusal("v09.critic_position_ids", _FSDP, "position ids that do not count 0, 1, 2, ... along each row, in "
+            "the critic", "zorro recomputes positions on its packed row", "batch", _V09 + "value_engine",
+            "position_ids that do not count 0, 1, 2, ... along each row"),
+    Refusal("v09.critic_multimodal", _FSDP, "multimodal batches in the critic (value-head engine)",
+            "zorro's value-head engine runs text value models only", "batch", _V09 + "value_engine",
+            "zorro's value-head engine runs text value"),
     Refusal("v09.whole_groups_keep_minibatch", _BOTH, "`group_balance_mode=whole_groups` with verl's "
             "`keep_minibatch` balancing", "the whole-group placement decides mini-batch composition itself", "batch",
             _V09 + "balance", "group balance does not support keep_minibatch balancing"),
@@ -349,6 +355,12 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.per_token_noise", _STEP, "per-token random ops in training (`router_jitter_noise`, hidden / "
             "residual / embedding dropouts)", "drawn once per shared prompt token instead of once per row", "call",
             _HF + "step", "a per-token random op"),
+    Refusal("step.value_v_head", _STEP, "a value model loaded as trl's `AutoModelForCausalLMWithValueHead` "
+            "(`v_head`)", "zorro's value step reads `*ForTokenClassification` models (`score`, num_labels=1)",
+            "model", _HF + "step", "a trl AutoModelForCausalLMWithValueHead"),
+    Refusal("step.value_head_layout", _STEP, "a value model whose head is not a `Linear(H, 1)` `score`",
+            "the value step picks one value per token from that head", "model", _HF + "step",
+            "expected a *ForTokenClassification model with num_labels=1"),
     Refusal("step.memory_temperatures", _STEP, "per-row temperatures with the `memory` mode (or a head function)",
             "the head takes one temperature", "call", _HF + "step",
             "per-row temperatures with logits_optimization='memory'"),
@@ -426,6 +438,7 @@ EXEMPT = {
     (_HF + "install", "attention layers but the zorro attention was called"):
         "the per-step layer-call check (a layer bypassed zorro), not a setting",
     (_V09 + "registration", "not the zorro engine (another plugin replaced it?)"): "install check of the plugin",
+    (_V09 + "registration", "as the value-model (critic) engine for strategy"): "install check of the plugin",
     (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
     (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
     (_HF + "ssm", "ulysses_sequence_parallel_size = {}: {}"): "wraps ssm._SP_REFUSAL (step.mamba_ulysses)",

@@ -20,10 +20,11 @@ STRATEGIES = ("fsdp2", "fsdp")
 #: engines); later steps would then compare that noise, not the engines.
 STEPS_OPTIM = {"optimizer": "SGD", "lr": 0.5}
 
-__all__ = ["STRATEGIES", "STEPS_OPTIM", "lora_adapter", "lora_model", "build_engine", "head_unit_policy",
-           "make_engine_batch", "ppo_loss_fn", "infer", "output_values", "response_values", "engine_grads",
-           "run_steps", "step_errors", "assert_steps_match", "rank_batches", "ray_engine_worker_class",
-           "padded_stock_vs_zorro", "assert_matches_stock"]
+__all__ = ["STRATEGIES", "STEPS_OPTIM", "use_cpu_value_model_loader", "value_ckpt", "make_value_batch",
+           "value_loss_fn", "value_step_errors", "assert_value_steps_match", "lora_adapter", "lora_model",
+           "build_engine", "head_unit_policy", "make_engine_batch", "ppo_loss_fn", "infer", "output_values",
+           "response_values", "engine_grads", "run_steps", "step_errors", "assert_steps_match", "rank_batches",
+           "ray_engine_worker_class", "padded_stock_vs_zorro", "assert_matches_stock"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
@@ -31,7 +32,7 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
                  zorro_settings: Optional[dict] = None, lr: float = 1e-2, engine_overrides: Optional[dict] = None,
                  model_overrides: Optional[dict] = None, attn_implementation: str = "sdpa",
                  strategy: str = "fsdp2", optim_overrides: Optional[dict] = None, compute_dtype: str = "fp32",
-                 use_torch_compile: bool = False):
+                 use_torch_compile: bool = False, model_type: str = "language_model"):
     """An initialised engine (zorro or stock ``FSDPEngineWithLMHead``) on the tiny checkpoint ``ckpt`` under
     ``strategy`` (``fsdp2``, or ``fsdp``: FSDP1 with verl's default wrap policy, one unit per decoder layer);
     ``model_overrides`` go to ``HFModelConfig`` (e.g. ``use_fused_kernels``), ``engine_overrides`` to the engine
@@ -39,7 +40,9 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
     AdamW at ``lr``; :data:`STEPS_OPTIM` for multi-step comparisons); ``attn_implementation`` is the stock model's
     attention (zorro replaces it). ``compute_dtype="bf16"``: verl's default mixed precision (fp32 parameters, bf16
     compute: ``param_dtype`` bf16, so the forward and the logits run in bf16); ``use_torch_compile``: verl's default
-    (True) compiles the entropy function."""
+    (True) compiles the entropy function. ``model_type="value_model"``: the critic's engines
+    (``FSDPEngineWithValueHead`` / ``ZorroFSDPEngineWithValueHead``) on a value checkpoint (:func:`value_ckpt`),
+    loaded through :func:`use_cpu_value_model_loader`."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import FSDPEngineWithLMHead
@@ -47,7 +50,14 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
     from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig
     from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
 
-    model_config = HFModelConfig(path=ckpt, load_tokenizer=False,
+    value = model_type == "value_model"
+    if value:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+
+        from zorro_verl.integrations.verl.v09.value_engine import ZorroFSDPEngineWithValueHead
+
+        use_cpu_value_model_loader()
+    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, model_type=model_type,
                                  override_config={"attn_implementation": attn_implementation},
                                  use_remove_padding=use_remove_padding,
                                  enable_gradient_checkpointing=gradient_checkpointing, **(model_overrides or {}))
@@ -60,16 +70,116 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
     if zorro:
         settings = {"enable": True, "attention_backend": "sdpa", **(zorro_settings or {})}
         engine_config = ZorroFSDPEngineConfig(zorro=settings, **common)
-        cls = ZorroFSDPEngineWithLMHead
+        cls = ZorroFSDPEngineWithValueHead if value else ZorroFSDPEngineWithLMHead
     else:
         engine_config = FSDPEngineConfig(**common)
-        cls = FSDPEngineWithLMHead
+        cls = FSDPEngineWithValueHead if value else FSDPEngineWithLMHead
     optim = FSDPOptimizerConfig(**{"lr": lr, "total_training_steps": 10, "weight_decay": 0.0, "clip_grad": 1.0,
                                    **(optim_overrides or {})})
     engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim,
                  checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine
+
+
+def use_cpu_value_model_loader() -> None:
+    """Make verl's ``load_valuehead_model`` load with the attention of the model config (``sdpa`` here) instead of
+    the ``flash_attention_2`` it hard-codes (no flash-attn on CPU; verl would then fall back to trl's value-head
+    wrapper). Everything else is verl's call: ``AutoModelForTokenClassification.from_pretrained`` with the config
+    verl prepared (``num_labels = 1``, dropouts 0). Idempotent; the stock and zorro critics load the same way."""
+    import verl.utils.model as vm
+
+    if getattr(vm.load_valuehead_model, "_zorro_cpu", False):
+        return
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation=getattr(model_config, "_attn_implementation", None) or "sdpa",
+            trust_remote_code=trust_remote_code)
+
+    load_valuehead_model._zorro_cpu = True
+    vm.load_valuehead_model = load_valuehead_model
+
+
+def value_ckpt(out, seed: int = 0) -> str:
+    """A tiny fp32 value model (:func:`zorro_verl.testing.tiny_value_model`: Qwen3 backbone, ``score``
+    ``Linear(H, 1)``) saved under ``out`` as an HF checkpoint verl's critic loads. Returns the directory."""
+    from zorro_verl.testing import tiny_value_model
+
+    model = tiny_value_model("qwen3", dtype=torch.float32, seed=seed)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def make_value_batch(*, seed: int = 0, **kw):
+    """:func:`make_engine_batch` with the critic's training fields as verl's trainer hands them over (padded
+    ``[B, R]`` float32, zeros on pads): ``values`` (the old values, O(1) so that ``cliprange_value`` clips some
+    tokens) and ``returns``."""
+    from zorro_verl.testing import create_dummy_batch
+
+    keys = ("batch_size", "num_prompts", "prompt_len", "response_len", "vocab", "shuffle")
+    dk = {k: kw.pop(k) for k in keys if k in kw}
+    b = create_dummy_batch(batch_size=dk.get("batch_size", 8), num_unique_prompts=dk.get("num_prompts", 3),
+                           prompt_len=dk.get("prompt_len", 6), response_len=dk.get("response_len", 5), device="cpu",
+                           include_training_fields=True, add_padding=True, vocab_size=dk.get("vocab", 128), seed=seed,
+                           shuffle=dk.get("shuffle", True))
+    gen = torch.Generator().manual_seed(seed + 1000)
+    m = b["response_mask"].float()
+    b["values"] = torch.randn(m.shape, generator=gen) * m
+    b["returns"] = (torch.randn(m.shape, generator=gen) + 0.5) * m
+    return make_engine_batch(base=b, **kw)
+
+
+def value_loss_fn(loss_agg_mode: str = "token-mean", *, cliprange_value: float = 0.2,
+                  loss_scale_factor: Optional[int] = None):
+    """verl's ``value_loss`` bound to a critic config the way verl's trainer binds it
+    (``partial(value_loss, config=critic_config)``)."""
+    from verl.workers.config import FSDPCriticConfig
+    from verl.workers.utils.losses import value_loss
+
+    cfg = FSDPCriticConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=8,
+                           use_dynamic_bsz=False, cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
+                           loss_scale_factor=loss_scale_factor)
+    return partial(value_loss, config=cfg)
+
+
+def value_step_errors(ref: list, got: list, batches) -> list:
+    """:func:`run_steps` results of two critics (``loss_function`` = :func:`value_loss_fn`), per step: the values'
+    max abs difference at the positions verl reads (``values``) and the reference's largest value
+    (``values_scale``), ``loss`` and ``grad_norm`` pairs, the global gradient relative error ``grad_rel`` and
+    ``got``'s ``zorro/fallback_batches`` of both passes. Plain floats."""
+    from zorro_verl.testing import grad_rel_error
+
+    errs = []
+    for a, b, td in zip(ref, got, batches):
+        mask = td["response_mask"].bool()
+        va, vb = (response_values(x["inf"]["model_output"]["values"], td) for x in (a, b))
+        e = {"values": (va - vb)[mask].abs().max().item(), "values_scale": va[mask].abs().max().item()}
+        e["loss"] = (sum(a["tr"]["loss"]), sum(b["tr"]["loss"]))
+        norms = [x["tr"]["metrics"].get("grad_norm") for x in (a, b)]
+        e["grad_norm"] = None if None in norms else tuple(float(n) for n in norms)
+        e["grad_rel"] = grad_rel_error(a["grads"], b["grads"])
+        e["fallback"] = [m.get("zorro/fallback_batches", [0.0])[0] for m in (b["inf"]["metrics"], b["tr"]["metrics"])]
+        errs.append(e)
+    return errs
+
+
+def assert_value_steps_match(errs: list, atol: float, rtol: float) -> None:
+    """:func:`value_step_errors` within the fp32 engine tolerances: values max abs <= ``atol`` (on values that are not
+    trivially small), value loss, grad norm and gradients relative <= ``rtol`` at every step, no stock fallback."""
+    for k, e in enumerate(errs):
+        assert e["values_scale"] > 0.1 and e["values"] <= atol, (k, e)
+        la, lb = e["loss"]
+        assert abs(la) > 1e-4 and abs(la - lb) <= rtol * abs(la), (k, e)
+        if e["grad_norm"] is not None:
+            ga, gb = e["grad_norm"]
+            assert ga > 1e-5 and abs(ga - gb) <= rtol * ga, (k, e)
+        assert e["grad_rel"] <= rtol, (k, e)
+        assert e["fallback"] == [0.0, 0.0], (k, e)
 
 
 def lora_adapter(ckpt: str, out, target_modules="all-linear", *, rank: int = 8, alpha: int = 16,

@@ -34,6 +34,7 @@ from zorro_verl.testing.models import (
     tiny_model,
     tiny_ssm_config,
     tiny_ssm_model,
+    tiny_value_model,
     tiny_window_config,
     tiny_window_model,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "multi_turn_rows",
     "tiny_config",
     "tiny_model",
+    "tiny_value_model",
     "HYBRID_KINDS",
     "tiny_hybrid_config",
     "tiny_hybrid_model",

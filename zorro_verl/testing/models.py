@@ -70,6 +70,26 @@ def _perturb_vectors(model) -> None:
                 p.add_(0.1 * torch.randn_like(p))
 
 
+def tiny_value_model(kind: str = "qwen3", *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                     attn_implementation: str = "sdpa", exact_norms: bool = True):
+    """A randomly initialised value model as verl's critic builds it: ``*ForTokenClassification`` with
+    ``num_labels = 1`` and ``classifier_dropout = 0`` on :func:`tiny_config`'s backbone; its ``score`` head
+    ``Linear(H, 1)`` is drawn with std 0.5 (not the tiny init) so that values are O(1). Deterministic for ``seed``."""
+    from transformers import AutoModelForTokenClassification
+
+    cfg = tiny_config(kind)
+    cfg.num_labels, cfg.classifier_dropout = 1, 0.0
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(cfg, dtype=dtype)
+    _perturb_vectors(model)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)
+    if exact_norms:
+        exact_fp64_norms(model)
+    return model
+
+
 #: ``kind`` names of :func:`tiny_hybrid_config`.
 HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 

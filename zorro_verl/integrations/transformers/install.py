@@ -16,6 +16,8 @@ Model-agnostic: nothing is patched by class name.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from zorro_verl.integrations.transformers import hybrid, mixers, positions, ssm, vision
@@ -353,7 +355,11 @@ def _probe(model, batch, reference) -> dict:
     try:
         with torch.no_grad(), _Recorder(model) as rec:
             rec.seq_len = plan.T
-            forward_packed(model, ctx, logits_to_keep=plan.logit_index)
+            # a *ForCausalLM takes logits_to_keep; a value model (*ForTokenClassification) would hand it on to
+            # its layers as an unknown keyword, and its head is one output per token anyway
+            keep = ({"logits_to_keep": plan.logit_index}
+                    if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
+            forward_packed(model, ctx, **keep)
     finally:
         model.train(was_training)
     report = probe_report(model, ctx.calls)

@@ -27,7 +27,7 @@ from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["zorro_step", "HeadFn", "head_fn_unsupported", "forward_owner"]
+__all__ = ["zorro_step", "zorro_values", "value_head", "HeadFn", "head_fn_unsupported", "forward_owner"]
 
 #: ``(hidden [Nh, H], head module, targets [N] int64, temperature, calculate_entropy, index [N] int64 | None) ->
 #: (log_probs [N], entropy [N] | None)``; ``index`` None: ``Nh = N``, row ``i`` predicts ``targets[i]``
@@ -130,6 +130,64 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
         logp = gather_rows(logp, shard)
         ent = None if ent is None else gather_rows(ent, shard)
     return logp, ent
+
+
+def value_head(model) -> torch.nn.Linear:
+    """The per-token value head of a value model as verl builds it (``AutoModelForTokenClassification`` with
+    ``num_labels = 1``: ``score``, a ``Linear(H, 1)`` on the backbone's last hidden state, after a dropout verl sets
+    to 0). ``ValueError`` naming what was found for any other layout (e.g. trl's ``v_head`` wrapper, whose forward also
+    computes the LM head's logits), or a dropout in training mode (one draw per shared prompt token)."""
+    owner = forward_owner(model)
+    if hasattr(owner, "v_head"):
+        raise ValueError("value model: a trl AutoModelForCausalLMWithValueHead (`v_head`), which verl loads only when "
+                         "the checkpoint has no token-classification class; zorro's value step runs "
+                         "*ForTokenClassification value models (num_labels=1, head `score`). Use a checkpoint that "
+                         "loads as AutoModelForTokenClassification, or disable zorro for the critic.")
+    head = forward_owner(getattr(owner, "score", None)) if getattr(owner, "score", None) is not None else None
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        found = (type(head).__name__ if not isinstance(head, torch.nn.Linear)
+                 else f"Linear(out_features={head.out_features})")
+        raise ValueError(f"value model: expected a *ForTokenClassification model with num_labels=1 (a Linear(H, 1) "
+                         f"`score` head), got {type(owner).__name__} with score={found}. Use verl's value-model "
+                         "loading (num_labels=1) or disable zorro for the critic.")
+    drop = getattr(owner, "dropout", None)
+    if owner.training and isinstance(drop, torch.nn.Dropout) and drop.p > 0:
+        raise ValueError(f"value model: its classifier dropout is {drop.p} in training mode: a per-token random op, "
+                         "which the deduplicated forward would draw once per shared prompt token. Set "
+                         "config.classifier_dropout = 0 (verl's critic does), or disable zorro for the critic.")
+    return head
+
+
+def zorro_values(model, plan: ZorroPlan, *, backend: str = "sdpa", calls: Optional[LayerCalls] = None,
+                 shard: Optional[UlyssesShard] = None) -> torch.Tensor:
+    """Deduplicated forward of a value model (:func:`value_head`): the value at every position whose token predicts
+    a response token (``plan.logit_index``: the last prompt token and every response token but the last, the
+    positions verl reads a critic's values at), in the plan's output order.
+
+    The packed row runs once through the model (each unique prompt once); its per-token ``Linear(H, 1)`` head runs
+    on every packed position (``[T, H] x [H, 1]``, negligible), and the values of the response-predicting positions
+    are picked. Under Ulysses (``shard``) each rank picks the ones it holds and they are all-gathered (autograd-aware)
+    into ``[N]`` on every SP rank. Prefix-tree plans read each distinct position once (``head_index``) and map the
+    outputs to it (``head_inverse``).
+
+    Returns:
+        ``values [N]`` in the model's output dtype (fp32 for fp32 models, fp64 for fp64); ``plan.to_padded`` gives
+        ``[B, R]``.
+    """
+    value_head(model)
+    check_no_per_token_noise(model)
+    ctx = StepContext(plan, backend, calls, shard, None)
+    keep = plan.logit_index if shard is None else shard.logit_index
+    index = None
+    if plan.head_index is not None:
+        keep, index = (plan.head_index, plan.head_inverse) if shard is None else (shard.head_index, shard.head_inverse)
+    scores = forward_packed(model, ctx).logits[0]  # [T (T_s under SP), 1]
+    values = scores[keep.to(scores.device), 0]
+    if index is not None:
+        values = values[index.to(values.device)]
+    if shard is not None:
+        values = gather_rows(values, shard)
+    return values
 
 
 #: HF config keys of per-token random ops in training mode (a deduplicated prompt token would draw one sample where

@@ -225,31 +225,40 @@ def test_other_strategies_refuse_zorro():
         turbo(model_config=None, engine_config=cfg, optimizer_config=None, checkpoint_config=None)
 
 
-def test_critic_given_a_zorro_config_refuses(tiny_ckpt):
-    """A critic (value-model engine) whose engine config enables zorro would run verl's stock forward: its engine
-    refuses at construction, naming the key to remove; a plain critic config builds the stock engine."""
+def test_critic_config_builds_the_zorro_value_engine(tiny_ckpt):
+    """A critic (value-model engine) whose engine config (`critic.fsdp`) enables zorro builds zorro's value-head
+    engine: the plugin registered it for value_model on fsdp / fsdp2 (every device key, plus cpu); a plain critic
+    config builds the same class with zorro off (verl's stock forward). Other value-model backends (Megatron's) refuse
+    a zorro-enabled config at construction, naming the key to remove."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
 
     from zorro_verl.integrations.verl.settings import settings_of as zorro_settings_of
+    from zorro_verl.integrations.verl.v09 import registration
+    from zorro_verl.integrations.verl.v09.value_engine import ZorroFSDPEngineWithValueHead
 
-    target = "critic.fsdp._target_=zorro_verl.integrations.verl.v09.config.ZorroFSDPEngineConfig"
-    # the critic's engine config (verl's FSDPCriticConfig.engine is its `fsdp` node)
-    critic = omega_conf_to_dataclass(_compose([target, "+critic.fsdp.zorro.enable=true"]).critic.fsdp)
+    # the critic's engine config (verl's FSDPCriticConfig.engine is its `fsdp` node): the preset enables zorro there
+    # with the actor's switch
+    critic = omega_conf_to_dataclass(_compose().critic.fsdp)
     assert zorro_settings_of(critic).enable
-    plain = omega_conf_to_dataclass(_compose().critic.fsdp)
+    plain = omega_conf_to_dataclass(_compose(["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"]).critic.fsdp)
     value_engines = EngineRegistry._engines["value_model"]
-    assert all(c._zorro_guard for b in ("fsdp", "fsdp2") for c in value_engines[b].values())
+    assert all(c is ZorroFSDPEngineWithValueHead for b in ("fsdp", "fsdp2") for c in value_engines[b].values())
+    assert {"cuda", "cpu"} <= set(value_engines["fsdp2"])
     cls = value_engines["fsdp2"]["cuda"]
     kw = dict(model_config=HFModelConfig(path=tiny_ckpt, load_tokenizer=False, model_type="value_model"),
               optimizer_config=FSDPOptimizerConfig(lr=0.0, total_training_steps=1),
               checkpoint_config=CheckpointConfig())
-    with pytest.raises(ValueError, match=r"critic\.fsdp\.zorro: expected no zorro node .* got enable=true") as info:
-        cls(engine_config=critic, **kw)
-    assert "critic.fsdp.zorro.enable=false" in str(info.value) and "stock forward" in str(info.value)
-    assert isinstance(cls(engine_config=plain, **kw), cls)  # no zorro in the config: verl's engine
+    assert cls(engine_config=critic, **kw).zorro.enable
+    assert not cls(engine_config=plain, **kw).zorro.enable  # no zorro in the config: verl's stock forward
+    guarded = registration._value_model_guarded(FSDPEngineWithValueHead, "megatron")
+    with pytest.raises(ValueError, match=r"critic\.megatron\.zorro: expected no zorro node .* got enable=true") as info:
+        guarded(engine_config=critic, **kw)
+    assert "critic.megatron.zorro.enable=false" in str(info.value) and "stock forward" in str(info.value)
+    assert isinstance(guarded(engine_config=plain, **kw), FSDPEngineWithValueHead)
 
 
 def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
@@ -270,3 +279,25 @@ def test_main_ppo_finds_the_preset_inside_the_package(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "_target_: zorro_verl.integrations.verl.v09.config.ZorroMcoreEngineConfig" in out.stdout
     assert "strategy: megatron" in out.stdout
+
+
+def test_engine_modules_imported_before_verls_engines(tmp_path):
+    """A process that imports a zorro engine module before verl's engines (its import of verl's engines runs the
+    registration hook while the zorro module is half-imported) gets the zorro engines registered once a zorro config
+    is built, instead of an ImportError from the hook."""
+    script = ("import os\n"
+              "from tests.support.verl_cpu_platform import use_cpu_platform\n"
+              "use_cpu_platform()\n"
+              "os.environ['VERL_ENGINE_DEVICE'] = 'cpu'\n"
+              "import zorro_verl.integrations.verl.v09.value_engine\n"
+              "import zorro_verl.integrations.verl.v09.engine\n"
+              "from verl.workers.engine import EngineRegistry\n"
+              "from zorro_verl.integrations.verl.v09.config import ZorroFSDPEngineConfig\n"
+              "ZorroFSDPEngineConfig(zorro={'enable': True})\n"
+              "print(sorted({c.__name__ for m in ('language_model', 'value_model') for b in ('fsdp', 'fsdp2')\n"
+              "              for c in EngineRegistry._engines[m][b].values()}))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['ZorroFSDPEngineWithLMHead', 'ZorroFSDPEngineWithValueHead']"

@@ -145,3 +145,31 @@ def test_e2e_megatron_overrides_compose():
     assert actor.megatron.use_distributed_optimizer is False
     with pytest.raises(ValueError, match="fp32"):
         base_overrides(assets, out_dir=Path("/tmp/run"), strategy="megatron", dtype="bf16")
+
+
+def test_documented_critic_overrides_and_preset_build_the_zorro_value_engine():
+    """docs/verl-fsdp.md's critic block, composed with verl's own ppo_trainer, gives the critic a zorro engine config
+    that verl resolves to zorro's value-model engine; the preset switches the critic with the actor."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.presets import preset_dir
+    from zorro_verl.integrations.verl.settings import settings_of
+
+    text = (REPO_ROOT / "docs" / "verl-fsdp.md").read_text()
+    block = re.search(r"<!-- zorro-critic-overrides -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "docs/verl-fsdp.md lost its critic overrides block"
+    overrides = [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
+    assert len(overrides) == 3
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    engine = omega_conf_to_dataclass(cfg.critic.fsdp)
+    assert settings_of(engine).enable and cfg.algorithm.adv_estimator == "gae"
+    assert getattr(EngineRegistry.get_engine_cls("value_model", engine.strategy), "zorro_engine", False)
+    for actor_on in (True, False):
+        with initialize_config_dir(config_dir=preset_dir(), version_base=None):
+            cfg = compose(config_name="zorro_ppo_trainer", overrides=[
+                f"actor_rollout_ref.actor.fsdp_config.zorro.enable={str(actor_on).lower()}"])
+        assert settings_of(omega_conf_to_dataclass(cfg.critic.fsdp)).enable == actor_on

@@ -150,8 +150,22 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
     def _zorro_model_unsupported(self):
         """Static refusals that need the built model: LoRA adapters with dropout, attention or gated delta-net head
         counts Ulysses cannot shard, Mamba layers / LFM2 short-conv channels / MiniMax lightning heads Ulysses cannot
-        shard; the ``memory`` logits mode computes the head as ``F.linear(hidden, weight, bias)`` and needs the
-        head's output returned unchanged as the logits."""
+        shard; the ``memory`` logits mode computes the head as
+        ``F.linear(hidden, weight, bias)`` and needs the head's output returned unchanged as the logits."""
+        reason = self._zorro_backbone_unsupported()
+        if reason is not None or self.zorro.logits_optimization != "memory":
+            return reason
+        try:
+            linear_head_params(forward_owner(self.module.get_output_embeddings()))
+        except ValueError as e:
+            return f"logits_optimization=memory with this model's head ({e})"
+        reason = head_fn_unsupported(self.module)
+        return None if reason is None else f"logits_optimization=memory: {reason}"
+
+    def _zorro_backbone_unsupported(self):
+        """The static refusals of the model's body (shared with the value-head engine): LoRA adapters with dropout,
+        Mamba layers / LFM2 short-conv channels / MiniMax lightning heads under Ulysses, head counts Ulysses cannot
+        shard."""
         reason = lora_unsupported(self.module)
         if reason is not None:
             return reason
@@ -168,14 +182,7 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
                     linear_attention_sp_repeat(mod.num_k_heads, mod.num_v_heads, sp)
             except ValueError as e:
                 return str(e)
-        if self.zorro.logits_optimization != "memory":
-            return None
-        try:
-            linear_head_params(forward_owner(self.module.get_output_embeddings()))
-        except ValueError as e:
-            return f"logits_optimization=memory with this model's head ({e})"
-        reason = head_fn_unsupported(self.module)
-        return None if reason is None else f"logits_optimization=memory: {reason}"
+        return None
 
     def _install(self) -> None:
         # install_zorro's checks (layer types, hybrid delta-net wrappers); every forward then checks that each

@@ -10,8 +10,10 @@
   :class:`~zorro_verl.integrations.verl.v09.megatron_engine.ZorroMegatronEngineWithLMHead` (``megatron``); a
   zorro class is the stock engine unless its engine config enables zorro, so runs without the preset are unchanged.
   Every other language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
-  zorro-enabled config instead of silently running the stock forward; so are the value-model (critic) engines
-  (zorro deduplicates the actor and the reference only);
+  zorro-enabled config instead of silently running the stock forward; verl's ``FSDPEngineWithValueHead`` (the
+  critic, ``value_model``) is swapped for
+  :class:`~zorro_verl.integrations.verl.v09.value_engine.ZorroFSDPEngineWithValueHead` the same way, and every other
+  value-model backend (Megatron's) refuses a zorro-enabled config;
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
   (:mod:`.balance`, switchable by config), and the V1 trainer reports the zorro metrics of its log-prob passes
   (:mod:`.trainer_metrics`).
@@ -73,10 +75,37 @@ def is_installed() -> bool:
     return _installed
 
 
+#: The zorro engine modules whose classes the hook registers, with their class names.
+_ENGINE_MODULES = {"zorro_verl.integrations.verl.v09.engine": "ZorroFSDPEngineWithLMHead",
+                   "zorro_verl.integrations.verl.v09.value_engine": "ZorroFSDPEngineWithValueHead"}
+_pending: list = []
+
+
+def _mid_import() -> bool:
+    """Whether one of :data:`_ENGINE_MODULES` is being imported (in ``sys.modules`` without its class yet): it was
+    imported before ``verl.workers.engine``, whose import (by that module) ran this hook."""
+    import sys
+
+    return any(name in sys.modules and not hasattr(sys.modules[name], cls) for name, cls in _ENGINE_MODULES.items())
+
+
+def register_pending() -> None:
+    """Run the hook that was deferred while a zorro engine module was being imported (:func:`_register_engine`),
+    once both engine modules are complete. Called by :func:`check_engine_registered`, which every zorro-enabled
+    engine config runs before verl looks an engine up."""
+    if _pending and not _mid_import():
+        _register_engine(_pending.pop())
+
+
 def _register_engine(engine_package) -> None:
-    """Post-import hook of ``verl.workers.engine``: put the zorro engine in its ``EngineRegistry``."""
+    """Post-import hook of ``verl.workers.engine``: put the zorro engines in its ``EngineRegistry``. When a zorro
+    engine module is itself being imported (a process that imports it before verl's engines: its import of verl's
+    engines ran this hook) the registration waits until a zorro config checks it (:func:`register_pending`)."""
     # Imported here, not at module level: the engine module imports verl's FSDP engine, which must not be loaded at
     # `import verl` (it resolves verl's device platform; tests install a CPU platform before that).
+    if _mid_import():
+        _pending.append(engine_package)
+        return
     from zorro_verl.integrations.verl.v09.engine import ZorroFSDPEngineWithLMHead
 
     table = engine_package.EngineRegistry._engines.setdefault("language_model", {})
@@ -97,10 +126,24 @@ def _register_engine(engine_package) -> None:
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
                 slots[key] = _guarded(cls, backend)
-    for slots in engine_package.EngineRegistry._engines.get("value_model", {}).values():
+    # the critic: verl's FSDP value-head engine -> zorro's (every device key, plus cpu); any other value-model
+    # backend (Megatron's) refuses a zorro-enabled config
+    from zorro_verl.integrations.verl.v09.value_engine import ZorroFSDPEngineWithValueHead
+
+    values = engine_package.EngineRegistry._engines.setdefault("value_model", {})
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead as stock_value  # not re-exported
+    for backend in _BACKENDS:
+        slots = values.setdefault(backend, {})
+        for key, cls in list(slots.items()):
+            if cls is stock_value:
+                slots[key] = ZorroFSDPEngineWithValueHead
+        slots.setdefault("cpu", ZorroFSDPEngineWithValueHead)
+    for backend, slots in values.items():
+        if backend in _BACKENDS:
+            continue
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
-                slots[key] = _value_model_guarded(cls)
+                slots[key] = _value_model_guarded(cls, backend)
 
 
 def _guarded(cls, backend: str):
@@ -118,19 +161,20 @@ def _guarded(cls, backend: str):
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def _value_model_guarded(cls):
-    """A subclass of value-model (critic) engine ``cls`` whose constructor raises when its engine config enables
-    zorro: zorro deduplicates the actor and the reference only, so the critic would silently run verl's stock forward
+def _value_model_guarded(cls, backend: str):
+    """A subclass of value-model (critic) engine ``cls`` of a backend without a zorro value engine (``megatron``)
+    whose constructor raises when its engine config enables zorro: the critic would silently run verl's stock forward
     with a config that asks for zorro. Configs that do not enable zorro build the stock engine unchanged."""
 
     def __init__(self, *args, **kwargs):
         engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
         if engine_config is not None and settings_of(engine_config).enable:
             raise ValueError(
-                "critic.fsdp.zorro: expected no zorro node (or enable=false) in the critic's engine config, got "
-                "enable=true. zorro deduplicates the actor and the reference model (language-model engines) only; the "
-                f"critic's value-model engine ({cls.__qualname__}) would run verl's stock forward. Remove "
-                "critic.fsdp.zorro (and critic.fsdp._target_) or set critic.fsdp.zorro.enable=false.")
+                f"critic.{backend}.zorro: expected no zorro node (or enable=false) in the critic's engine config for "
+                f"strategy {backend!r}, got enable=true. zorro's value-model (critic) engine runs on strategy fsdp / "
+                f"fsdp2 only; this backend's value-model engine ({cls.__qualname__}) would run verl's stock forward. "
+                f"Use critic.strategy=fsdp2 with critic.fsdp.zorro, or remove critic.{backend}.zorro (and its "
+                f"_target_) or set critic.{backend}.zorro.enable=false.")
         cls.__init__(self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True, "__module__": cls.__module__,
@@ -181,6 +225,8 @@ def check_engine_registered(strategy: str = "fsdp") -> None:
         raise RuntimeError(f"zorro is enabled in the config but its verl plugin is not loaded: {why_not_installed()}.")
     from verl.workers.engine import EngineRegistry  # the import runs the post-import hook if it has not run yet
 
+    register_pending()
+
     for backend in _STRATEGY_BACKENDS[strategy]:
         try:
             cls = EngineRegistry.get_engine_cls("language_model", backend)
@@ -199,6 +245,13 @@ def check_engine_registered(strategy: str = "fsdp") -> None:
                 "fsdp2 on a device verl registers FSDP engines for (cuda, npu; cpu is added by zorro): check "
                 "actor_rollout_ref.actor.strategy, the VERL_ENGINE_DEVICE environment variable and that "
                 "verl.workers.engine imported cleanly, or disable zorro (fsdp_config.zorro.enable=false).") from e
+        if strategy == "fsdp":  # the critic's engine (value_model) too: the same config class enables it
+            value_cls = EngineRegistry._engines.get("value_model", {}).get(backend, {}).get(_engine_device())
+            if value_cls is not None and not getattr(value_cls, "zorro_engine", False):
+                raise RuntimeError(
+                    f"zorro is enabled in the config but verl builds {value_cls.__module__}.{value_cls.__qualname__} "
+                    f"as the value-model (critic) engine for strategy {backend!r}, not zorro's (another plugin "
+                    "replaced it?). Remove the conflicting plugin or disable zorro (critic.fsdp.zorro.enable=false).")
         if not getattr(cls, "zorro_engine", False):  # the zorro engines and their subclasses
             raise RuntimeError(
                 f"zorro is enabled in the config but verl builds {cls.__module__}.{cls.__qualname__} for strategy "
