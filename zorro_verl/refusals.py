@@ -317,6 +317,15 @@ REFUSALS: tuple[Refusal, ...] = (
             "is not one of the tested loss types"),
     Refusal("trl.liger", _TRLW, "`use_liger_kernel=True`", "Liger's layer kernels replace the model's own; zorro's "
             "packed forward is not tested with them", "start", _TRL, "which zorro's packed forward is not tested"),
+    Refusal("trl.group_order_loss", _TRLW, "`micro_batch_order='groups'` with `loss_type='bnpo'`",
+            "bnpo divides by the micro-batch's token count: regrouping rows changes the step's gradient", "start",
+            _TRL, "its normaliser is "),
+    Refusal("trl.group_order_steps", _TRLW, "`micro_batch_order='groups'` with `steps_per_generation != "
+            "gradient_accumulation_steps`", "the order would move rows between optimizer steps", "start", _TRL,
+            "the order would move rows between"),
+    Refusal("trl.group_order_entropy", _TRLW, "`micro_batch_order='groups'` with `entropy_coef != 0` or "
+            "`top_entropy_quantile < 1`", "both are computed per micro-batch", "start", _TRL,
+            "are computed per micro-batch, so regrouping"),
     Refusal("trl.aux_loss", _TRLW, "the MoE router auxiliary loss (`output_router_logits`)",
             "it is computed per token of the ordinary rows", "call", _TRL, "the MoE router auxiliary loss"),
     Refusal("trl.multimodal", _TRLW, "multimodal inputs (TRL's image GRPO: `pixel_values`, ...)",

@@ -223,3 +223,28 @@ def test_settings_are_validated():
         ztrl.trl_settings(rollout_n=4)
     with pytest.raises(ValueError, match="attention_backend"):
         ztrl.trl_settings(attention_backend="nope")
+
+
+def test_group_keeping_permutation():
+    """Rows of a prompt adjacent and in order; groups ordered by their first row in stock's permutation."""
+    pm = torch.ones(6, 3, dtype=torch.long)
+    pm[1, 0] = pm[4, 0] = 0  # left pad: prompt [0, 7, 8] vs [7, 8] differ only under the mask
+    ids = torch.tensor([[1, 2, 3], [0, 7, 8], [1, 2, 3], [5, 7, 8], [9, 7, 8], [1, 2, 3]])
+    stock = torch.tensor([3, 4, 0, 5, 1, 2])
+    perm = ztrainer.group_keeping_permutation(ids, pm, stock)
+    # groups: {0,2,5} prompt 1 2 3; {1,4} prompt 7 8; {3} prompt 5 7 8; first rows in stock: 3, 4, 0
+    assert perm.tolist() == [3, 1, 4, 0, 2, 5]
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(loss_type="bnpo"), "its normaliser is per micro-batch"),
+    (dict(gradient_accumulation_steps=2, steps_per_generation=4), "would move rows between optimizer steps"),
+    (dict(entropy_coef=0.01), "are computed per micro-batch, so regrouping"),
+])
+def test_group_order_refusals(trl_assets, tmp_path, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        _trainer(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path, zorro={"micro_batch_order": "groups"}, **cfg)
+    with pytest.warns(UserWarning, match=match):  # warn: TRL's own order, zorro still on
+        tr = _trainer(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path, zorro={"micro_batch_order": "groups",
+                                                                         "on_unsupported": "warn"}, **cfg)
+    assert not tr._zorro.group_order and tr._zorro.unsupported is None

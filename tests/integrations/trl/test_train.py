@@ -114,3 +114,26 @@ def test_enable_switches_an_unmodified_trainer(trl_assets, tmp_path):
     _compare(stock, zorro)
     again = _run(GRPOTrainer, trl_assets, tmp_path / "a")
     assert not any(k.startswith("zorro/") for k in again[0][0])
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_group_order_keeps_each_step(loss_type, trl_assets, tmp_path):
+    """``micro_batch_order='groups'`` at accumulation 2: each micro-batch holds whole prompt groups (more shared),
+    and each optimizer step's gradient is stock's: the logged loss (a sum over the step's micro-batches), the grad norm
+    and the weights after 2 steps agree to fp32 rounding. (TRL's KL / entropy metrics are per-micro-batch means,
+    averaged: they follow the grouping, so they are not compared.)"""
+    cfg = dict(loss_type=loss_type, ga=2)
+    (ls, ws, cs) = _run(GRPOTrainer, trl_assets, tmp_path / "s", **cfg)
+    (lz, wz, cz) = _run(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path / "z", zorro={"micro_batch_order": "groups"},
+                        **cfg)
+    (lr, _, _) = _run(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path / "r", **cfg)  # stock order, for the ratio
+    assert len(cs) == len(cz) >= 1 and all(torch.equal(a, b) for a, b in zip(cs, cz)), "completions differ"
+    for a, b in zip(ls, lz):
+        for k in ("loss", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=RTOL, abs=ATOL), (k, a[k], b[k])
+    moved = max((ws[n] - wz[n]).abs().max().item() for n in ws)
+    assert moved <= WEIGHT_ATOL, moved
+    grouped = [b["zorro/dedup_ratio"] for b in lz]
+    scattered = [b["zorro/dedup_ratio"] for b in lr]
+    assert all(g > s for g, s in zip(grouped, scattered)), (grouped, scattered)
+    print(f"  {loss_type}: weights {moved:.1e}; dedup ratio grouped {grouped} vs stock order {scattered}")

@@ -12,10 +12,12 @@ from typing import Any, Optional
 
 from zorro_verl.integrations.verl.settings import ZorroSettings
 
-__all__ = ["TRL_KEYS", "TESTED_TRL", "FIX_HINT", "trl_settings"]
+__all__ = ["TRL_KEYS", "TESTED_TRL", "FIX_HINT", "MICRO_BATCH_ORDERS", "TrlSettings", "trl_settings"]
 
 #: The keys a TRL user may set (``enable`` is the switch itself; rollout_n / group balancing are verl trainer keys).
-TRL_KEYS = ("attention_backend", "logits_optimization", "sharing", "min_shared_len", "on_unsupported")
+TRL_KEYS = ("attention_backend", "logits_optimization", "sharing", "min_shared_len", "on_unsupported",
+            "micro_batch_order")
+MICRO_BATCH_ORDERS = ("stock", "groups")
 #: The TRL minor version whose private seam (``GRPOTrainer._get_per_token_logps_and_entropies``) is tested.
 TESTED_TRL = "1.16."
 #: Quoted in every refusal.
@@ -23,14 +25,30 @@ FIX_HINT = ("train with stock TRL (drop ZorroGRPOTrainer / zorro_verl.integratio
             "on_unsupported='warn' to run TRL's stock forward for such calls")
 
 
-def trl_settings(settings: Optional[Any] = None, **keys) -> ZorroSettings:
+class TrlSettings(ZorroSettings):
+    """:class:`ZorroSettings` (``enable=True``) plus TRL's ``micro_batch_order``."""
+
+    __slots__ = ("micro_batch_order",)
+
+    def __init__(self, micro_batch_order: str = "stock", **keys):
+        super().__init__(**keys)
+        if micro_batch_order not in MICRO_BATCH_ORDERS:
+            raise ValueError(f"zorro.micro_batch_order: expected one of {list(MICRO_BATCH_ORDERS)}, got "
+                             f"{micro_batch_order!r}.")
+        self.micro_batch_order = micro_batch_order
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "micro_batch_order": self.micro_batch_order}
+
+
+def trl_settings(settings: Optional[Any] = None, **keys) -> TrlSettings:
     """Validated settings from a mapping / :class:`ZorroSettings` and/or keywords (keywords win).
 
-    Returns a :class:`ZorroSettings` with ``enable=True``. Raises ``ValueError`` for keys outside :data:`TRL_KEYS`.
+    Returns a :class:`TrlSettings` with ``enable=True``. Raises ``ValueError`` for keys outside :data:`TRL_KEYS`.
     """
     items: dict = {}
     if isinstance(settings, ZorroSettings):
-        items = {k: getattr(settings, k) for k in TRL_KEYS}
+        items = {k: getattr(settings, k) for k in TRL_KEYS if hasattr(settings, k)}
     elif settings is not None:
         if not hasattr(settings, "items"):
             raise TypeError(f"zorro settings: expected a dict of {list(TRL_KEYS)} or a ZorroSettings, got "
@@ -40,4 +58,4 @@ def trl_settings(settings: Optional[Any] = None, **keys) -> ZorroSettings:
     unknown = sorted(k for k in items if k not in TRL_KEYS)
     if unknown:
         raise ValueError(f"zorro settings for TRL: unknown key(s) {unknown}; valid keys are {list(TRL_KEYS)}.")
-    return ZorroSettings(enable=True, **items)
+    return TrlSettings(enable=True, **items)

@@ -9,7 +9,9 @@ the override builds a plan per row chunk (the same chunks as stock) and runs :fu
 * HF ``generate`` runs the same module: zorro is switched off around ``_generate`` (rollouts) and back on after.
 * Gradient checkpointing (TRL's default, reentrant or not) recomputes the layers during backward: zorro stays
   installed from the first log-prob call to the next rollout, never only around the forward.
-* Optimizer steps see the rows stock TRL gives them (the row shuffle of ``_prepare_inputs`` is left alone).
+* Optimizer steps see the rows stock TRL gives them (the row shuffle of ``_prepare_inputs`` is left alone). Opt-in
+  ``micro_batch_order='groups'``: the shuffle keeps each prompt's completions adjacent (whole groups per micro-batch)
+  where that leaves every optimizer step's gradient unchanged (:data:`GROUP_ORDER_LOSS_TYPES`, refused otherwise).
 * What cannot be exact (MoE auxiliary loss, multimodal inputs, Liger's fused loss, an untested TRL version or loss
   type) is refused by name, or with ``on_unsupported='warn'`` runs TRL's stock forward (warned once, counted in
   ``zorro/fallbacks``).
@@ -27,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 import trl
+import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOTrainer
 
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
@@ -34,18 +37,24 @@ from zorro_verl.integrations.trl.settings import FIX_HINT, TESTED_TRL, trl_setti
 from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.packing import build_plan
 
-__all__ = ["ZorroGRPOTrainer", "enable", "disable", "is_enabled", "SUPPORTED_LOSS_TYPES", "check_trl_version"]
+__all__ = ["ZorroGRPOTrainer", "enable", "disable", "is_enabled", "SUPPORTED_LOSS_TYPES", "GROUP_ORDER_LOSS_TYPES",
+           "check_trl_version", "group_order_unsupported", "group_keeping_permutation"]
 
 logger = logging.getLogger(__name__)
 
 #: TRL 1.16's loss types. Each only reads the per-token log-probs / entropies this override returns (equal to
 #: stock's), so each equals stock; tested one by one in tests/integrations/trl.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+#: The loss types whose step gradient does not depend on which rows share a micro-batch of the step (equal-size
+#: micro-batches; per-row terms summed with a constant or step-global normaliser): ``grpo`` / ``sapo`` / ``luspo``
+#: (per-row value, mean over the micro-batch's rows, / accumulation), ``dr_grpo`` (/ rows x max length), ``dapo`` /
+#: ``cispo`` / ``vespo`` (/ the generation batch's token count). Not ``bnpo``: it divides by the micro-batch's tokens.
+GROUP_ORDER_LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
 #: The multimodal keywords of the seam (TRL's image GRPO): not wired to zorro's media plan here.
 _MEDIA_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 #: The GRPOTrainer methods zorro replaces (the same functions for the subclass and for :func:`enable`).
-_METHODS = ("__init__", "_get_per_token_logps_and_entropies", "_generate")
+_METHODS = ("__init__", "_get_per_token_logps_and_entropies", "_generate", "_prepare_inputs")
 _STOCK = {name: GRPOTrainer.__dict__[name] for name in _METHODS}
 _enabled: Optional[ZorroSettings] = None
 
@@ -73,10 +82,11 @@ class _State:
         self.probed: set = set()
         self.warned: set = set()
         self.unsupported: Optional[str] = None  # a start-time refusal under on_unsupported=warn: every call stock
+        self.group_order = False  # micro_batch_order='groups' accepted for this trainer
 
     def refuse(self, reason: str) -> None:
         """Raise ``ValueError(reason + fix)`` or (``warn``) warn once per reason."""
-        msg = f"{reason}; {FIX_HINT}."
+        msg = f"{reason}; or {FIX_HINT}."
         if self.settings.on_unsupported == "raise":
             raise ValueError(msg)
         if reason not in self.warned:
@@ -97,6 +107,70 @@ def _start_checks(trainer) -> Optional[str]:
     return None
 
 
+def group_order_unsupported(args) -> Optional[str]:
+    """Why ``micro_batch_order='groups'`` would change an optimizer step's gradient under ``args`` (a GRPOConfig), or
+    None: another loss type, micro-batches of different optimizer steps in one generation batch, or a term computed
+    per micro-batch (the entropy bonus, the high-entropy token threshold)."""
+    if args.loss_type not in GROUP_ORDER_LOSS_TYPES:
+        return (f"zorro for TRL: micro_batch_order='groups' with loss_type={args.loss_type!r}: its normaliser is "
+                f"per micro-batch, so regrouping rows changes the step's gradient (group order keeps it only for "
+                f"{list(GROUP_ORDER_LOSS_TYPES)}); use micro_batch_order='stock'")
+    if args.steps_per_generation != args.gradient_accumulation_steps:
+        return (f"zorro for TRL: micro_batch_order='groups' with steps_per_generation={args.steps_per_generation} != "
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: the order would move rows between "
+                "optimizer steps; use micro_batch_order='stock' or leave steps_per_generation unset")
+    if getattr(args, "entropy_coef", 0.0) or getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        return ("zorro for TRL: micro_batch_order='groups' with entropy_coef != 0 or top_entropy_quantile < 1: both "
+                "are computed per micro-batch, so regrouping rows changes the step's gradient; use "
+                "micro_batch_order='stock'")
+    return None
+
+
+def group_keeping_permutation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, stock: torch.Tensor):
+    """The row order of ``micro_batch_order='groups'``: ``[B] int64``, each prompt's rows adjacent (in their original
+    order), the groups in the order their first row appears in ``stock`` (TRL's own ``randperm(B)``: the same random
+    draw as stock, so the RNG stream after it is stock's). Groups = rows with identical valid prompt tokens."""
+    firsts: dict = {}
+    rows: dict = {}
+    rank = torch.empty_like(stock)
+    rank[stock] = torch.arange(stock.numel())
+    for i in range(prompt_ids.size(0)):
+        key = tuple(prompt_ids[i][prompt_mask[i].bool()].tolist())
+        rows.setdefault(key, []).append(i)
+        firsts[key] = min(firsts.get(key, stock.numel()), int(rank[i]))
+    order = sorted(rows, key=firsts.__getitem__)
+    return torch.tensor([i for key in order for i in rows[key]], dtype=torch.long)
+
+
+def _group_shuffle(seq_dict: dict) -> dict:
+    """TRL's ``shuffle_sequence_dict`` with :func:`group_keeping_permutation` for the order."""
+    batch = len(next(v for v in seq_dict.values() if v is not None))
+    perm = group_keeping_permutation(seq_dict["prompt_ids"].cpu(), seq_dict["prompt_mask"].cpu(),
+                                     torch.randperm(batch))
+
+    def permute(v):
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, torch.Tensor):
+            return v[perm.to(v.device)]
+        return [v[i] for i in perm]
+
+    return {k: permute(v) for k, v in seq_dict.items()}
+
+
+def _prepare_inputs(self, stock, generation_batch):
+    """Stock's, with the group-keeping shuffle under ``micro_batch_order='groups'``."""
+    st: Optional[_State] = getattr(self, "_zorro", None)
+    if st is None or not st.group_order:
+        return stock(generation_batch)
+    original = grpo_module.shuffle_sequence_dict
+    grpo_module.shuffle_sequence_dict = _group_shuffle  # TRL calls it by this module-level name
+    try:
+        return stock(generation_batch)
+    finally:
+        grpo_module.shuffle_sequence_dict = original
+
+
 def _setup(trainer, settings: ZorroSettings) -> None:
     check_trl_version(settings.on_unsupported)
     st = _State(settings, trainer.accelerator.device.type)
@@ -105,6 +179,11 @@ def _setup(trainer, settings: ZorroSettings) -> None:
     if reason is not None:
         st.refuse(reason)
         st.unsupported = reason
+    elif getattr(settings, "micro_batch_order", "stock") == "groups":
+        why = group_order_unsupported(trainer.args)
+        if why is not None:
+            st.refuse(why)  # under warn: TRL's own row order, still deduplicated
+        st.group_order = why is None
 
 
 def _init(self, stock, *args, zorro: Any = None, **kwargs) -> None:
@@ -197,7 +276,7 @@ def _generate(self, stock, *args, **kwargs):
 
 
 _IMPL = {"__init__": _init, "_get_per_token_logps_and_entropies": _get_per_token_logps_and_entropies,
-         "_generate": _generate}
+         "_generate": _generate, "_prepare_inputs": _prepare_inputs}
 
 
 def _method(name: str):
