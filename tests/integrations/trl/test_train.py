@@ -114,6 +114,24 @@ def test_enable_switches_an_unmodified_trainer(trl_assets, tmp_path):
     _compare(stock, zorro)
     again = _run(GRPOTrainer, trl_assets, tmp_path / "a")
     assert not any(k.startswith("zorro/") for k in again[0][0])
+    assert all(getattr(GRPOTrainer, n) is ztrl.trainer._STOCK[n] for n in ztrl.trainer._METHODS)
+
+
+def test_train_hands_the_model_back(trl_assets, tmp_path):
+    """After ``train()`` the model has its own attention again: ``generate`` and ``save_pretrained`` outside the
+    trainer work and save no zorro attention in the config."""
+    out, tok = trl_assets
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tr = ztrl.ZorroGRPOTrainer(model=model, reward_funcs=length_reward, args=_config(tmp_path / "t"),
+                               train_dataset=dataset(4), processing_class=tok)
+    tr.train()
+    m = tr.accelerator.unwrap_model(tr.model)
+    assert not ztrl.trainer.is_installed(m) and m.config._attn_implementation != "zorro"
+    ids = tok.apply_chat_template([{"role": "user", "content": "Say done."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    m.generate(ids, max_new_tokens=3, do_sample=False)
+    m.save_pretrained(tmp_path / "saved")
+    assert "zorro" not in (tmp_path / "saved" / "config.json").read_text()
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])

@@ -8,7 +8,8 @@ the override builds a plan per row chunk (the same chunks as stock) and runs :fu
 
 * HF ``generate`` runs the same module: zorro is switched off around ``_generate`` (rollouts) and back on after.
 * Gradient checkpointing (TRL's default, reentrant or not) recomputes the layers during backward: zorro stays
-  installed from the first log-prob call to the next rollout, never only around the forward.
+  installed from the first log-prob call to the next rollout, never only around the forward; ``train()`` hands the
+  models back with their own attention when it returns.
 * Optimizer steps see the rows stock TRL gives them (the row shuffle of ``_prepare_inputs`` is left alone). Opt-in
   ``micro_batch_order='groups'``: the shuffle keeps each prompt's completions adjacent (whole groups per micro-batch)
   where that leaves every optimizer step's gradient unchanged (:data:`GROUP_ORDER_LOSS_TYPES`, refused otherwise).
@@ -54,8 +55,9 @@ GROUP_ORDER_LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "
 _MEDIA_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 #: The GRPOTrainer methods zorro replaces (the same functions for the subclass and for :func:`enable`).
-_METHODS = ("__init__", "_get_per_token_logps_and_entropies", "_generate", "_prepare_inputs")
-_STOCK = {name: GRPOTrainer.__dict__[name] for name in _METHODS}
+_METHODS = ("__init__", "_get_per_token_logps_and_entropies", "_generate", "_prepare_inputs", "train")
+_STOCK = {name: getattr(GRPOTrainer, name) for name in _METHODS}
+_OWN = {name for name in _METHODS if name in GRPOTrainer.__dict__}  # the rest (train) are inherited
 _enabled: Optional[ZorroSettings] = None
 
 
@@ -275,8 +277,20 @@ def _generate(self, stock, *args, **kwargs):
             install_zorro(m, probe=False)
 
 
+def _train(self, stock, *args, **kwargs):
+    """Stock's ``train``; afterwards every model is handed back with its own attention (a later ``generate``,
+    evaluation or ``save_pretrained`` outside the trainer sees the stock model)."""
+    try:
+        return stock(*args, **kwargs)
+    finally:
+        st: Optional[_State] = getattr(self, "_zorro", None)
+        for m in (st.installed if st is not None else []):
+            if is_installed(m):
+                uninstall_zorro(m)
+
+
 _IMPL = {"__init__": _init, "_get_per_token_logps_and_entropies": _get_per_token_logps_and_entropies,
-         "_generate": _generate, "_prepare_inputs": _prepare_inputs}
+         "_generate": _generate, "_prepare_inputs": _prepare_inputs, "train": _train}
 
 
 def _method(name: str):
@@ -319,7 +333,10 @@ def disable() -> None:
     global _enabled
     _enabled = None
     for name in _METHODS:
-        setattr(GRPOTrainer, name, _STOCK[name])
+        if name in _OWN:
+            setattr(GRPOTrainer, name, _STOCK[name])
+        elif name in GRPOTrainer.__dict__:
+            delattr(GRPOTrainer, name)
 
 
 def is_enabled() -> bool:
