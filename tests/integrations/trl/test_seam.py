@@ -85,11 +85,12 @@ def _ordinary_fp64(model, ids, am, C, pad_positions=False):
     return lp * m, ent * m
 
 
-@pytest.mark.parametrize("sharing", ["prompt", "prefix"])
-def test_fp64_method_equals_the_ordinary_forward(trl_assets, tmp_path, sharing):
+@pytest.mark.parametrize("sharing,logits", [("prompt", "memory"), ("prefix", "memory"), ("prompt", "none"),
+                                            ("prompt", "compute")])
+def test_fp64_method_equals_the_ordinary_forward(trl_assets, tmp_path, sharing, logits):
     stock = _trainer(GRPOTrainer, trl_assets, tmp_path / "s", dtype=torch.float64)
     zorro = _trainer(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path / "z", dtype=torch.float64,
-                     zorro={"sharing": sharing, "min_shared_len": 4})
+                     zorro={"sharing": sharing, "min_shared_len": 4, "logits_optimization": logits})
     zorro.model.load_state_dict(stock.model.state_dict())
     ids, am, C = _batch()
     ref_lp, ref_ent = _ordinary_fp64(stock.model, ids, am, C)
@@ -105,13 +106,15 @@ def test_fp64_method_equals_the_ordinary_forward(trl_assets, tmp_path, sharing):
     d_stock = (lp - lp_s.double()).abs().max().item()  # stock's fused head runs fp32
     d_pads = (lp - _ordinary_fp64(stock.model, ids, am, C, pad_positions=True)[0]).abs().max().item()
     assert d_stock <= 1e-5 and d_pads <= 1e-6, (d_stock, d_pads)
-    print(f"  fp64 {sharing}: log-prob {d_lp:.1e}, entropy {d_ent:.1e} vs ordinary; {d_stock:.1e} vs stock's method "
-          f"(fp32 head); {d_pads:.1e} vs the ordinary forward on TRL's pad-counting positions")
+    print(f"  fp64 {sharing} {logits}: log-prob {d_lp:.1e}, entropy {d_ent:.1e} vs ordinary; {d_stock:.1e} vs "
+          f"stock's method (fp32 head); {d_pads:.1e} vs the ordinary forward on TRL's pad-counting positions")
 
 
 @pytest.mark.parametrize("batch_size", [None, 4])
-def test_fp32_method_equals_stock(pair32, batch_size):
+@pytest.mark.parametrize("logits", ["memory", "none"])
+def test_fp32_method_equals_stock(pair32, batch_size, logits):
     stock, zorro = pair32
+    zorro._zorro.settings = ztrl.trl_settings(attention_backend="flash_copyfree", logits_optimization=logits)
     ids, am, C = _batch(seed=1)
     with torch.no_grad():
         lp_s, en_s, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C, batch_size, True)
@@ -120,7 +123,8 @@ def test_fp32_method_equals_stock(pair32, batch_size):
     d_lp, d_en = (lp_s - lp_z).abs().max().item(), (en_s - en_z).abs().max().item()
     assert d_lp <= 1e-5 and d_en <= 1e-5, (d_lp, d_en)
     assert bool((lp_z[~m] == 0).all() and (en_z[~m] == 0).all())
-    print(f"  fp32 batch_size={batch_size}: log-prob {d_lp:.1e}, entropy {d_en:.1e}")
+    zorro._zorro.settings = ztrl.trl_settings(attention_backend="flash_copyfree")
+    print(f"  fp32 {logits} batch_size={batch_size}: log-prob {d_lp:.1e}, entropy {d_en:.1e}")
 
 
 def _loss_and_grads(tr, inputs):
@@ -219,6 +223,8 @@ def test_version_check():
 def test_settings_are_validated():
     s = ztrl.trl_settings({"logits_optimization": "memory"}, sharing="prefix")
     assert s.enable and s.logits_optimization == "memory" and s.sharing == "prefix"
+    assert ztrl.trl_settings().logits_optimization == "memory"  # TRL's head never materialises the logits
+    assert ztrl.trl_settings(logits_optimization="none").logits_optimization == "none"
     with pytest.raises(ValueError, match="unknown key"):
         ztrl.trl_settings(rollout_n=4)
     with pytest.raises(ValueError, match="attention_backend"):

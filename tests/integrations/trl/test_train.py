@@ -90,13 +90,16 @@ CASES = ([pytest.param(dict(loss_type=lt), id=f"{lt}-beta0.04-ga1-it1") for lt i
          + [pytest.param(dict(loss_type="bnpo", lora=True), id="lora-bnpo-beta0.04"),
             pytest.param(dict(loss_type="grpo", lora=True, beta=0.04, ga=2, iters=2), id="lora-grpo-ga2-it2"),
             pytest.param(dict(loss_type="dr_grpo", reentrant=True), id="reentrant-checkpointing"),
+            pytest.param(dict(loss_type="dapo", zorro={"logits_optimization": "none"}), id="logits-none"),
             pytest.param(dict(loss_type="dapo", reentrant=False, ga=2), id="nonreentrant-ga2")])
 
 
 @pytest.mark.parametrize("cfg", CASES)
 def test_train_matches_stock(cfg, trl_assets, tmp_path):
+    cfg = dict(cfg)
+    settings = cfg.pop("zorro", None)
     stock = _run(GRPOTrainer, trl_assets, tmp_path / "s", **cfg)
-    zorro = _run(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path / "z", **cfg)
+    zorro = _run(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path / "z", zorro=settings, **cfg)
     _compare(stock, zorro)
 
 

@@ -31,6 +31,8 @@ class TrlSettings(ZorroSettings):
     __slots__ = ("micro_batch_order",)
 
     def __init__(self, micro_batch_order: str = "stock", **keys):
+        # TRL's fused head never materialises the logits: the chunked head keeps zorro's memory at or below it
+        keys.setdefault("logits_optimization", "memory")
         super().__init__(**keys)
         if micro_batch_order not in MICRO_BATCH_ORDERS:
             raise ValueError(f"zorro.micro_batch_order: expected one of {list(MICRO_BATCH_ORDERS)}, got "
