@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--logits", default="memory", help="zorro's logits_optimization (TRL's default here: memory)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -39,17 +40,18 @@ def main():
     out, tok = build(tmp / "m", hidden=a.hidden, layers=a.layers)
     B = a.groups * a.n
 
-    def trainer(cls):
+    def trainer(cls, **kw):
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         args = GRPOConfig(output_dir=str(tmp / cls.__name__), per_device_train_batch_size=B, num_generations=a.n,
                           max_completion_length=a.completion, use_cpu=True, report_to="none", bf16=False,
                           beta=0.0, save_strategy="no", disable_tqdm=True)
-        tr = cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset(4), processing_class=tok)
+        tr = cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset(4), processing_class=tok,
+                 **kw)
         tr.current_gradient_accumulation_steps = 1
         tr.model.train()
         return tr
 
-    stock, zorro = trainer(GRPOTrainer), trainer(ZorroGRPOTrainer)
+    stock, zorro = trainer(GRPOTrainer), trainer(ZorroGRPOTrainer, zorro={"logits_optimization": a.logits})
     zorro.model.load_state_dict(stock.model.state_dict())
     g = torch.Generator().manual_seed(0)
     P, C = a.prompt, a.completion
@@ -89,7 +91,8 @@ def main():
         times[phase] = {k: statistics.median(v) for k, v in ts.items()}
     ideal = plan.ordinary_tokens / plan.T
     print(f"B={B} (G={a.groups} x n={a.n}), P~{P}, C={C}, Qwen3 hidden {a.hidden} x {a.layers} layers, fp32, 1 thread; "
-          f"tokens {plan.ordinary_tokens} ordinary -> {plan.T} packed (ideal {ideal:.2f}x)")
+          f"zorro logits_optimization={a.logits}; tokens {plan.ordinary_tokens} ordinary -> {plan.T} packed "
+          f"(ideal {ideal:.2f}x)")
     print("| phase | stock s | zorro s | speed-up | ideal (tokens) |\n|---|---|---|---|---|")
     for phase, t in times.items():
         print(f"| {phase} | {t['stock']:.3f} | {t['zorro']:.3f} | {t['stock'] / t['zorro']:.2f}x | {ideal:.2f}x |")
