@@ -194,11 +194,13 @@ def _init(self, stock, *args, zorro: Any = None, **kwargs) -> None:
     _setup(self, settings)
 
 
-def _install(st: _State, model) -> None:
-    """Install zorro on ``model`` (unwrapped) once; the first install runs the probe (every layer dispatches)."""
+def _install(st: _State, model, sharded: bool = False) -> None:
+    """Install zorro on ``model`` (unwrapped) once; the first install runs the probe (every layer dispatches) unless
+    the model is sharded (FSDP / DeepSpeed: the probe would call submodules outside the root's forward, as in verl's
+    engines; every packed forward is checked anyway)."""
     if is_installed(model):
         return
-    install_zorro(model, probe=id(model) not in st.probed)
+    install_zorro(model, probe=id(model) not in st.probed and not sharded)
     st.probed.add(id(model))
     if all(m is not model for m in st.installed):
         st.installed.append(model)
@@ -244,7 +246,8 @@ def _get_per_token_logps_and_entropies(self, stock, model, input_ids, attention_
         return stock(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                      compute_aux_loss, **media)
     # stays installed through backward: gradient checkpointing recomputes the layers there
-    _install(st, self.accelerator.unwrap_model(model))
+    kind = str(getattr(self.accelerator, "distributed_type", ""))
+    _install(st, self.accelerator.unwrap_model(model), sharded="FSDP" in kind or "DEEPSPEED" in kind)
     batch_size = batch_size or input_ids.size(0)
     plan_kwargs = st.settings.plan_kwargs()
     logps, ents, ordinary, packed = [], [], 0, 0
