@@ -32,8 +32,8 @@ def _trainer(cls, assets, tmp, dtype=torch.float32, zorro=None, **cfg):
     out, tok = assets
     model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
     args = GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
-                      use_cpu=True, report_to="none", bf16=False, temperature=T, save_strategy="no",
-                      disable_tqdm=True, **{"beta": 0.04, **cfg})
+                      use_cpu=True, report_to="none", temperature=T, save_strategy="no",
+                      disable_tqdm=True, **{"beta": 0.04, "bf16": False, **cfg})
     kw = {} if zorro is None else {"zorro": zorro}
     tr = cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset(4), processing_class=tok, **kw)
     tr.current_gradient_accumulation_steps = 1
@@ -254,3 +254,24 @@ def test_group_order_refusals(trl_assets, tmp_path, cfg, match):
         tr = _trainer(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path, zorro={"micro_batch_order": "groups",
                                                                          "on_unsupported": "warn"}, **cfg)
     assert not tr._zorro.group_order and tr._zorro.unsupported is None
+
+
+def test_bf16_autocast_relative_rule(trl_assets, tmp_path):
+    """TRL's default ``bf16=True`` (an fp32 model under bf16 autocast, also on CPU): zorro's log-probs are within the
+    project's bf16 relative rule: their relative error against the fp64 ordinary forward is <= 2x stock's."""
+    stock = _trainer(GRPOTrainer, trl_assets, tmp_path / "s", bf16=True)
+    zorro = _trainer(ztrl.ZorroGRPOTrainer, trl_assets, tmp_path / "z", bf16=True)
+    zorro.model.load_state_dict(stock.model.state_dict())
+    ids, am, C = _batch(seed=6)
+    out, _ = trl_assets
+    ref_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    ref_model.load_state_dict({k: v.double() for k, v in stock.model.state_dict().items()})
+    ref, _ = _ordinary_fp64(ref_model, ids, am, C, pad_positions=True)
+    with torch.no_grad():
+        lp_s, _, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C)
+        lp_z, _, _ = zorro._get_per_token_logps_and_entropies(zorro.model, ids, am, C)
+    m = am[:, -C:].bool()
+    err_s = ((lp_s.double() - ref)[m].norm() / ref[m].norm()).item()
+    err_z = ((lp_z.double() - ref)[m].norm() / ref[m].norm()).item()
+    assert 0 < err_z <= 2 * err_s, (err_z, err_s)
+    print(f"  bf16 autocast: relative error vs fp64, zorro {err_z:.2e}, stock {err_s:.2e}")

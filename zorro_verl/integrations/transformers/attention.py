@@ -77,6 +77,10 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          "This model is not supported by zorro.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # stock SDPA is an autocast op: it attends in the autocast dtype
+        low = torch.get_autocast_dtype(device_type)  # (q / k can leave a norm + RoPE in fp32 while v is low)
+        query, key, value = query.to(low), key.to(low), value.to(low)
     features = AttentionFeatures(window=sliding_window, sinks=s_aux, softcap=softcap)
     ctx.calls.attention += 1
     ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling)
