@@ -2,7 +2,8 @@
 # The whole test suite on a fresh machine: set up .venv (see setup_env.sh), run pytest and the prefix-tree
 # benchmark's CPU targets (zorro-verl bench --tree), the verl 0.7.1 legacy-actor tests in their own environment
 # (.venv-verl07: verl 0.7.1 pins numpy<2, see setup_verl07_env.sh), the OpenRLHF integration tests in theirs
-# (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the Megatron tests in theirs
+# (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the TRL GRPOTrainer tests in theirs
+# (.venv-trl: trl 1.16 on transformers 5.15, see test_trl.sh), the Megatron tests in theirs
 # (.venv-megatron: megatron-core 0.19.2, see test_megatron.sh), the built wheel installed with verl in a fresh
 # environment (.venv-wheel, see test_wheel.sh), the end-to-end GRPO runs (verl main_ppo + the CPU build of vLLM,
 # zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh), and the CI version of the e2e speed benchmark in the
@@ -79,22 +80,22 @@ e2e_bench() {
   echo "[test] e2e benchmark: a target was missed, measuring again"
   bash scripts/bench_e2e.sh --quick
 }
-in_background "environments (verl 0.7.1, OpenRLHF, Megatron, e2e)" sequence \
-  bash scripts/setup_verl07_env.sh -- bash scripts/setup_openrlhf_env.sh -- bash scripts/setup_megatron_env.sh -- \
-  bash scripts/setup_e2e_env.sh
+in_background "environments (verl 0.7.1, OpenRLHF, TRL, Megatron, e2e)" sequence \
+  bash scripts/setup_verl07_env.sh -- bash scripts/setup_openrlhf_env.sh -- bash scripts/setup_trl_env.sh -- \
+  bash scripts/setup_megatron_env.sh -- bash scripts/setup_e2e_env.sh
 timed "main suite" python -m pytest -q -p no:cacheprovider tests "$@"
-join "environments (verl 0.7.1, OpenRLHF, Megatron, e2e)"
+join "environments (verl 0.7.1, OpenRLHF, TRL, Megatron, e2e)"
 timed "prefix-tree benchmark" tree_bench
 # test_ray_loader starts a local Ray cluster: beside a main_ppo run's cluster its raylet timed out at start-up, so it
 # runs after the e2e runs, alone
-in_background "verl 0.7.1, OpenRLHF and Megatron suites, wheel check" sequence \
+in_background "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check" sequence \
   bash scripts/test_verl07.sh -- bash scripts/test_openrlhf.sh -k "not test_ray_loader" -- \
-  bash scripts/test_megatron.sh -- bash scripts/test_wheel.sh
+  bash scripts/test_trl.sh -- bash scripts/test_megatron.sh -- bash scripts/test_wheel.sh
 # the main_ppo runs' time limit: the suites beside them take one of the two cores for part of the stage
 e2e_rc=0
 timed "e2e main_ppo runs" env ZORRO_E2E_RUN_TIMEOUT="${ZORRO_E2E_RUN_TIMEOUT:-720}" \
   .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e || e2e_rc=$?
-join "verl 0.7.1, OpenRLHF and Megatron suites, wheel check"  # printed also when the runs failed
+join "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check"  # printed also when the runs failed
 [[ $e2e_rc == 0 ]] || exit $e2e_rc
 timed "OpenRLHF on a real Ray cluster" bash scripts/test_openrlhf.sh -k test_ray_loader
 timed "e2e benchmark (CI version)" e2e_bench

@@ -24,6 +24,7 @@ LAYERS = [
     ("zorro_verl.integrations.verl", "verl"),
     ("zorro_verl.integrations.openrlhf", "openrlhf"),
     ("zorro_verl.integrations.megatron", "megatron"),
+    ("zorro_verl.integrations.trl", "trl"),
     ("zorro_verl.integrations", "integrations"),
     ("zorro_verl.api", "api"),
     ("zorro_verl.testing", "testing"),
@@ -51,6 +52,8 @@ ALLOWED = {
     # OpenRLHF, Ray, transformers only lazily; of the verl layer only its verl-free settings and common (checked below)
     "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"},
                  {"torch", "openrlhf", "wrapt", "ray", "transformers"}),
+    # Hugging Face TRL's GRPOTrainer; of the verl layer only its verl-free settings (checked below)
+    "trl": (CORE | {"transformers", "verl", "integrations", "trl"}, {"torch", "trl", "transformers", "peft"}),
     # megatron-core's GPTModel (no verl, no transformers: the engine subclass lives in the verl layer)
     "megatron": (CORE | {"megatron"}, {"torch", "megatron"}),
     "root": ({"api", "packing", "root"}, set()),
@@ -143,6 +146,8 @@ def test_imports_follow_the_layers(mod):
         target = _layer(name)
         if own_ok is not None and target != "refusals":
             assert target in own_ok, f"{where}: layer {layer!r} may import only {sorted(own_ok)}"
+        if layer == "trl" and target == "verl":
+            assert name in VERL_FREE, f"{where}: the TRL integration may import only {sorted(VERL_FREE)} of verl's"
         if layer == "openrlhf" and target == "verl":
             assert name in VERL_FREE, f"{where}: the OpenRLHF integration may import only {sorted(VERL_FREE)} of verl's"
         if target in SUPPORT_IMPORTERS:

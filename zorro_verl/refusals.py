@@ -34,6 +34,10 @@ WHERE = {
                       "and count it.",
     "OpenRLHF": "`ZORRO_OPENRLHF_OPTIONS=on_unsupported=raise|warn`: raise, or warn once and run OpenRLHF's stock "
                 "forward (counted). Argument checks run when the experience maker is built, before any rollout.",
+    "TRL GRPOTrainer": "`ZorroGRPOTrainer(..., zorro={'on_unsupported': 'raise'})` or `enable(on_unsupported=...)`: "
+                       "raise (default) a `ValueError`, or warn once per reason, run TRL's stock log-prob forward for "
+                       "the call (a start-time refusal: every call) and count it in `zorro/fallbacks`. A TRL other "
+                       "than the tested 1.16.x only warns under `warn`.",
     "standalone API": "`ValueError` from `DeduplicatedActor` or the packing functions.",
     "model step (transformers; every integration)": "`install_zorro` / `zorro_step` on a Hugging Face model, in "
                                                     "every integration above but Megatron; the engines call these "
@@ -66,6 +70,8 @@ _ORL = "zorro_verl.integrations.openrlhf."
 _COMMON = "zorro_verl.integrations.verl.common"
 _FSDP, _BOTH, _MCORE_ENGINE, _MCORE = ("verl 0.9 FSDP engine", "verl 0.9 engines (FSDP and Megatron)",
                                        "verl 0.9 Megatron engine", "megatron-core GPTModel step")
+_TRLW = "TRL GRPOTrainer"
+_TRL = "zorro_verl.integrations.trl.trainer"
 _V07, _OPENRLHF, _API, _STEP = ("verl 0.7 actor", "OpenRLHF", "standalone API",
                                 "model step (transformers; every integration)")
 _DROPOUT_WHY = ("the ordinary forward draws one dropout mask per row, zorro computes a shared prompt once (one mask): "
@@ -308,6 +314,29 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("openrlhf.version", _OPENRLHF, "an OpenRLHF release outside the tested one(s) (`version_check=warn` "
             "runs anyway)", "the hooks replace whole methods of the tested release", "start", _ORL + "boot",
             "is tested with that release only"),
+    # ---------------------------------------------------------------- TRL GRPOTrainer
+    Refusal("trl.version", _TRLW, "a TRL other than 1.16.x", "the seam (`GRPOTrainer._get_per_token_logps_and_"
+            "entropies`) is a private method; only the tested version is known to call it as zorro expects", "start",
+            _TRL, "is not the tested version"),
+    Refusal("trl.loss_type", _TRLW, "a `loss_type` outside TRL 1.16's eight (grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
+            "vespo, luspo)", "each loss type is tested equal to stock; a new one is unverified", "start", _TRL,
+            "is not one of the tested loss types"),
+    Refusal("trl.liger", _TRLW, "`use_liger_kernel=True`", "Liger's layer kernels replace the model's own; zorro's "
+            "packed forward is not tested with them", "start", _TRL, "which zorro's packed forward is not tested"),
+    Refusal("trl.group_order_loss", _TRLW, "`micro_batch_order='groups'` with `loss_type='bnpo'`",
+            "bnpo divides by the micro-batch's token count: regrouping rows changes the step's gradient", "start",
+            _TRL, "its normaliser is "),
+    Refusal("trl.group_order_steps", _TRLW, "`micro_batch_order='groups'` with `steps_per_generation != "
+            "gradient_accumulation_steps`", "the order would move rows between optimizer steps", "start", _TRL,
+            "the order would move rows between"),
+    Refusal("trl.group_order_entropy", _TRLW, "`micro_batch_order='groups'` with `entropy_coef != 0` or "
+            "`top_entropy_quantile < 1`", "both are computed per micro-batch", "start", _TRL,
+            "are computed per micro-batch, so regrouping"),
+    Refusal("trl.aux_loss", _TRLW, "the MoE router auxiliary loss (`output_router_logits`)",
+            "it is computed per token of the ordinary rows", "call", _TRL, "the MoE router auxiliary loss"),
+    Refusal("trl.multimodal", _TRLW, "multimodal inputs (TRL's image GRPO: `pixel_values`, ...)",
+            "not wired to zorro's media plan in this integration yet", "call", _TRL,
+            "are not wired to zorro's media plan"),
     # ---------------------------------------------------------------- standalone API
     Refusal("api.multimodal_keys", _API, "multimodal keys in a `DeduplicatedActor` batch", "it runs text batches and "
             "would drop them; use the lower-level path", "call", "zorro_verl.api.actor",

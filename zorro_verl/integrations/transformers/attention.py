@@ -106,6 +106,10 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # Llama 4's NoPE query temperature, from each token's position in its own row (the module's own code would
     # read the packed index; install_zorro switched that off: positions.fix_query_temperature)
     query = apply_query_temperature(module, query, (plan if shard is None else shard).position_ids)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # stock SDPA is an autocast op: it attends in the autocast dtype
+        low = torch.get_autocast_dtype(device_type)  # (q / k can leave a norm + RoPE in fp32 while v is low)
+        query, key, value = query.to(low), key.to(low), value.to(low)
     ctx.calls.attention += 1
     ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling)
     if shard is not None:  # Ulysses: exchange sequence shards for head shards around the backend
