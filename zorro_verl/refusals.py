@@ -313,6 +313,27 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
             "`linear_attention`", "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
+    Refusal("step.no_attention_interface", _STEP, "models whose attention does not dispatch through transformers' "
+            "`AttentionInterface` (e.g. Falcon, GPT-J, BLOOM, MPT, RWKV, RecurrentGemma)", "the module computes "
+            "attention itself; transformers cannot set `attn_implementation` on it, so zorro cannot reach it",
+            "model", _HF + "install", "its attention does not dispatch through transformers' AttentionInterface"),
+    Refusal("step.mixer_bypasses", _STEP, "a sequence mixer that runs beside the attention interface on a model whose "
+            "attention is pluggable", "the probe counts fewer zorro attention calls than attention layers; the module "
+            "named would mix the packed row unseparated", "model", _HF + "install",
+            "mixes the sequence without transformers' AttentionInterface"),
+    Refusal("step.drops_kwargs", _STEP, "a decoder layer (or attention block) that drops keyword arguments (e.g. "
+            "StableLM)", "zorro's step context travels as the `zorro_ctx` kwarg and cannot reach the attention",
+            "model", _HF + "install", "its decoder layer drops keyword arguments"),
+    Refusal("step.model_mask", _STEP, "a model that builds its attention's mask itself (e.g. Doge's dynamic mask, "
+            "GLM-MoE-DSA's sparse index mask)", "a learned or content-dependent mask zorro cannot reproduce on the "
+            "packed row", "model", _HF + "install", "hands its attention a mask it builds itself"),
+    Refusal("step.no_position_ids", _STEP, "a model whose forward takes no `position_ids` (e.g. the BART-family "
+            "decoders)", "it numbers the packed row's tokens itself: responses would get the wrong positions",
+            "model", _HF + "install", "takes no position_ids (it numbers the tokens"),
+    Refusal("step.own_positions", _STEP, "a model whose own positions for a row are not 0, 1, 2, ... (RoBERTa-style "
+            "embeddings: CamemBERT, XLM-R, Data2Vec-Text, ...)", "zorro numbers every row from 0; checked by the "
+            "install probe (one row with and without `position_ids`)", "model", _HF + "install",
+            "numbers a row's tokens other than 0, 1, 2, ..."),
     Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
             "model", _HF + "install", "zorro's attention has no dropout"),
     Refusal("step.bidirectional", _STEP, "`use_bidirectional_attention`, non-causal attention calls",
@@ -355,6 +376,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "PEFT prompt learning"),
     Refusal("step.hybrid_layers", _STEP, "`linear_attention` layers zorro cannot find (no `layers` list)",
             "they would run over the packed row unseparated", "model", _HF + "hybrid", "has no `layers` list"),
+    Refusal("step.hybrid_no_module", _STEP, "`linear_attention` layers without a `linear_attn` module (e.g. "
+            "MiniMax's lightning attention)", "zorro wraps only the gated delta-nets it knows", "model",
+            _HF + "hybrid", "is a linear_attention layer without a `linear_attn` module"),
     Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
             "a response would see its siblings' state", "model", _HF + "hybrid",
             "is not a gated delta-net zorro knows"),

@@ -15,7 +15,7 @@ from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["LayerCalls", "StepContext", "require_context"]
+__all__ = ["LayerCalls", "StepContext", "require_context", "MissingContextError", "ModelMaskError"]
 
 
 @dataclass
@@ -30,15 +30,20 @@ class LayerCalls:
     #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling)``
     #: — what the install probe reports and checks against the model's layer types.
     features: list = field(default_factory=list)
+    #: ``id()`` of every module that called the zorro attention in this forward (to name the ones that did not).
+    callers: set = field(default_factory=set)
 
     def reset(self) -> None:
         self.attention = 0
         self.recurrent = 0
         self.fallbacks.clear()
         self.features.clear()
+        self.callers.clear()
 
-    def record_features(self, layer_idx, features, scaling: float) -> None:
+    def record_features(self, layer_idx, features, scaling: float, module=None) -> None:
         self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling))
+        if module is not None:
+            self.callers.add(id(module))
 
 
 class StepContext:
@@ -82,12 +87,23 @@ class StepContext:
         return {} if self.media is None else self.media.model_kwargs()
 
 
+class MissingContextError(ValueError):
+    """A sequence mixer ran without the ``zorro_ctx`` kwarg. From a :func:`zorro_step` call (which always passes it)
+    this means a module between the model and the mixer dropped its keyword arguments; the install probe turns it
+    into that refusal."""
+
+
+class ModelMaskError(ValueError):
+    """The zorro attention received an attention mask although zorro registers no mask function: the model built
+    one itself. The install probe turns it into a refusal naming the module."""
+
+
 def require_context(ctx, who: str) -> StepContext:
     """The ``zorro_ctx`` kwarg a sequence mixer received: a :class:`StepContext`, or a clear error naming ``who``."""
     if ctx is None:
-        raise ValueError(f"{who}: called without zorro's step context (the `zorro_ctx` kwarg is missing). Run the "
-                         "model through zorro_verl.integrations.transformers.zorro_step, or uninstall zorro "
-                         "(uninstall_zorro(model)) for an ordinary forward.")
+        raise MissingContextError(f"{who}: called without zorro's step context (the `zorro_ctx` kwarg is missing). "
+                                  "Run the model through zorro_verl.integrations.transformers.zorro_step, or "
+                                  "uninstall zorro (uninstall_zorro(model)) for an ordinary forward.")
     if not isinstance(ctx, StepContext):
         raise TypeError(f"zorro_ctx: expected a StepContext, got {type(ctx).__name__}.")
     return ctx

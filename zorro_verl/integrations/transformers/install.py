@@ -13,11 +13,14 @@ Model-agnostic: nothing is patched by class name.
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from zorro_verl.integrations.transformers import hybrid, vision
 from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
-from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
+from zorro_verl.integrations.transformers.context import LayerCalls, MissingContextError, ModelMaskError, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.packing import build_plan
 
@@ -125,12 +128,45 @@ def probe_report(model, calls: LayerCalls) -> dict:
             "final_logit_softcapping": getattr(hybrid.text_config(model), "final_logit_softcapping", None)}
 
 
+#: Class names of modules that mix a sequence (attention, state-space / recurrent mixers, convolutions): used only to
+#: *name* a module in a refusal, never to decide one.
+_MIXER_NAME = re.compile(r"attention|attn|mixer|mamba|ssm|recurren|rwkv|lstm|rnn|retention|conv", re.I)
+
+
+def _mixer_modules(model, skip: set = frozenset()) -> list[str]:
+    """Distinct class names, in model order, of the modules that look like sequence mixers (:data:`_MIXER_NAME`),
+    leaving out the modules whose ``id()`` is in ``skip`` and their ancestors and descendants."""
+    names, inside = [], set()
+    for m in model.modules():
+        if id(m) in skip:
+            inside.update(id(x) for x in m.modules())
+    for _, m in model.named_modules():
+        if id(m) in inside or any(id(x) in skip for x in m.modules()):
+            continue
+        name = type(m).__name__
+        if type(m).__module__.startswith("torch."):  # torch's own layers (a vision tower's Conv2d) name nothing
+            continue
+        if _MIXER_NAME.search(name) and not name.endswith(("ForCausalLM", "Model", "LMHeadModel")) \
+                and name not in names:
+            names.append(name)
+    return names
+
+
 def check_layer_calls(model, calls: LayerCalls) -> None:
     """After one forward: every full-attention layer called the zorro attention once, every linear-attention
     layer ran zorro's gated delta-net forward once, and every attention call got its layer type's window. Raises
     ``ValueError`` otherwise (a layer bypassed zorro, or the deduplicated result would differ from the ordinary
     one)."""
     attn, rec = expected_layer_calls(model)
+    if calls.attention < attn:
+        bypass = _mixer_modules(model, calls.callers)
+        if bypass:
+            raise ValueError(
+                f"model: {attn} attention layers but the zorro attention was called {calls.attention} times: module "
+                f"{bypass[0]} mixes the sequence without transformers' AttentionInterface (it computes its mixing "
+                "itself), so over the packed row a response would see its siblings. zorro reaches only attention "
+                "called through ALL_ATTENTION_FUNCTIONS (and the gated delta-nets it wraps); this model is not "
+                "supported by zorro.")
     if calls.attention != attn:
         raise ValueError(
             f"model: {attn} attention layers but the zorro attention was called {calls.attention} times; some layers "
@@ -160,8 +196,21 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
     if ctx.media is not None and not vision.is_multimodal(model):
         raise ValueError("media: this model has no vision tower (config.vision_config); multimodal inputs need a "
                          "vision-language model.")
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx, use_cache=False,
-                **ctx.media_inputs(), **model_kwargs)
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx,
+                    use_cache=False, **ctx.media_inputs(), **model_kwargs)
+    # this call passes zorro_ctx and no mask, so either error means the model itself dropped / built one
+    except MissingContextError as e:
+        raise ValueError(
+            f"model: its decoder layer drops keyword arguments (zorro's context cannot reach attention): {e.args[0]} "
+            "A module between the model call, which passed zorro_ctx, and the attention (its decoder layer or "
+            "attention block) does not pass **kwargs on. This model is not supported by zorro.") from e
+    except ModelMaskError as e:
+        raise ValueError(
+            f"model: it hands its attention a mask it builds itself ({e.args[0].split(':')[0]} got an "
+            "attention_mask although zorro_step passes none and zorro registers no mask function: a learned or "
+            "content-dependent mask zorro cannot reproduce on the packed row). This model is not supported by "
+            "zorro.") from e
     check_layer_calls(model, ctx.calls)
     return out
 
@@ -180,20 +229,73 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     if is_installed(model):
         hybrid.wrap_linear_attention(model)  # idempotent
         return getattr(model, "zorro_features", None)
+    if probe and not vision.is_multimodal(model):
+        _check_default_positions(model)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model._zorro_previous_sub_attn = vision.sub_attention(model)
     model._zorro_previous_text_attn = getattr(getattr(model.config, "text_config", None), "_attn_implementation",
                                               None)
     # a vision-language model: its language model runs zorro, its vision tower keeps its own attention
     model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
+    if not is_installed(model):  # transformers declined (it only warns): the model's attention is not pluggable
+        mixers = _mixer_modules(model)
+        raise ValueError(
+            "model: its attention does not dispatch through transformers' AttentionInterface (module "
+            f"{mixers[0] if mixers else type(model).__name__} computes attention itself; transformers keeps "
+            f"attn_implementation={model.config._attn_implementation!r} on {type(model).__name__}), so zorro cannot "
+            "reach it. zorro runs models whose attention calls ALL_ATTENTION_FUNCTIONS (the README's model table); "
+            "this model is not supported by zorro.")
     try:
         hybrid.wrap_linear_attention(model)
         report = _probe(model) if probe else None
+        _check_position_ids(model)
     except Exception:
         uninstall_zorro(model)
         raise
     model.zorro_features = report
     return report
+
+
+def _check_default_positions(model) -> None:
+    """Refuse a model whose own numbering of a row's tokens is not ``0..L-1`` (RoBERTa-style embeddings start
+    after the padding index and skip pad ids): zorro gives every row the positions ``0..L-1``. Two no-grad forwards
+    of one 5-token row, ``position_ids`` None vs ``arange(5)``, with the model's own attention; they must agree
+    bit for bit (the same computation on the same inputs)."""
+    emb = model.get_input_embeddings()
+    vocab = emb.weight.shape[0]
+    ids = (torch.arange(5, device=emb.weight.device) % max(vocab - 1, 1) + 1)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = model(input_ids=ids, use_cache=False).logits
+            pos = torch.arange(5, device=ids.device)[None]
+            counted = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    finally:
+        model.train(was_training)
+    if not torch.equal(own, counted):
+        raise ValueError(
+            f"model: {type(model).__name__} numbers a row's tokens other than 0, 1, 2, ... when it is given no "
+            "position_ids (e.g. RoBERTa-style embeddings start after the padding index), while zorro gives every row "
+            "the positions 0..L-1; the two forwards would differ. This model is not supported by zorro.")
+
+
+def _check_position_ids(model) -> None:
+    """Refuse a model whose forward takes no ``position_ids``: it numbers the packed row's tokens 0..T-1 itself, so
+    each response would sit at the wrong distance from its prompt (and its siblings)."""
+    from transformers import PreTrainedModel
+
+    # the transformers model itself, under any wrapper (PEFT, FSDP) whose forward passes keywords on
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None:
+        return
+    for mod in (hf, hf.base_model):
+        params = inspect.signature(mod.forward).parameters
+        if "position_ids" not in params:
+            raise ValueError(
+                f"model: {type(mod).__name__}.forward takes no position_ids (it numbers the tokens of its input "
+                "itself), so on the packed row each response would get the wrong positions. zorro needs a model "
+                "whose forward takes position_ids; this model is not supported by zorro.")
 
 
 def uninstall_zorro(model) -> None:
