@@ -291,7 +291,10 @@ def _check_position_ids(model) -> None:
         return
     for mod in (hf, hf.base_model):
         params = inspect.signature(mod.forward).parameters
-        if "position_ids" not in params:
+        named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        # a pass-through wrapper (``*args, **kwargs`` only, e.g. a decoder wrapper or a patched forward) tells
+        # nothing; a forward that names its inputs but not position_ids drops them
+        if named and "position_ids" not in params:
             raise ValueError(
                 f"model: {type(mod).__name__}.forward takes no position_ids (it numbers the tokens of its input "
                 "itself), so on the packed row each response would get the wrong positions. zorro needs a model "
