@@ -321,9 +321,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "attention is pluggable", "the probe counts fewer zorro attention calls than attention layers; the module "
             "named would mix the packed row unseparated", "model", _HF + "install",
             "mixes the sequence without transformers' AttentionInterface"),
-    Refusal("step.drops_kwargs", _STEP, "a decoder layer (or attention block) that drops keyword arguments (e.g. "
-            "StableLM)", "zorro's step context travels as the `zorro_ctx` kwarg and cannot reach the attention",
-            "model", _HF + "install", "its decoder layer drops keyword arguments"),
     Refusal("step.model_mask", _STEP, "a model that builds its attention's mask itself (e.g. Doge's dynamic mask, "
             "GLM-MoE-DSA's sparse index mask)", "a learned or content-dependent mask zorro cannot reproduce on the "
             "packed row", "model", _HF + "install", "hands its attention a mask it builds itself"),

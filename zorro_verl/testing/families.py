@@ -228,7 +228,7 @@ OUTCOMES: dict[str, str] = {
     "seed_oss": "exact",
     "smollm3": "exact",
     "solar_open": "exact",
-    "stablelm": "refused:step.drops_kwargs",
+    "stablelm": "exact",
     "starcoder2": "exact",
     "trocr": "refused:step.no_attention_interface",
     "vaultgemma": "exact",

@@ -17,6 +17,7 @@ pinned transformers has, and docs/families.md is generated from it.
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integrations.transformers.test_step import _loss, batch_of
 from zorro_verl.integrations.transformers import install_zorro, zorro_step
@@ -107,3 +108,21 @@ def test_family(model_type):
     WORST[model_type] = r
     assert r["log-prob abs"] <= ABS_TOL and r["entropy abs"] <= ABS_TOL and r["loss abs"] <= ABS_TOL, r
     assert r["grad rel"][0] <= GRAD_REL_TOL, r
+
+
+def test_context_reaches_attention_behind_a_layer_that_drops_kwargs():
+    """StableLM's decoder layer calls its attention without ``**kwargs``: the exact result above comes through the
+    call's context variable (the attention module receives no ``zorro_ctx``), and outside a zorro call the
+    installed model still refuses loudly."""
+    batch = batch_of(4, 2, 6, 3, seed=2)
+    R = batch["responses"].shape[1]
+    model = tiny_family_model("stablelm")
+    install_zorro(model)
+    seen = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a, kw: seen.append(set(kw)), with_kwargs=True)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R)
+    with torch.no_grad():
+        zorro_step(model, plan)
+        assert seen and all("zorro_ctx" not in kw for kw in seen)
+        with pytest.raises(ValueError, match="called without zorro's step context"):
+            model(input_ids=batch["input_ids"][:1], use_cache=False)

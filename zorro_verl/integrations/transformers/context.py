@@ -8,6 +8,7 @@ opaque object is passed by reference, so the counts made inside the model reach 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from zorro_verl.attention import get_backend
@@ -15,7 +16,12 @@ from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["LayerCalls", "StepContext", "require_context", "MissingContextError", "ModelMaskError"]
+__all__ = ["LayerCalls", "StepContext", "require_context", "MissingContextError", "ModelMaskError", "ACTIVE"]
+
+#: The context of the model call in progress (set by ``install.forward_packed`` around the call): what a sequence
+#: mixer uses when a module on its way dropped the ``zorro_ctx`` kwarg (a decoder layer without ``**kwargs``
+#: pass-through, e.g. StableLM's). Thread- and task-local; empty outside a zorro model call.
+ACTIVE: ContextVar = ContextVar("zorro_step_context", default=None)
 
 
 @dataclass
@@ -88,9 +94,7 @@ class StepContext:
 
 
 class MissingContextError(ValueError):
-    """A sequence mixer ran without the ``zorro_ctx`` kwarg. From a :func:`zorro_step` call (which always passes it)
-    this means a module between the model and the mixer dropped its keyword arguments; the install probe turns it
-    into that refusal."""
+    """A sequence mixer ran outside a zorro model call: neither the ``zorro_ctx`` kwarg nor :data:`ACTIVE`."""
 
 
 class ModelMaskError(ValueError):
@@ -99,7 +103,10 @@ class ModelMaskError(ValueError):
 
 
 def require_context(ctx, who: str) -> StepContext:
-    """The ``zorro_ctx`` kwarg a sequence mixer received: a :class:`StepContext`, or a clear error naming ``who``."""
+    """The ``zorro_ctx`` kwarg a sequence mixer received (or, when a module on the way dropped it, the context of the
+    zorro model call in progress, :data:`ACTIVE`): a :class:`StepContext`, or a clear error naming ``who``."""
+    if ctx is None:
+        ctx = ACTIVE.get()
     if ctx is None:
         raise MissingContextError(f"{who}: called without zorro's step context (the `zorro_ctx` kwarg is missing). "
                                   "Run the model through zorro_verl.integrations.transformers.zorro_step, or "

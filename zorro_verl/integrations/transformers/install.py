@@ -20,7 +20,7 @@ import torch
 
 from zorro_verl.integrations.transformers import hybrid, vision
 from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
-from zorro_verl.integrations.transformers.context import LayerCalls, MissingContextError, ModelMaskError, StepContext
+from zorro_verl.integrations.transformers.context import ACTIVE, LayerCalls, ModelMaskError, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.packing import build_plan
 
@@ -196,21 +196,19 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
     if ctx.media is not None and not vision.is_multimodal(model):
         raise ValueError("media: this model has no vision tower (config.vision_config); multimodal inputs need a "
                          "vision-language model.")
+    token = ACTIVE.set(ctx)  # reaches attention layers whose decoder layer drops **kwargs (StableLM)
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx,
                     use_cache=False, **ctx.media_inputs(), **model_kwargs)
-    # this call passes zorro_ctx and no mask, so either error means the model itself dropped / built one
-    except MissingContextError as e:
-        raise ValueError(
-            f"model: its decoder layer drops keyword arguments (zorro's context cannot reach attention): {e.args[0]} "
-            "A module between the model call, which passed zorro_ctx, and the attention (its decoder layer or "
-            "attention block) does not pass **kwargs on. This model is not supported by zorro.") from e
+    # this call passes no mask and zorro registers no mask function: a mask reaching attention is the model's own
     except ModelMaskError as e:
         raise ValueError(
             f"model: it hands its attention a mask it builds itself ({e.args[0].split(':')[0]} got an "
             "attention_mask although zorro_step passes none and zorro registers no mask function: a learned or "
             "content-dependent mask zorro cannot reproduce on the packed row). This model is not supported by "
             "zorro.") from e
+    finally:
+        ACTIVE.reset(token)
     check_layer_calls(model, ctx.calls)
     return out
 
