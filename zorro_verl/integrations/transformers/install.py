@@ -133,9 +133,15 @@ def probe_report(model, calls: LayerCalls) -> dict:
 _MIXER_NAME = re.compile(r"attention|attn|mixer|mamba|ssm|recurren|rwkv|lstm|rnn|retention|conv", re.I)
 
 
+def _is_mixer_name(name: str) -> bool:
+    return bool(_MIXER_NAME.search(name)) and not name.endswith(("ForCausalLM", "Model", "LMHeadModel",
+                                                                  "ForConditionalGeneration"))
+
+
 def _mixer_modules(model, skip: set = frozenset()) -> list[str]:
-    """Distinct class names, in model order, of the modules that look like sequence mixers (:data:`_MIXER_NAME`),
-    leaving out the modules whose ``id()`` is in ``skip`` and their ancestors and descendants."""
+    """Distinct class names, in model order (a vision / audio tower's last), of the modules that look like sequence
+    mixers (:data:`_MIXER_NAME`), leaving out the modules whose ``id()`` is in ``skip`` and their ancestors and
+    descendants."""
     names, inside = [], set()
     for m in model.modules():
         if id(m) in skip:
@@ -146,9 +152,30 @@ def _mixer_modules(model, skip: set = frozenset()) -> list[str]:
         name = type(m).__name__
         if type(m).__module__.startswith("torch."):  # torch's own layers (a vision tower's Conv2d) name nothing
             continue
-        if _MIXER_NAME.search(name) and not name.endswith(("ForCausalLM", "Model", "LMHeadModel")) \
-                and name not in names:
+        if _is_mixer_name(name) and name not in names:
             names.append(name)
+    # a media tower's modules last: the text model's mixers are the ones a text forward runs
+    return sorted(names, key=lambda n: bool(re.search(r"vision|visual|image|audio|speech", n, re.I)))
+
+
+def _unpluggable_modules(model) -> list[str]:
+    """Class names of the mixer-like modules whose source file fails transformers' own test for a pluggable
+    attention (``PreTrainedModel._can_set_attn_implementation``, which reads the class's module file): the ones that
+    made transformers decline ``attn_implementation="zorro"``. Empty when that test is unavailable."""
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel._can_set_attn_implementation, "__func__", None)
+    if check is None:
+        return []
+    names = []
+    for m in model.modules():
+        name = type(m).__name__
+        if _is_mixer_name(name) and not type(m).__module__.startswith("torch.") and name not in names:
+            try:
+                if not check(type(m)):
+                    names.append(name)
+            except Exception:  # only names a module in a message: never let it mask the refusal
+                continue
     return names
 
 
@@ -236,7 +263,7 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     # a vision-language model: its language model runs zorro, its vision tower keeps its own attention
     model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
     if not is_installed(model):  # transformers declined (it only warns): the model's attention is not pluggable
-        mixers = _mixer_modules(model)
+        mixers = _unpluggable_modules(model) or _mixer_modules(model)
         raise ValueError(
             "model: its attention does not dispatch through transformers' AttentionInterface (module "
             f"{mixers[0] if mixers else type(model).__name__} computes attention itself; transformers keeps "
