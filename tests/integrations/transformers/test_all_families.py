@@ -126,3 +126,32 @@ def test_context_reaches_attention_behind_a_layer_that_drops_kwargs():
         assert seen and all("zorro_ctx" not in kw for kw in seen)
         with pytest.raises(ValueError, match="called without zorro's step context"):
             model(input_ids=batch["input_ids"][:1], use_cache=False)
+
+
+def _phrase(key):
+    return PHRASES[key].replace("(", r"\(").replace(")", r"\)")
+
+
+def test_detection_is_generic():
+    """The install checks look at what the model does, not at its name: a Llama whose second attention computes
+    its output itself (never calling the interface), or whose first attention hands the interface a mask of its
+    own, is refused with that cause and the module named."""
+    model = tiny_family_model("llama")
+    attn = model.model.layers[1].self_attn
+    attn.forward = lambda hidden_states, **kw: (attn.o_proj(hidden_states), None)  # noqa: ARG005
+    with pytest.raises(ValueError, match=_phrase("step.mixer_bypasses")) as e:
+        install_zorro(model)
+    assert "module LlamaAttention" in str(e.value) and model.config._attn_implementation != "zorro"
+
+    model = tiny_family_model("llama")
+    attn = model.model.layers[0].self_attn
+    own = attn.forward
+
+    def with_mask(hidden_states, attention_mask=None, **kw):
+        n = hidden_states.shape[1]
+        return own(hidden_states, attention_mask=torch.zeros(1, 1, n, n, dtype=hidden_states.dtype), **kw)
+
+    attn.forward = with_mask
+    with pytest.raises(ValueError, match=_phrase("step.model_mask")) as e:
+        install_zorro(model)
+    assert "LlamaAttention" in str(e.value)

@@ -283,9 +283,10 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
 
 def _check_default_positions(model) -> None:
     """Refuse a model whose own numbering of a row's tokens is not ``0..L-1`` (RoBERTa-style embeddings start
-    after the padding index and skip pad ids): zorro gives every row the positions ``0..L-1``. Two no-grad forwards
-    of one 5-token row, ``position_ids`` None vs ``arange(5)``, with the model's own attention; they must agree
-    bit for bit (the same computation on the same inputs)."""
+    after the padding index and skip pad ids): zorro gives every row the positions ``0..L-1``. No-grad forwards of
+    one 5-token row with the model's own attention, ``position_ids`` None (twice) vs ``arange(5)``: the latter must
+    differ from the first by no more than the two identical calls differ from each other (0 on deterministic
+    kernels; on a GPU, atomics in e.g. MoE scatters can make identical calls differ by rounding), times 10."""
     emb = model.get_input_embeddings()
     vocab = emb.weight.shape[0]
     ids = (torch.arange(5, device=emb.weight.device) % max(vocab - 1, 1) + 1)[None]
@@ -294,11 +295,13 @@ def _check_default_positions(model) -> None:
     try:
         with torch.no_grad():
             own = model(input_ids=ids, use_cache=False).logits
+            again = model(input_ids=ids, use_cache=False).logits
             pos = torch.arange(5, device=ids.device)[None]
             counted = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     finally:
         model.train(was_training)
-    if not torch.equal(own, counted):
+    noise = (own - again).abs().max().item()
+    if (own - counted).abs().max().item() > 10 * noise:
         raise ValueError(
             f"model: {type(model).__name__} numbers a row's tokens other than 0, 1, 2, ... when it is given no "
             "position_ids (e.g. RoBERTa-style embeddings start after the padding index), while zorro gives every row "
