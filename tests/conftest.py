@@ -37,6 +37,11 @@ def pytest_terminal_summary(terminalreporter):
         worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
         terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind} with images, sharing={sharing}), worst: "
                                     f"{worst}")
+    resp = sys.modules.get("tests.integrations.transformers.test_vision_responses")
+    for (kind, sharing), vals in (getattr(resp, "WORST", None) or {}).items():
+        worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
+        terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind} with images in responses, "
+                                    f"sharing={sharing}), worst: {worst}")
     meg = sys.modules.get("tests.integrations.megatron.test_gpt_step")
     for case, res in (getattr(meg, "WORST", None) or {}).items():
         vals = "" if res["logprob"] is None else f"log-probs {res['logprob']:.2e}, entropy {res['entropy']:.2e}, "

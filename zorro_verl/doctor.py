@@ -139,7 +139,8 @@ def _backend_checks(device: torch.device) -> list[Check]:
     status = "ok" if (fla and conv) or device.type != "cuda" else "note"
     out.append(Check("hybrid kernels", status,
                      f"flash-linear-attention {'yes' if fla else 'no'}, causal-conv1d {'yes' if conv else 'no'} "
-                     "(Qwen3.5 / Qwen3-Next linear-attention layers; without them the torch kernels run, slower)"))
+                     "(Qwen3.5 / Qwen3-Next / OLMo-hybrid linear-attention layers, LFM2 convs; without them the torch "
+                     "kernels run, slower)"))
     return out
 
 

@@ -77,6 +77,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("fsdp.ulysses_heads", _FSDP, "Ulysses SP > 1 with `Hq % sp != 0`",
             "every rank must get whole heads (verl's condition)", "model",
             "zorro_verl.attention.ulysses", "must divide the attention heads"),
+    Refusal("fsdp.ulysses_mamba_heads", _FSDP, "Ulysses SP > 1 with Mamba-2 heads `num_heads % sp != 0`",
+            "each rank runs whole heads of the scan", "model", _HF + "ssm", "must divide the Mamba-2 heads"),
     Refusal("fsdp.ulysses_kv_heads", _FSDP, "Ulysses SP > 1 where neither of `Hkv`, `sp` divides the other",
             "KV heads are repeated up to SP ranks or split over them, whole", "model",
             "zorro_verl.attention.ulysses", "must divide one another"),
@@ -311,7 +313,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`linear_attention`", "such layers would let a response see its siblings", "model", _HF + "install",
+            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe` (e.g. the `hybrid` "
+            "layers of Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model",
+            _HF + "install",
             "do not mix the sequence through zorro"),
     Refusal("step.no_attention_interface", _STEP, "models whose attention does not dispatch through transformers' "
             "`AttentionInterface` (e.g. Falcon, GPT-J, BLOOM, MPT, RWKV, RecurrentGemma)", "the module computes "
@@ -324,13 +328,21 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.model_mask", _STEP, "a model that builds its attention's mask itself (e.g. Doge's dynamic mask, "
             "GLM-MoE-DSA's sparse index mask)", "a learned or content-dependent mask zorro cannot reproduce on the "
             "packed row", "model", _HF + "install", "hands its attention a mask it builds itself"),
-    Refusal("step.no_position_ids", _STEP, "a model whose forward takes no `position_ids` (e.g. the BART-family "
-            "decoders)", "it numbers the packed row's tokens itself: responses would get the wrong positions",
-            "model", _HF + "install", "takes no position_ids (it numbers the tokens"),
     Refusal("step.own_positions", _STEP, "a model whose own positions for a row are not 0, 1, 2, ... (RoBERTa-style "
             "embeddings: CamemBERT, XLM-R, Data2Vec-Text, ...)", "zorro numbers every row from 0; checked by the "
             "install probe (one row with and without `position_ids`)", "model", _HF + "install",
             "numbers a row's tokens other than 0, 1, 2, ..."),
+    Refusal("step.packed_row_reader", _STEP, "a layer whose output on zorro's packed row differs from its output on "
+            "each row alone (the install probe: it reads the packed length, packed indices or a mask over the packed "
+            "row)", "the deduplicated forward would train a different function", "model", _HF + "install",
+            "zorro's packed row than on each row alone"),
+    Refusal("step.chunk_mismatch", _STEP, "a `chunked_attention` layer whose attention module's chunk differs from "
+            "`config.attention_chunk_size` (no `config` / `layer_idx` on the module)",
+            "the ordinary forward's mask follows the layer types, zorro reads the chunk from the module",
+            "model", _HF + "install", "config.attention_chunk_size; zorro reads"),
+    Refusal("step.chunk_size_missing", _STEP, "a `chunked_attention` layer with `config.attention_chunk_size = None`",
+            "the ordinary mask needs the chunk size", "call", _HF + "attention",
+            "is a chunked_attention layer but config.attention_chunk_size is None"),
     Refusal("step.attention_dropout", _STEP, "`config.attention_dropout > 0`", "zorro's attention has no dropout",
             "model", _HF + "install", "zorro's attention has no dropout"),
     Refusal("step.bidirectional", _STEP, "`use_bidirectional_attention`, non-causal attention calls",
@@ -373,12 +385,49 @@ REFUSALS: tuple[Refusal, ...] = (
             "PEFT prompt learning"),
     Refusal("step.hybrid_layers", _STEP, "`linear_attention` layers zorro cannot find (no `layers` list)",
             "they would run over the packed row unseparated", "model", _HF + "hybrid", "has no `layers` list"),
-    Refusal("step.hybrid_no_module", _STEP, "`linear_attention` layers without a `linear_attn` module (e.g. "
-            "MiniMax's lightning attention)", "zorro wraps only the gated delta-nets it knows", "model",
+    Refusal("step.hybrid_no_module", _STEP, "`linear_attention` layers without a `linear_attn` module",
+            "zorro wraps only the linear-attention modules it knows", "model",
             _HF + "hybrid", "is a linear_attention layer without a `linear_attn` module"),
-    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than Qwen3.5 / Qwen3-Next gated delta-nets",
+    Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than the gated delta-nets of Qwen3.5 / "
+            "Qwen3-Next / OLMo-hybrid and MiniMax's lightning attention",
             "a response would see its siblings' state", "model", _HF + "hybrid",
             "is not a gated delta-net zorro knows"),
+    Refusal("step.short_conv_unknown", _STEP, "`conv` layers whose `conv` module is not LFM2's short gated conv",
+            "a response would see its siblings' conv inputs", "model", _HF + "mixers",
+            "whose `conv` module zorro does not know"),
+    Refusal("step.short_conv_layers", _STEP, "`conv` layers zorro cannot find (no `layers` list)",
+            "they would run over the packed row unseparated", "model", _HF + "mixers",
+            "layers but the decoder has no `layers` list"),
+    Refusal("step.short_conv_ulysses_channels", _STEP, "LFM2 short convs under Ulysses SP not dividing `hidden_size` "
+            "(also refused at FSDP engine initialisation)", "each rank runs whole channels of the conv", "call",
+            _HF + "mixers", "must divide the short conv's channels"),
+    Refusal("step.lightning_ulysses_heads", _STEP, "MiniMax lightning attention under Ulysses SP not dividing its "
+            "heads (also refused at FSDP engine initialisation)", "each rank runs whole heads of the recurrence",
+            "call", _HF + "mixers", "must divide the lightning attention's heads"),
+    Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
+            "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
+            "multipliers)", "a response would see its siblings' state",
+            "model", _HF + "ssm", "running it over the packed row would let a response see its siblings"),
+    Refusal("step.mamba_layers", _STEP, "`mamba` layers zorro cannot find (no `layers` list, no `mamba` / `mixer` "
+            "module)", "they would run over the packed row unseparated", "model", _HF + "ssm",
+            "has mamba layers but the decoder has no"),
+    Refusal("step.mamba_mixer_missing", _STEP, "a `mamba` layer without a `mamba` / `mixer` module",
+            "as above", "model", _HF + "ssm", "is a mamba layer without a `mamba` / `mixer` module"),
+    Refusal("step.mamba_checkpointing", _STEP, "gradient checkpointing on Mamba2 / Mamba / FalconMamba (pure) "
+            "models", "their backbone passes no kwargs to its blocks, so a recomputed block could not find zorro's "
+            "plan", "call", _HF + "ssm", "whose model does not pass zorro's step context"),
+    Refusal("step.mamba_ulysses", _STEP, "Mamba v1 layers (Mamba, FalconMamba, Jamba) under Ulysses SP > 1 (also "
+            "refused at FSDP engine initialisation)", "their scan's B / C are shared by all channels and not "
+            "exchanged across ranks", "call", _HF + "ssm",
+            "layers under Ulysses sequence parallelism are not supported by zorro"),
+    Refusal("step.nemotron_h_torch_path", _STEP, "Nemotron-H without mamba-ssm on rows longer than its mixer's "
+            "`chunk_size`", "transformers' torch path of its mixer depends on where the chunk boundaries fall (not "
+            "the Mamba-2 recurrence); no deduplicated forward can equal it", "call", _HF + "ssm",
+            "crosses one, so no deduplicated forward can equal"),
+    Refusal("step.mamba_fused_group_norm", _STEP, "Mamba2 / Bamba / Granite 4 hybrid with `n_groups > 1` on CUDA "
+            "with mamba-ssm installed", "the stock fused path normalises the scan output per group, its torch path "
+            "(whose norm zorro runs) over all channels", "call", _HF + "ssm",
+            "the stock fused path normalises the scan output per group"),
     Refusal("step.vlm_family", _STEP, "vision towers outside the Qwen2-VL family", "zorro's media handling is "
             "written for its placeholders and grids", "model", _HF + "vision", "zorro supports the Qwen2-VL family"),
     Refusal("step.media_keys", _STEP, "multimodal inputs other than images / videos of the Qwen2-VL family",
@@ -397,6 +446,7 @@ EXEMPT = {
     (_V09 + "registration", "not the zorro engine (another plugin replaced it?)"): "install check of the plugin",
     (_V09 + "registration", "has no language_model engine for strategy"): "install check of the plugin",
     (_V09 + "balance", "does not split into mini-batches"): "bad batch size, which verl's worker refuses too",
+    (_HF + "ssm", "ulysses_sequence_parallel_size = {}: {}"): "wraps ssm._SP_REFUSAL (step.mamba_ulysses)",
     (_V09 + "engine", "logits_optimization=memory: {}"): "wraps step.head_fn_unsupported (step.softcap_head_fn)",
     ("zorro_verl.packing.routes", "router replay: the recorded routes"):
         "a data check of router replay, which the step and the engine refuse before (mcore.routing_replay)",

@@ -155,11 +155,12 @@ def test_flash_providers_agree():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("feat", ["window", "window_sinks", "softcap"])
+@pytest.mark.parametrize("feat", ["window", "window_sinks", "softcap", "chunk"])
 def test_features_bf16_vs_fp64_relative_rule(backend, feat):
-    """Sliding window (48 tokens: inside most prompts of 80..160), sinks and soft-capping on the GPU kernels
-    (flash-attn's window_size / softcap, flex's block mask / score_mod), by the relative rule incl. the sinks'
-    gradient."""
+    """Sliding window (48 tokens: inside most prompts of 80..160), sinks, soft-capping and chunked attention (chunk
+    64: boundaries inside prompts and responses; the flash designs' chunk pieces include zero-length and query-less
+    segments) on the GPU kernels (flash-attn's window_size / softcap, flex's block mask / score_mod), by the
+    relative rule incl. the sinks' gradient."""
     from zorro_verl.attention import AttentionFeatures, attend
     from zorro_verl.attention.primitives import flash_provider
     from zorro_verl.packing import build_plan
@@ -176,7 +177,8 @@ def test_features_bf16_vs_fp64_relative_rule(backend, feat):
     if feat != "softcap":
         x64.append(mk(hq))
     w = torch.randn(1, plan.T, hq, d, device="cuda", generator=g)
-    kw = {"window": 48 if feat.startswith("window") else None, "softcap": 2.0 if feat == "softcap" else None}
+    kw = {"window": 48 if feat.startswith("window") else None, "softcap": 2.0 if feat == "softcap" else None,
+          "chunk": 64 if feat == "chunk" else None}
 
     def run(fn, xs):
         xs = [x.detach().requires_grad_(True) for x in xs]

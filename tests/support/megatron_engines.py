@@ -215,8 +215,8 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
     a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys;
     ``transformer_overrides``: more ``override_transformer_config`` keys.
-    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline or expert parallel size
-    change."""
+    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline, expert or expert
+    tensor parallel size change."""
     from megatron.core import parallel_state as mpu
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -234,10 +234,12 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
         os.environ.pop(var, None)
     vpp = (engine_kwargs or {}).get("virtual_pipeline_model_parallel_size")
     ep = (engine_kwargs or {}).get("expert_model_parallel_size", 1)
+    etp = (engine_kwargs or {}).get("expert_tensor_parallel_size") or tp
     if mpu.model_parallel_is_initialized() and (mpu.get_tensor_model_parallel_world_size() != tp
                                                 or mpu.get_pipeline_model_parallel_world_size() != pp
                                                 or mpu.get_virtual_pipeline_model_parallel_world_size() != vpp
-                                                or mpu.get_expert_model_parallel_world_size() != ep):
+                                                or mpu.get_expert_model_parallel_world_size() != ep
+                                                or mpu.get_expert_tensor_parallel_world_size() != etp):
         mpu.destroy_model_parallel()
     model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=remove_padding,
                                  **(model_kwargs or {}))
@@ -255,8 +257,8 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
                                                **({"cross_entropy_loss_fusion": False}
                                                   if bridge == "megatron-bridge" else {})),
                                           # (a merge: the overrides may also name a key set above)
-                                          **(transformer_overrides or {})},
-              **(engine_kwargs or {}))
+                                          **(transformer_overrides or {})})
+    kw.update(engine_kwargs or {})  # (may replace a key set above: sequence_parallel)
     if zorro is None:
         engine_config = McoreEngineConfig(dtype="bfloat16", **kw)
     else:

@@ -4,8 +4,9 @@ whole packed row on one rank, no verl involved.
 
 Run as ``python -m tests.support.ulysses_step RANK WORLD INIT_FILE DEVICE SUITE OUT_JSON`` (``DEVICE``: ``cpu`` =
 fp64 over gloo with the ``sdpa`` backend; ``cuda`` = bf16 over NCCL with the ``flash`` backend, plus an fp64 ``sdpa``
-oracle for the relative rule; ``SUITE``: ``all``, ``base`` (the prompt-plan cases below) or ``trees`` (two
-prefix-tree cases of :func:`_tree_and_hybrid_cases`, CPU only)). Models: tiny Qwen3s with 4 query / 2 KV
+oracle for the relative rule; ``SUITE``: ``all``, ``base`` (the prompt-plan cases below), ``trees`` (two
+prefix-tree cases of :func:`_tree_and_hybrid_cases`, CPU only) or ``ssm`` (Mamba-2 models, :func:`_ssm_cases`, CPU
+only)). Models: tiny Qwen3s with 4 query / 2 KV
 heads and with 2 query / 1 KV head (fewer KV heads than SP ranks when ``WORLD = 2``), on CPU also tiny gpt-oss
 (sliding windows, attention sinks) and Gemma 2 (windows, soft-capping); the batch has 3 shuffled prompts, a 1-token
 and an empty response and an odd packed length. Loss ``sum(w1 * log_probs) + sum(w2 * entropy)`` with fixed random
@@ -38,7 +39,9 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
     """CPU fp64 cases beyond the prompt plan: a prefix tree (a shared system prompt over three questions, two
     responses sharing their first tokens, an identical row, and verl's multi-output agent-loop samples with tool
     tokens masked out) on tiny Qwen3, and hybrid Qwen3.5 / Qwen3-Next (gated delta-net) with the prompt plan and
-    with a tree. Each: SP vs the same plan without SP, and SP vs the ordinary per-row forward."""
+    with a tree, OLMo-hybrid (its delta-net layout) and MiniMax (lightning attention: heads exchanged) with the prompt
+    plan, LFM2 (short convs: channels exchanged) with the prompt plan and with a tree. Each: SP vs the same plan
+    without SP, and SP vs the ordinary per-row forward."""
     import functools
 
     import torch
@@ -56,6 +59,7 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
         ordinary_logprobs,
         shared_system_rows,
         tiny_hybrid_model,
+        tiny_mixer_model,
         tiny_model,
     )
 
@@ -91,7 +95,11 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
     cases = [("tree_qwen3", "qwen3", {}, tree_batch, "prefix"),
              ("hybrid_qwen3_5", "qwen3_5", {}, prompt_batch, "prompt"),
              ("hybrid_qwen3_next_k1", "qwen3_next", {"linear_k_heads": 1}, prompt_batch, "prompt"),
-             ("hybrid_tree_qwen3_5", "qwen3_5", {}, tree_batch, "prefix")]
+             ("hybrid_tree_qwen3_5", "qwen3_5", {}, tree_batch, "prefix"),
+             ("hybrid_olmo_hybrid", "olmo_hybrid", {}, prompt_batch, "prompt"),
+             ("mixer_lfm2", "lfm2", {}, prompt_batch, "prompt"),
+             ("mixer_tree_lfm2", "lfm2", {}, tree_batch, "prefix"),
+             ("mixer_minimax", "minimax", {}, prompt_batch, "prompt")]
     for name, kind, cfg, batch, sharing in cases:
         if names is not None and name not in names:
             continue
@@ -101,6 +109,8 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
         w1, w2 = (torch.randn(plan.N, generator=gen, dtype=torch.float64) for _ in range(2))
         if kind == "qwen3":
             ref_model, model = (tiny_model("qwen3", dtype=torch.float64, seed=0, heads=4) for _ in range(2))
+        elif kind in ("olmo_hybrid", "lfm2", "minimax"):  # OLMo-hybrid: its three convs exchanged as one conv
+            ref_model, model = (tiny_mixer_model(kind, dtype=torch.float64, seed=1, **cfg) for _ in range(2))
         else:
             ref_model, model = (tiny_hybrid_model(kind, dtype=torch.float64, seed=1, **cfg) for _ in range(2))
         oracle = ordinary(ref_model, batch, w1, w2)
@@ -135,6 +145,59 @@ def _tree_and_hybrid_cases(rank: int, world: int, step, errors, names=None) -> d
                         g /= world
                 pair.append({"logp": lp.detach(), "ent": en.detach(), "grads": grads})
             res["per_row_temperature"] = {"sp_vs_ref": errors(*pair)}
+        out[name] = res
+    return out
+
+
+def _ssm_cases(rank: int, world: int, step, errors) -> dict:
+    """CPU fp64 Mamba-2 cases (tests/integrations/transformers/test_ssm.py): Bamba with 2 B / C groups (each rank
+    takes its heads' group), Mamba2 with 1 group (repeated per head before the exchange), both with the prompt plan,
+    and Bamba with a prefix tree. Each: SP vs the same plan without SP, and SP vs the ordinary per-row forward."""
+    import torch
+    import torch.distributed as dist
+
+    from zorro_verl.integrations.transformers import install_zorro
+    from zorro_verl.packing import build_plan
+    from zorro_verl.packing.ulysses import ulysses_shard
+    from zorro_verl.testing import (
+        batch_from_rows,
+        create_dummy_batch,
+        ordinary_logprobs,
+        shared_system_rows,
+        tiny_ssm_model,
+    )
+
+    rows = shared_system_rows(2, 2, system_len=9, question_len=3, response_len=4, vocab_size=100, seed=1)
+    rows[3] = (rows[3][0], rows[2][1][:2] + rows[3][1][2:])  # two responses of question 1 share 2 tokens
+    tree_batch = batch_from_rows(rows)
+    prompt_batch = create_dummy_batch(batch_size=5, num_unique_prompts=2, prompt_len=7, response_len=5, device="cpu",
+                                      add_padding=True, vocab_size=128, seed=5, shuffle=True)
+    out = {}
+    for name, kind, groups, batch, sharing in (("bamba_g2", "bamba", 2, prompt_batch, "prompt"),
+                                               ("mamba2_g1", "mamba2", 1, prompt_batch, "prompt"),
+                                               ("bamba_tree", "bamba", 2, tree_batch, "prefix")):
+        R = batch["responses"].shape[1]
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing=sharing,
+                          **({"min_shared_len": 1} if sharing == "prefix" else {}))
+        shard = ulysses_shard(plan, world, rank, dist.group.WORLD)
+        gen = torch.Generator().manual_seed(3)
+        w1, w2 = (torch.randn(plan.N, generator=gen, dtype=torch.float64) for _ in range(2))
+        ref_model, model = (tiny_ssm_model(kind, dtype=torch.float64, seed=1, groups=groups) for _ in range(2))
+        ref_model.zero_grad(set_to_none=True)
+        lp, ent = ordinary_logprobs(ref_model, batch["input_ids"], batch["attention_mask"], R, temperature=0.7,
+                                    calculate_entropy=True)
+        ((lp.double() * w1).sum() + (ent.double() * w2).sum()).backward()
+        oracle = {"logp": lp.detach(), "ent": ent.detach(),
+                  "grads": {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}}
+        install_zorro(model)
+        res = {"T": plan.T, "N": plan.N, "tree": plan.tree is not None}
+        for mode in ("none", "memory"):
+            ref = step(model, "sdpa", None, mode, plan=plan, w=(w1, w2))
+            got = step(model, "sdpa", shard, mode, plan=plan, w=(w1, w2))
+            e_oracle = errors(oracle, got)
+            e_oracle["grad_per_param"] = max(((got["grads"][k] - g).abs().max() / g.abs().max()).item()
+                                             for k, g in oracle["grads"].items())
+            res[mode] = {"sp_vs_ref": errors(ref, got), "sp_vs_oracle": e_oracle}
         out[name] = res
     return out
 
@@ -176,6 +239,8 @@ def run_rank(rank: int, world: int, init_file: str, device: str, suite: str = "a
                 g /= world
         return {"logp": logp.detach(), "ent": ent.detach(), "grads": grads}
 
+    if suite == "ssm":
+        res.update(_ssm_cases(rank, world, step, _errors))
     if suite in ("all", "trees"):
         # SP = 4 ("trees") runs the two cases whose exchange differs from SP = 2: the tree with KV heads repeated
         # (2 < 4) and the hybrid tree with the delta-net's key heads repeated (2 < 4)
@@ -204,9 +269,13 @@ def run_rank(rank: int, world: int, init_file: str, device: str, suite: str = "a
         res[f"heads{heads}"] = out
     if not cuda and suite in ("all", "base"):
         # attention features under SP: gpt-oss (sliding windows, per-head sinks, sliced to each rank's heads, with
-        # their gradient) and Gemma 2 (windows, logit soft-capping; its final-logit soft-cap rules out memory mode)
-        for kind, modes in (("gpt_oss", ("none", "memory")), ("gemma2", ("none",))):
-            m = tiny_window_model(kind, dtype=torch.float64, seed=0, window=4)
+        # their gradient), Gemma 2 (windows, logit soft-capping; its final-logit soft-cap rules out memory mode) and
+        # Llama 4 (chunks of 4 positions; the NoPE query temperature from the rank's slice of the positions)
+        from zorro_verl.testing import tiny_llama4_model
+
+        for kind, modes in (("gpt_oss", ("none", "memory")), ("gemma2", ("none",)), ("llama4", ("none",))):
+            m = tiny_llama4_model(seed=0) if kind == "llama4" else \
+                tiny_window_model(kind, dtype=torch.float64, seed=0, window=4)
             install_zorro(m)
             shard = ulysses_shard(plan, world, rank, dist.group.WORLD)
             res[kind] = {mode: {"sp_vs_ref": _errors(step(m, "sdpa", None, mode), step(m, "sdpa", shard, mode))}

@@ -75,12 +75,14 @@ def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro
 def lora_adapter(ckpt: str, out, target_modules="all-linear", *, rank: int = 8, alpha: int = 16,
                  dropout: float = 0.0, seed: int = 0) -> str:
     """A LoRA adapter of the checkpoint ``ckpt`` (:func:`tests.support.lora.wrap_lora`: ``lora_B`` drawn at
-    random) saved under ``out``, as verl's ``model.lora_adapter_path`` loads it. Returns the directory."""
-    from transformers import AutoModelForCausalLM
+    random) saved under ``out``, as verl's ``model.lora_adapter_path`` loads it (a vision-language checkpoint is
+    loaded as ``AutoModelForImageTextToText``, as verl loads it). Returns the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from tests.support.lora import wrap_lora
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    vlm = hasattr(AutoConfig.from_pretrained(ckpt), "vision_config")
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(ckpt, dtype=torch.float32)
     wrap_lora(model, target_modules, rank=rank, alpha=alpha, dropout=dropout, seed=seed).save_pretrained(str(out))
     return str(out)
 
@@ -275,11 +277,13 @@ def assert_steps_match(errs: list, atol: float, rtol: float, *, zorro: bool = Tr
             assert e["fallback"] == [0.0, 0.0], (k, e)
 
 
-def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa", strategy: str = "fsdp2") -> dict:
+def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa", strategy: str = "fsdp2",
+                          zorro_settings: Optional[dict] = None) -> dict:
     """The stock engine run padded (``use_remove_padding=False``) vs the zorro engine (``True``) on one 8-row,
     2-prompt batch of ragged, shuffled rows: inference (log-probs, entropy at temperature 0.8) and one training step
     (verl's PPO loss, micro-batches of 4), under ``strategy``. For models whose CPU stock remove-padding path is not
-    a reference (a packed row that CPU attention / delta-net kernels cannot separate).
+    a reference (a packed row that CPU attention / delta-net kernels cannot separate). ``zorro_settings``: the zorro
+    engine's settings (default: the ``sdpa`` backend).
 
     Returns the max abs log-prob / entropy differences over valid response tokens (``log_probs``, ``entropy``),
     the stock values' max magnitudes (``log_probs_scale``, ``entropy_scale``), ``loss`` and ``grad_norm`` pairs
@@ -294,7 +298,8 @@ def padded_stock_vs_zorro(ckpt: str, *, attn_implementation: str = "sdpa", strat
     infer_out, train, grads = [], [], []
     for z, td in zip((False, True), batches):
         eng = build_engine(ckpt, zorro=z, micro_batch_size=4, use_remove_padding=z,
-                           attn_implementation=attn_implementation, strategy=strategy)
+                           attn_implementation=attn_implementation, strategy=strategy,
+                           zorro_settings=zorro_settings if z else None)
         with eng.eval_mode():
             infer_out.append(eng.infer_batch(td.clone(), loss_function=None))
         with eng.train_mode(zero_grad_on_exit=False):  # keep the grads for the comparison

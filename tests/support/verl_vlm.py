@@ -205,21 +205,51 @@ def vlm_prompts(config, seed: int = 0) -> list:
 def make_vlm_engine_batch(config, *, n: int = 3, response_len: int = 6, seed: int = 0, shuffle: bool = True,
                           temperature: float = 1.0, calculate_entropy: bool = True, use_dynamic_bsz: bool = False,
                           micro_batch_size: int = 4, max_token_len: int = 128, use_remove_padding: bool = True,
-                          images_seqlens: bool = True):
+                          images_seqlens: bool = True, response_images: bool = False):
     """A GRPO VLM batch (TensorDict) exactly as verl 0.9.1's trainer hands it to ``FSDPEngineWithLMHead``:
-    :func:`vlm_prompts` x ``n`` rollouts (``B = 4n`` rows), rows shuffled (siblings interleaved, as after
-    ``_balance_batch``) with ``shuffle``; responses of random length in ``[1, response_len]`` with one empty
-    response (prompt 0) and one 1-token response (prompt 2).
+    :func:`vlm_base_batch` (the padded rows; ``response_images`` as there), then ``DataProto.to_tensordict`` and
+    :func:`tests.support.verl_engines.make_engine_batch` (``left_right_2_no_padding``, the engine's non-tensor
+    fields, verl's training fields ``old_log_probs`` / ``advantages`` / ``ref_log_prob``)."""
+    from tests.support.verl_engines import make_engine_batch
+
+    base = vlm_base_batch(config, n=n, response_len=response_len, seed=seed, shuffle=shuffle,
+                          images_seqlens=images_seqlens, response_images=response_images)
+    return make_engine_batch(base=with_mm_stack(base), temperature=temperature, calculate_entropy=calculate_entropy,
+                             use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=micro_batch_size,
+                             max_token_len=max_token_len, use_remove_padding=use_remove_padding)
+
+
+def with_mm_stack(base: dict) -> dict:
+    """``base`` (:func:`vlm_base_batch`, or rows of it) with its ``multi_modal_inputs`` list as the
+    ``NonTensorStack`` verl's batches carry (and without ``uid``)."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    out = {k: v for k, v in base.items() if k != "uid"}
+    out["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(d) for d in base["multi_modal_inputs"]])
+    return out
+
+
+def vlm_base_batch(config, *, n: int = 3, response_len: int = 6, seed: int = 0, shuffle: bool = True,
+                   images_seqlens: bool = True, response_images: bool = False) -> dict:
+    """The padded rows of :func:`make_vlm_engine_batch`: :func:`vlm_prompts` x ``n`` rollouts (``B = 4n`` rows),
+    rows shuffled (siblings interleaved, as after ``_balance_batch``) with ``shuffle``; responses of random length in
+    ``[1, response_len]`` with one empty response (prompt 0) and one 1-token response (prompt 2).
 
     Per row, as the agent loop does: prompt left-padded / response right-padded, ``position_ids [4, S]`` from
     :func:`verl_position_ids` on the padded row, ``multi_modal_inputs`` a dict ``{pixel_values [N, 24] fp32,
     image_grid_thw [n_img, 3] int64, images_seqlens [n_img] int64}`` (its own copy per rollout; ``{}`` for the
-    image-free prompt; ``images_seqlens=False`` leaves that key out). Then ``DataProto.to_tensordict`` and
-    :func:`tests.support.verl_engines.make_engine_batch` (``left_right_2_no_padding``, the engine's non-tensor
-    fields, verl's training fields ``old_log_probs`` / ``advantages`` / ``ref_log_prob``)."""
-    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    image-free prompt; ``images_seqlens=False`` leaves that key out). Returns the padded batch with training fields
+    (:func:`zorro_verl.testing.batch_from_rows`), ``position_ids [B, 4, S]`` and ``multi_modal_inputs`` (a list of
+    ``B`` dicts) and ``uid`` (a list: each row's prompt index).
 
-    from tests.support.verl_engines import make_engine_batch
+    ``response_images``: a multi-turn agent's batch whose tool returns an image inside the response: rollouts 1 and 2
+    of each prompt answer ``[2 text tokens of the prompt] <tool image> [1-3 random tokens]``; rollout 1's image is X
+    (one ``(1, 4, 4)`` image, the same pixels in every such row, each row its own tensor), rollout 2's is X for
+    prompts 0 and 2 (two rows of a group with the same response start and tool image) and its own random ``(1, 4, 6)``
+    image for prompts 1 and 3 (different tool images in a group; prompt 3's rows have images in the response only).
+    The tool's tokens (``<vision_start> <image>... <vision_end>``) get ``response_mask`` 0, as the agent loop gives
+    tool output; ``multi_modal_inputs`` holds the prompt's images, then the response's, in placeholder order (the
+    processor's output for the whole conversation)."""
     from zorro_verl.testing import batch_from_rows
 
     prompts = vlm_prompts(config, seed=seed)
@@ -231,13 +261,34 @@ def make_vlm_engine_batch(config, *, n: int = 3, response_len: int = 6, seed: in
             rows.append([g, torch.randint(1, TEXT_VOCAB, (r,), generator=gen).tolist()])
     rows[0][1] = []  # an empty response (prompt 0)
     rows[2 * n][1] = rows[2 * n][1][:1]  # a 1-token response (prompt 2)
+    tool = [None] * len(rows)  # per row: (grid, pixels) of its tool image
+    masks = [[1] * len(r) for _, r in rows]
+    if response_images:
+        merge = config.vision_config.spatial_merge_size
+        x = torch.randn(16, patch_dim(config), generator=gen)
+        for g in range(len(prompts)):
+            pre = torch.randint(1, TEXT_VOCAB, (2,), generator=gen).tolist()
+            for k in (1, 2):
+                grid = (1, 4, 4) if k == 1 or g % 2 == 0 else (1, 4, 6)
+                pixels = x.clone() if grid == (1, 4, 4) else torch.randn(24, patch_dim(config), generator=gen)
+                span = [VISION_START] + [IMAGE_TOKEN] * (grid[1] * grid[2] // merge ** 2) + [VISION_END]
+                tail = torch.randint(1, TEXT_VOCAB, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                     generator=gen).tolist()
+                b = g * n + k
+                rows[b][1] = pre + span + tail
+                masks[b] = [1] * len(pre) + [0] * len(span) + [1] * len(tail)
+                tool[b] = (grid, pixels)
     if shuffle:
         perm = torch.randperm(len(rows), generator=gen).tolist()
-        rows = [rows[i] for i in perm]
-    base = batch_from_rows([(prompts[g][0], r) for g, r in rows], include_training_fields=True, seed=seed)
+        rows, tool, masks = [rows[i] for i in perm], [tool[i] for i in perm], [masks[i] for i in perm]
+    base = batch_from_rows([(prompts[g][0], r) for g, r in rows], response_masks=masks, include_training_fields=True,
+                           seed=seed)
     positions, mm = [], []
     for b, (g, _) in enumerate(rows):
         _, grids, pixels = prompts[g]
+        if tool[b] is not None:  # the conversation's images: the prompt's, then the tool's
+            grids = list(grids) + [tool[b][0]]
+            pixels = tool[b][1] if pixels is None else torch.cat([pixels, tool[b][1]])
         ids, mask = base["input_ids"][b:b + 1], base["attention_mask"][b:b + 1]
         # the processor returns mm_token_type_ids; verl's position code pops it and rebuilds it from the ids
         inputs = {"mm_token_type_ids": torch.zeros_like(ids)}
@@ -250,10 +301,9 @@ def make_vlm_engine_batch(config, *, n: int = 3, response_len: int = 6, seed: in
             inputs["images_seqlens"] = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
         mm.append(inputs)
     base["position_ids"] = torch.cat(positions, dim=0)  # [B, 4, S]
-    base["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(d) for d in mm])
-    return make_engine_batch(base=base, temperature=temperature, calculate_entropy=calculate_entropy,
-                             use_dynamic_bsz=use_dynamic_bsz, micro_batch_size=micro_batch_size,
-                             max_token_len=max_token_len, use_remove_padding=use_remove_padding)
+    base["multi_modal_inputs"] = mm
+    base["uid"] = [g for g, _ in rows]
+    return base
 
 
 def batch_rows(td) -> list:

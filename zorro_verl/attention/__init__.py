@@ -25,8 +25,8 @@ def attend(plan: ZorroPlan, backend: str, query: torch.Tensor, key: torch.Tensor
     """Split attention of ``plan`` with the registered ``backend``. ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]``
     -> ``[1, T, Hq, D]``; ``v`` may have its own head dim ``Dv`` (multi-latent attention: ``k [1, Hkv, T, Dqk]``,
     ``v [1, Hkv, T, Dv]`` -> ``[1, T, Hq, Dv]``, by zero columns, exact). ``features`` (None: plain attention): the
-    layer's window (in original positions), sinks ``[Hq]`` and soft-cap; a window no row is long enough to reach
-    past is dropped first (exact)."""
+    layer's window and chunk (in original positions), sinks ``[Hq]`` and soft-cap; a window or chunk no row is long
+    enough to reach past is dropped first (exact)."""
     b = get_backend(backend)
     features = (features or NO_FEATURES).for_plan(plan)
     features.check_heads(query.shape[1])

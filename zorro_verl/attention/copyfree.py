@@ -245,8 +245,9 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
     """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
 
     ``features``: soft-capping goes to every kernel call, the sinks are merged once per query after the parts'
-    merge. A sliding window that cuts inside the plan runs ``flash``'s window-tail response call instead of parts
-    A/B (:func:`~zorro_verl.attention.varlen.attend_varlen`; see the module doc for why).
+    merge. A sliding window or a chunk that cuts inside the plan runs ``flash``'s calls instead of parts A/B
+    (:func:`~zorro_verl.attention.varlen.attend_varlen`: the window-tail response call, the chunk pieces; see the
+    module doc for why).
 
     ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only); tests pass
     :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same logic on CPU in fp64.
@@ -257,8 +258,8 @@ def attend_copyfree(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, val
         else:
             check_flash_inputs("flash_copyfree", query)
             prims = flash_primitives()
-    if features.window is not None or (plan.tree is not None and not features.plain):
-        # windows (and, for prefix trees, sinks / soft-capping): the gather design's call, exact
+    if features.window is not None or features.chunk is not None or (plan.tree is not None and not features.plain):
+        # windows, chunks (and, for prefix trees, sinks / soft-capping): the gather design's calls, exact
         return attend_varlen(plan, query, key, value, scaling, features, prims)
     ix = copyfree_index(plan)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

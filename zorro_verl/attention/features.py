@@ -10,7 +10,10 @@ positions (``plan.position_ids``), never on packed indices:
   ``window_size = (W - 1, ·)``;
 * **sinks** ``s [Hq]`` (gpt-oss ``s_aux``): one extra logit per head in every query's softmax normaliser, with no
   value: ``o = sum_k exp(z_k - L) v_k``, ``L = log(sum_k exp(z_k) + exp(s_h))``;
-* **softcap** ``c`` (Gemma 2): scores ``z = c * tanh(z / c)`` before masking and softmax.
+* **softcap** ``c`` (Gemma 2): scores ``z = c * tanh(z / c)`` before masking and softmax;
+* **chunk** ``C`` (Llama 4's ``chunked_attention`` layers, ``config.attention_chunk_size``): key ``k`` is visible to
+  query ``q`` iff ``pos[q] // C == pos[k] // C`` (on top of the causal split-attention rule) — transformers'
+  ``chunked_overlay`` on each row's own positions.
 
 Split computations stay exact: the sink is merged once per query into the final log-sum-exp (:func:`add_sink`),
 and a kernel backward run with the merged ``o`` / ``lse`` gives the exact ``dq``/``dk``/``dv`` (the sink has no
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["AttentionFeatures", "NO_FEATURES", "dense_attention", "add_sink", "sink_grad", "cap_scores",
-           "window_visible"]
+           "window_visible", "position_visible"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,17 +38,22 @@ class AttentionFeatures:
 
     * ``window``: int ``W >= 1`` — key visible iff ``pos_q - pos_k < W`` (original per-row positions);
     * ``sinks``: ``[Hq]`` tensor (any float dtype, may require grad) — one sink logit per query head;
-    * ``softcap``: float ``c > 0`` — scores become ``c * tanh(scores / c)``.
+    * ``softcap``: float ``c > 0`` — scores become ``c * tanh(scores / c)``;
+    * ``chunk``: int ``C >= 1`` — key visible iff ``pos_q // C == pos_k // C`` (original per-row positions).
     """
 
     window: Optional[int] = None
     sinks: Optional[torch.Tensor] = None
     softcap: Optional[float] = None
+    chunk: Optional[int] = None
 
     def __post_init__(self):
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window < 1):
             raise ValueError(f"sliding_window: expected an int >= 1 or None, got {self.window!r}.")
+        if self.chunk is not None and (isinstance(self.chunk, bool) or not isinstance(self.chunk, int)
+                                       or self.chunk < 1):
+            raise ValueError(f"attention_chunk_size: expected an int >= 1 or None, got {self.chunk!r}.")
         if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and self.softcap > 0):
             raise ValueError(f"softcap: expected a float > 0 or None, got {self.softcap!r}.")
         if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1):
@@ -55,14 +63,24 @@ class AttentionFeatures:
     @property
     def plain(self) -> bool:
         """No feature at all: the ordinary split attention."""
-        return self.window is None and self.sinks is None and self.softcap is None
+        return self.window is None and self.sinks is None and self.softcap is None and self.chunk is None
+
+    @property
+    def position_rule(self) -> Optional[tuple]:
+        """``(window, chunk)`` when the layer restricts keys by position (a mask rule on top of split attention),
+        else None. Backends key their memoised masks by it."""
+        return None if self.window is None and self.chunk is None else (self.window, self.chunk)
 
     def for_plan(self, plan) -> "AttentionFeatures":
-        """The same features with a window that cannot cut anything in ``plan`` dropped: every position is below
-        ``plan.max_row_len``, so ``pos_q - pos_k < W`` always holds when ``W >= max_row_len`` (exact)."""
-        if self.window is not None and self.window >= plan.max_row_len:
-            return replace(self, window=None)
-        return self
+        """The same features with a window or chunk that cannot cut anything in ``plan`` dropped: every position is
+        below ``plan.max_row_len``, so ``pos_q - pos_k < W`` always holds when ``W >= max_row_len``, and every
+        position lies in chunk 0 when ``C >= max_row_len`` (exact)."""
+        out = self
+        if out.window is not None and out.window >= plan.max_row_len:
+            out = replace(out, window=None)
+        if out.chunk is not None and out.chunk >= plan.max_row_len:
+            out = replace(out, chunk=None)
+        return out
 
     def check_heads(self, hq: int) -> None:
         if self.sinks is not None and self.sinks.numel() != hq:
@@ -75,6 +93,20 @@ NO_FEATURES = AttentionFeatures()
 def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> Optional[torch.Tensor]:
     """``q_pos [..., Lq, 1]``, ``k_pos [..., 1, Lk]`` int64 -> bool ``pos_q - pos_k < window`` (None: no window)."""
     return None if window is None else (q_pos - k_pos) < window
+
+
+def position_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, rule: Optional[tuple]) -> Optional[torch.Tensor]:
+    """``q_pos [..., Lq, 1]``, ``k_pos [..., 1, Lk]`` int64 -> bool mask of a layer's position rule
+    (:attr:`AttentionFeatures.position_rule` ``(window, chunk)``): ``pos_q - pos_k < window`` and
+    ``pos_q // chunk == pos_k // chunk``, each where set (None: no rule)."""
+    if rule is None:
+        return None
+    window, chunk = rule
+    keep = window_visible(q_pos, k_pos, window)
+    if chunk is not None:
+        same = torch.div(q_pos, chunk, rounding_mode="floor") == torch.div(k_pos, chunk, rounding_mode="floor")
+        keep = same if keep is None else keep & same
+    return keep
 
 
 def cap_scores(scores: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
@@ -108,7 +140,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: 
     """Batched attention. ``q [n, Hq, Lq, D]``, ``k/v [n, Hkv, Lk, D]``, ``mask`` bool broadcastable to
     ``[n, Hq, Lq, Lk]`` (True = attend; every query must see a key) or ``causal`` (top-left aligned, only for
     ``Lq == Lk``) -> ``[n, Hq, Lq, D]``. ``features.sinks`` / ``softcap`` are applied here (explicit math: SDPA has
-    neither); a window must already be part of ``mask``.
+    neither); a window or chunk must already be part of ``mask``.
     """
     hq, hkv = q.shape[1], k.shape[1]
     if math == "sdpa" and features.sinks is None and features.softcap is None:

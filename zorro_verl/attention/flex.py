@@ -2,7 +2,7 @@
 plan (docs/design/attention.md).
 
 ``mask(q, kv) = kv <= q  &  group[q] == group[kv]  &  (is_prompt[kv] | segment[q] == segment[kv])``
-(``& pos[q] - pos[kv] < W`` in a sliding-window layer)
+(``& pos[q] - pos[kv] < W`` in a sliding-window layer, ``& pos[q] // C == pos[kv] // C`` in a chunked one)
 
 (prefix-tree plans: ``kv <= q & q < sub_end[kv]``, the packed end of the subtree of ``kv``'s node).
 
@@ -26,10 +26,18 @@ __all__ = ["BACKEND", "attend_flex", "block_mask_for"]
 _COMPILED = None
 
 
-def block_mask_for(plan: ZorroPlan, window: Optional[int] = None):
-    """The plan's ``BlockMask`` over ``[T, T]`` (memoised in the plan under ``"flex"``, one per window); a window
-    adds ``pos[q] - pos[kv] < window`` on the original positions (``plan.position_ids``)."""
+def block_mask_for(plan: ZorroPlan, window: Optional[int] = None, chunk: Optional[int] = None):
+    """The plan's ``BlockMask`` over ``[T, T]`` (memoised in the plan under ``"flex"``, one per window / chunk); a
+    window adds ``pos[q] - pos[kv] < window``, a chunk ``pos[q] // chunk == pos[kv] // chunk`` on the original
+    positions (``plan.position_ids``)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    def rule(keep, pos, q_idx, kv_idx):
+        if window is not None:
+            keep = keep & (pos[q_idx] - pos[kv_idx] < window)
+        if chunk is not None:
+            keep = keep & (pos[q_idx] // chunk == pos[kv_idx] // chunk)
+        return keep
 
     def build():
         if plan.tree is not None:  # DFS layout: a key's node subtree is [its start, sub_end): kv visible to those q
@@ -38,7 +46,7 @@ def block_mask_for(plan: ZorroPlan, window: Optional[int] = None):
 
             def tree_mod(b, h, q_idx, kv_idx):
                 keep = (kv_idx <= q_idx) & (q_idx < sub_end[kv_idx])
-                return keep if window is None else keep & (tpos[q_idx] - tpos[kv_idx] < window)
+                return rule(keep, tpos, q_idx, kv_idx)
 
             return create_block_mask(tree_mod, None, None, plan.T, plan.T, device=plan.device)
         group, seg, is_prompt = plan.token_layout()
@@ -48,11 +56,12 @@ def block_mask_for(plan: ZorroPlan, window: Optional[int] = None):
             same_group = group[q_idx] == group[kv_idx]
             visible = is_prompt[kv_idx] | (seg[q_idx] == seg[kv_idx])
             keep = (kv_idx <= q_idx) & same_group & visible
-            return keep if window is None else keep & (pos[q_idx] - pos[kv_idx] < window)
+            return rule(keep, pos, q_idx, kv_idx)
 
         return create_block_mask(mask_mod, None, None, plan.T, plan.T, device=plan.device)
 
-    return plan.memo.get("flex" if window is None else ("flex", window), build)
+    key = "flex" if window is None and chunk is None else ("flex", window) if chunk is None else ("flex", window, chunk)
+    return plan.memo.get(key, build)
 
 
 _SCORE_MODS: dict = {}
@@ -83,8 +92,8 @@ def _flex(device: torch.device):
 
 def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scaling: float, features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
-    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``. ``features``: the window in the block mask,
-    soft-capping as a ``score_mod``, the sinks merged into flex's returned log-sum-exp."""
+    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``. ``features``: the window / chunk in the
+    block mask, soft-capping as a ``score_mod``, the sinks merged into flex's returned log-sum-exp."""
     sinks = features.sinks
     if query.device.type == "cpu" and (query.requires_grad or key.requires_grad or value.requires_grad
                                        or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled())):
@@ -97,7 +106,7 @@ def attend_flex(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: 
 
         kw = {"return_aux": fa.AuxRequest(lse=True)} if hasattr(fa, "AuxRequest") else {"return_lse": True}
     out = _flex(query.device)(query, key, value, score_mod=score_mod,
-                              block_mask=block_mask_for(plan, features.window), scale=scaling,
+                              block_mask=block_mask_for(plan, features.window, features.chunk), scale=scaling,
                               enable_gqa=query.shape[1] != key.shape[1], **kw)
     if sinks is None:
         return out.transpose(1, 2)

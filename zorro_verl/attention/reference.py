@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from zorro_verl.attention.base import Backend, always
-from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, dense_attention, window_visible
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, dense_attention, position_visible
 from zorro_verl.attention.standard import attend_standard
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import scatter_valid
@@ -179,27 +179,29 @@ def _tree_index(plan: ZorroPlan) -> dict:
     }
 
 
-def reference_window_masks(plan: ZorroPlan, window: int) -> tuple[torch.Tensor, tuple]:
-    """The reference blocks' masks of a sliding-window layer (memoised per window): ``(prompt [G, 1, Pmax, Pmax],
-    response masks)`` bool, one ``[n, 1, Lq, Lk]`` per ``response_blocks`` call, = the split-attention rule and
-    ``pos_q - pos_k < window`` on each slot's original position (``plan.position_ids``; pad slots read token 0,
-    position 0, and still see a key)."""
+def reference_window_masks(plan: ZorroPlan, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, tuple]:
+    """The reference blocks' masks of a sliding-window or chunked layer (memoised per rule): ``(prompt [G, 1, Pmax,
+    Pmax], response masks)`` bool, one ``[n, 1, Lq, Lk]`` per ``response_blocks`` call, = the split-attention rule
+    and ``pos_q - pos_k < window`` / ``pos_q // chunk == pos_k // chunk`` on each slot's original position
+    (``plan.position_ids``; pad slots read token 0, position 0, and still see a key: the block's first key slot is a
+    valid token at position 0, inside every window and chunk of position 0)."""
+    rule = (window, chunk)
 
     def build():
         lay = reference_index(plan)
         (G, Pm), pos = lay["prompt_dims"], plan.position_ids
         pp = pos[lay["p_src"]].view(G, Pm)  # [G, Pmax]
         causal = torch.ones(Pm, Pm, dtype=torch.bool, device=plan.device).tril()
-        prompt = causal & window_visible(pp[:, :, None], pp[:, None, :], window)
+        prompt = causal & position_visible(pp[:, :, None], pp[:, None, :], rule)
         resp, qo, ko = [], 0, 0
         for (n, Lq, Lk), mask in zip(lay["response_blocks"], lay["response_masks"]):
             qr = pos[lay["r_src"][qo:qo + n * Lq]].view(n, Lq)
             kr = pos[lay["kv_src"][ko:ko + n * Lk]].view(n, Lk)
             qo, ko = qo + n * Lq, ko + n * Lk
-            resp.append((mask[:, 0] & window_visible(qr[:, :, None], kr[:, None, :], window))[:, None])
+            resp.append((mask[:, 0] & position_visible(qr[:, :, None], kr[:, None, :], rule))[:, None])
         return prompt[:, None], tuple(resp)
 
-    return plan.memo.get(("reference", "window", window), build)
+    return plan.memo.get(("reference", "window", window) if chunk is None else ("reference", "rule", rule), build)
 
 
 def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -207,10 +209,10 @@ def attend_reference(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, va
     """Split attention in padded dense calls: the prompt blocks, then each response block (one; a tree plan's
     non-root nodes: one per block of ``child_buckets``). ``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` ->
     ``[1, T, Hq, D]``.
-    ``features``: a window becomes part of both calls' masks; sinks / soft-capping run the explicit math."""
+    ``features``: a window / chunk becomes part of both calls' masks; sinks / soft-capping run the explicit math."""
     lay = reference_index(plan)
-    p_mask, r_masks = (None, lay["response_masks"]) if features.window is None else \
-        reference_window_masks(plan, features.window)
+    rule = features.position_rule
+    p_mask, r_masks = (None, lay["response_masks"]) if rule is None else reference_window_masks(plan, *rule)
     T, (G, Pm), blocks = plan.T, lay["prompt_dims"], lay["response_blocks"]
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[3]
     rows = lambda x: _tokens_first(x).reshape(T, -1)  # noqa: E731  [1, H, T, D] -> [T, H*D] (a view if possible)

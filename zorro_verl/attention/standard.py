@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from zorro_verl.attention.base import Backend, always
-from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, dense_attention, window_visible
+from zorro_verl.attention.features import NO_FEATURES, AttentionFeatures, dense_attention, position_visible
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import scatter_valid
 
@@ -59,27 +59,30 @@ def row_index(plan: ZorroPlan) -> dict:
     return plan.memo.get("standard", build)
 
 
-def row_window_mask(plan: ZorroPlan, window: int) -> torch.Tensor:
-    """``[B, 1, Lmax, Lmax] bool`` of a sliding-window layer in the row layout (memoised per window): causal and
-    ``pos_q - pos_k < window`` on the original positions (pad slots read token 0; a valid query never sees one)."""
+def row_window_mask(plan: ZorroPlan, window: int | None, chunk: int | None = None) -> torch.Tensor:
+    """``[B, 1, Lmax, Lmax] bool`` of a sliding-window or chunked layer in the row layout (memoised per rule): causal
+    and ``pos_q - pos_k < window`` / ``pos_q // chunk == pos_k // chunk`` on the original positions (pad slots read
+    token 0; a valid query never sees one)."""
+    rule = (window, chunk)
 
     def build():
         pos = plan.position_ids[row_index(plan)["row_index"]]  # [B, Lmax]
         Lm = plan.max_row_len
         causal = torch.ones(Lm, Lm, dtype=torch.bool, device=plan.device).tril()
-        return (causal & window_visible(pos[:, :, None], pos[:, None, :], window))[:, None]
+        return (causal & position_visible(pos[:, :, None], pos[:, None, :], rule))[:, None]
 
-    return plan.memo.get(("standard", "window", window), build)
+    return plan.memo.get(("standard", "window", window) if chunk is None else ("standard", "rule", rule), build)
 
 
 def attend_standard(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scaling: float, features: AttentionFeatures = NO_FEATURES) -> torch.Tensor:
-    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]`` (``features``: window as a mask over the
-    rows' original positions; sinks / soft-capping by :func:`~zorro_verl.attention.features.dense_attention`)."""
+    """``q [1, Hq, T, D]``, ``k/v [1, Hkv, T, D]`` -> ``[1, T, Hq, D]`` (``features``: window / chunk as a mask over
+    the rows' original positions; sinks / soft-capping by :func:`~zorro_verl.attention.features.dense_attention`)."""
     idx = row_index(plan)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     ri = idx["row_index"]  # [B, Lmax]
-    mask = None if features.window is None else row_window_mask(plan, features.window)
+    rule = features.position_rule
+    mask = None if rule is None else row_window_mask(plan, *rule)
     out = dense_attention(q[ri].transpose(1, 2), k[ri].transpose(1, 2), v[ri].transpose(1, 2), scaling,
                           mask=mask, causal=mask is None, features=features)  # [B, Hq, Lmax, D]
     out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[idx["out_index"]]  # [T, Hq, D]

@@ -30,7 +30,7 @@ from zorro_verl.attention.primitives import (
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.segments import cu_seqlens, segments_to_tokens
 
-__all__ = ["BACKEND", "attend_varlen", "varlen_index", "window_index"]
+__all__ = ["BACKEND", "attend_varlen", "varlen_index", "window_index", "chunk_index"]
 
 
 def varlen_index(plan: ZorroPlan) -> dict:
@@ -137,6 +137,50 @@ def window_index(plan: ZorroPlan, window: int) -> dict:
     return plan.memo.get(("flash", "window", window), build)
 
 
+def chunk_index(plan: ZorroPlan, chunk: int) -> dict:
+    """Both calls of a chunked layer (memoised per chunk), cut into pieces at chunk boundaries so that every piece
+    is one causal segment (bottom-right aligned) over keys of its own chunk; the gathered keys are
+    :func:`varlen_index`'s (no new copy), only the ``cu_seqlens`` change:
+
+    * call 1: each prompt (tree: root) cut at multiples of ``C`` (its positions start at 0), queries = keys:
+      ``cu_seqlens_prompt`` over ``[G * ceil(Pmax / C)]`` pieces (zero-length ones past a prompt's end);
+    * call 2: each response (tree: non-root node) with ``p`` prefix keys (its prompt / ancestor chain) and ``r`` own
+      tokens in its ``[prefix ; itself]`` key segment becomes a query-less piece over the prefix head outside its
+      first chunk (``p - p % C`` keys), then one piece per chunk its tokens reach: the first with keys
+      ``[the prefix tail of its chunk (p % C) ; its tokens in that chunk]``, the others with keys = queries.
+
+    A piece's queries are the last of its keys' contiguous positions, so the kernel's causal band (and a window's,
+    ``d = pos_q - pos_k``) is the ordinary rule inside the chunk. ``cu_seqlens_q`` / ``cu_seqlens_k`` over
+    ``[Bnz * (ceil(Rmax / C) + 2)]`` pieces, ``max_seqlen_*`` bounds (host ints of the plan: no host sync).
+    """
+
+    def build():
+        C, dev = chunk, plan.device
+        v = varlen_index(plan)
+        if plan.tree is not None:
+            tree = plan.tree
+            root_len, p, r = tree.node_len[tree.roots], tree.node_pos0[tree.children], tree.node_len[tree.children]
+            max_root, max_child = tree.max_root_len, tree.max_child_len
+        else:
+            rows = plan.nonempty_rows()
+            root_len, p, r = plan.prompt_lens, plan.row_prompt_lens[rows], plan.response_lens[rows]
+            max_root, max_child = plan.max_prompt_len, plan.max_response_len
+        jp = torch.arange(max(1, -(-max_root // C)), device=dev)
+        plen = (root_len[:, None] - jp[None] * C).clamp(0, C).flatten()  # [G * np] prompt pieces
+        tail = p % C  # prefix keys inside the chunk of a response's first token
+        cs = (p // C)[:, None] + torch.arange(-(-max_child // C) + 1, device=dev)[None]  # [Bnz, m] chunk ids
+        ql = (torch.minimum((p + r)[:, None], (cs + 1) * C) - torch.maximum(p[:, None], cs * C)).clamp(min=0)
+        kl = ql.clone()
+        kl[:, 0] += tail
+        ql = torch.cat([torch.zeros_like(p)[:, None], ql], 1)  # the query-less piece over the prefix head first
+        kl = torch.cat([(p - tail)[:, None], kl], 1)
+        return {"cu_seqlens_prompt": cu_seqlens(plen), "max_seqlen_prompt": min(C, max_root),
+                "cu_seqlens_q": cu_seqlens(ql.flatten()), "cu_seqlens_k": cu_seqlens(kl.flatten()),
+                "max_seqlen_q": min(C, max_child), "max_seqlen_k": v["max_seqlen_k"]}
+
+    return plan.memo.get(("flash", "chunk", chunk), build)
+
+
 class _GatherRows(torch.autograd.Function):
     """``x [T, H, D] -> x[index] [K, H, D]``; backward adds only the ``valid`` rows' gradients back (rows outside
     every varlen segment may hold whatever the kernel left there)."""
@@ -162,7 +206,8 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
 
     ``features``: the window and soft-cap go to the kernels (both calls' segments end at their queries' last
     position, so the bottom-right window is ``pos_q - pos_k < W``); a windowed layer's response call gathers only
-    each prompt's window tail (:func:`window_index`); the sinks are merged once per query.
+    each prompt's window tail (:func:`window_index`); a chunked layer's calls are cut into one segment per chunk
+    piece (:func:`chunk_index`); the sinks are merged once per query.
 
     ``prims`` None: the GPU flash kernels (fp16/bf16 CUDA only). Tests pass
     :func:`~zorro_verl.attention.primitives.torch_primitives` to run the same index logic on CPU in fp64.
@@ -176,8 +221,17 @@ def attend_varlen(plan: ZorroPlan, query: torch.Tensor, key: torch.Tensor, value
     cu_p = idx["cu_seqlens_prompt"]
     mp = idx["max_seqlen_prompt"]
     kw = dict(window=features.window, softcap=features.softcap, sinks=features.sinks)
-    parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims, **kw)]
     tree = "tree" in idx  # tree plans gather the whole [ancestor chain ; itself]: the kernel's band does a window
+    if features.chunk is not None:  # pieces cut at chunk boundaries over the same gathered keys (chunk_index)
+        c = chunk_index(plan, features.chunk)
+        cu_p, mp = c["cu_seqlens_prompt"], c["max_seqlen_prompt"]
+        parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims, **kw)]
+        if (plan.tree.child_tokens if tree else plan.N) > 0:
+            qi, kvi = idx["resp_q_index"], idx["resp_kv_index"]
+            parts.append(varlen_attention(q[qi], k[kvi], v[kvi], c["cu_seqlens_q"], c["cu_seqlens_k"],
+                                          c["max_seqlen_q"], c["max_seqlen_k"], scaling, True, prims, **kw))
+        return torch.cat(parts, 0)[idx["out_index"]].unsqueeze(0)
+    parts = [varlen_attention(q[pi], k[pi], v[pi], cu_p, cu_p, mp, mp, scaling, True, prims, **kw)]
     if (plan.tree.child_tokens if tree else plan.N) > 0 and (features.window is None or tree):
         qi, kvi = idx["resp_q_index"], idx["resp_kv_index"]
         parts.append(varlen_attention(q[qi], k[kvi], v[kvi], idx["cu_seqlens_q"], idx["cu_seqlens_k"],

@@ -11,9 +11,13 @@ vocabulary; non-negative, as the prefix tree's sort needs: its end marker -1 mus
 Grouping, prefix trees and micro-batching then run on the keyed ids unchanged: rows share a prompt (a tree node)
 only where their tokens *and* media are equal. The packed row the model runs keeps the real ids.
 
-The packed row holds every unique prompt (tree node) once, so its media are those of the rows its tokens were read
-from (``plan.source_index``), each item once, in the order its placeholders appear: the vision tower encodes each
-unique prompt's media once and the model scatters the features in placeholder order, as for an ordinary row.
+Media may lie in the prompt or in the response (a multi-turn agent whose tool returns an image puts the image's
+placeholders in the response; each item lies wholly in one of them). The packed row holds every unique prompt (tree
+node) once and every response once, so its media are those of the rows its tokens were read from
+(``plan.source_index``), each item once, in the order its placeholders appear: the vision tower encodes each unique
+prompt's media once and each response's own media once (a prefix tree: each tree node's), and the model scatters the
+features in placeholder order, as for an ordinary row. A response's items are keyed like a prompt's, so with
+``sharing="prefix"`` two responses share a tree node only where their tokens and media are equal.
 
 3-D rotary positions (Qwen2-VL family "mrope"): a token's position triple depends only on the tokens and media
 before it, so a shared prompt has the same triples in every row of its group, and each response continues its own
@@ -60,8 +64,9 @@ class MediaTokens:
 @dataclass
 class MediaItem:
     """One image or video of one row: ``pixels [t*h*w, C]`` (a slice of the row's pixel tensor), ``grid [3]
-    int64``, ``tokens`` (placeholders), ``key`` (content key, ``< 2**62``) and ``cols`` (host list: the ``[B, S]``
-    columns of its placeholders in the row, in order). A row's items of one kind are in placeholder order."""
+    int64``, ``tokens`` (placeholders), ``key`` (content key, ``< 2**62``), ``cols`` (host list: the ``[B, S]``
+    columns of its placeholders in the row, in order) and ``in_response`` (its placeholders lie in the response, not
+    the prompt). A row's items of one kind are in placeholder order, prompt items first."""
 
     kind: str
     pixels: torch.Tensor
@@ -69,12 +74,14 @@ class MediaItem:
     tokens: int
     key: int
     cols: list = field(repr=False)
+    in_response: bool = False
 
 
 @dataclass
 class BatchMedia:
     """The media of a ``[B, S]`` batch: ``items[b]`` (row ``b``'s :class:`MediaItem` s in placeholder order) and
-    ``keyed_ids [B, S] int64`` (``input_ids`` with each prompt placeholder replaced by its item's keyed id)."""
+    ``keyed_ids [B, S] int64`` (``input_ids`` with each placeholder, prompt or response, replaced by its item's keyed
+    id)."""
 
     items: list
     keyed_ids: torch.Tensor
@@ -89,13 +96,15 @@ class BatchMedia:
 class PackedMedia:
     """What the model call takes besides ``input_ids``: the packed row's media in placeholder order
     (``pixel_values [sum t*h*w, C]`` / ``image_grid_thw [n, 3]``, the same for videos; None when absent) and its
-    3-D positions ``position_ids [3, 1, T] int64``; ``items`` counts the unique items encoded, ``row_items`` the
-    items of the ordinary batch (the vision tower's saving is ``row_items / items``)."""
+    3-D positions ``position_ids [3, 1, T] int64``; ``items`` counts the unique items encoded (``response_items`` of
+    them lie in responses), ``row_items`` the items of the ordinary batch (the vision tower's saving is
+    ``row_items / items``)."""
 
     position_ids: torch.Tensor
     inputs: dict
     items: int
     row_items: int
+    response_items: int = 0
 
     def model_kwargs(self) -> dict:
         return {k: v for k, v in self.inputs.items() if v is not None}
@@ -193,8 +202,9 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
 
     ``media[b]``: row ``b``'s inputs (``pixel_values [n_b, C]``, ``image_grid_thw [k_b, 3]``, video fields; None
     or ``{}`` for a text row). Each row's placeholders of a kind are assigned to its items in order, ``t*h*w /
-    merge**2`` each; they must all lie in the prompt and their count must match the grids (ValueError naming the
-    row otherwise). One host read of the placeholder positions per batch.
+    merge**2`` each; their count must match the grids, and each item's placeholders must lie wholly in the prompt
+    (columns ``< S - response_width``) or wholly in the response (ValueError naming the row otherwise). One host read
+    of the placeholder positions per batch.
 
     ``memo``: content keys already computed, by pixel storage view (a caller hashing the same tensors twice — a
     batch, then its micro-batches — passes one dict to both calls). Valid only while those tensors are alive: a freed
@@ -203,6 +213,8 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
     B, S = input_ids.shape
     if len(media) != B:
         raise ValueError(f"media: expected one entry per row ({B}), got {len(media)}.")
+    if not 0 <= response_width <= S:
+        raise ValueError(f"response_width: expected 0 <= response_width <= S = {S}, got {response_width}.")
     Pw = S - response_width
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     keyed = input_ids.long().clone()
@@ -234,9 +246,6 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
             if grid is None or grid.dim() != 2 or grid.shape[1] != 3:
                 raise ValueError(f"media[{b}].{grid_field}: expected a [k, 3] grid per {kind}, got "
                                  f"{None if grid is None else tuple(grid.shape)}.")
-            if cols and cols[-1] >= Pw:
-                raise ValueError(f"media[{b}]: a {kind} placeholder token lies in the response (column "
-                                 f"{cols[-1]} >= prompt width {Pw}); zorro shares media of the prompt only.")
             patches = grid.long().prod(-1).tolist()
             need = [n // merge2 for n in patches]
             if sum(need) != len(cols) or sum(patches) != pix.shape[0]:
@@ -244,11 +253,19 @@ def batch_media(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                                  f"of {pix_field}, but {grid_field} {grid.tolist()} gives {sum(need)} tokens and "
                                  f"{sum(patches)} patch rows (spatial_merge_size {tokens.spatial_merge_size}).")
             p0 = t0 = 0
-            for n_patch, n_tok, g in zip(patches, need, grid.long()):
+            for i, (n_patch, n_tok, g) in enumerate(zip(patches, need, grid.long())):
                 px = pix[p0:p0 + n_patch]
                 key = _content_key(kind, px, g, memo)
                 item_cols = cols[t0:t0 + n_tok]
-                items[b].append(MediaItem(kind, px, g, n_tok, key, item_cols))
+                # a prompt's items are shared by its group, a response's belong to its row: an item across the
+                # boundary would be both
+                in_response = bool(item_cols) and item_cols[0] >= Pw
+                if item_cols and in_response != (item_cols[-1] >= Pw):
+                    raise ValueError(f"media[{b}]: {kind} {i} of the row has placeholder tokens (id {tid}) "
+                                     f"in both the prompt and the response (columns {item_cols[0]}..{item_cols[-1]}, "
+                                     f"prompt width {Pw}); put each {kind}'s placeholders wholly in the prompt or "
+                                     "wholly in the response.")
+                items[b].append(MediaItem(kind, px, g, n_tok, key, item_cols, in_response))
                 keyed[b, item_cols] = keyed_id(key)
                 p0, t0 = p0 + n_patch, t0 + n_tok
     return BatchMedia(items, keyed)
@@ -302,7 +319,8 @@ def check_shared_positions(keyed_ids: torch.Tensor, lengths: torch.Tensor, posit
 
 
 def pack_media(plan: ZorroPlan, media: BatchMedia, positions: torch.Tensor) -> PackedMedia:
-    """The packed row's media (each item once, in placeholder order) and 3-D positions, for ``plan`` built from
+    """The packed row's media (each item once, in placeholder order: a unique prompt's items in its prompt segment,
+    a response's own items in its response segment) and 3-D positions, for ``plan`` built from
     ``media.keyed_ids`` (:func:`build_media_plan`). Raises if an item's placeholders are not all in the packed row,
     in order (cannot happen for plans built from the keyed ids; checked since the model would scatter wrong
     features otherwise)."""
@@ -314,7 +332,7 @@ def pack_media(plan: ZorroPlan, media: BatchMedia, positions: torch.Tensor) -> P
             for o, c in enumerate(it.cols):
                 owner[b * S + c] = (b, i, o)
     inputs: dict = {}
-    n_items = 0
+    n_items = n_response = 0
     for kind, (pix_field, grid_field) in MEDIA_FIELDS.items():
         # the model scatters an item's features over the placeholders of its kind in packed order: each chosen
         # item's placeholders must follow one another there, complete, first to last
@@ -342,6 +360,7 @@ def pack_media(plan: ZorroPlan, media: BatchMedia, positions: torch.Tensor) -> P
         inputs[pix_field] = torch.cat([it.pixels for it in chosen]).to(dev, non_blocking=True) if chosen else None
         inputs[grid_field] = torch.stack([it.grid for it in chosen]).to(dev) if chosen else None
         n_items += len(chosen)
+        n_response += sum(it.in_response for it in chosen)
     # every row's items must be the packed items its placeholders map to (equal content): a plan grouped on the
     # real ids would put B's placeholders on A's image
     full = plan.full_index().reshape(-1).tolist()
@@ -352,7 +371,7 @@ def pack_media(plan: ZorroPlan, media: BatchMedia, positions: torch.Tensor) -> P
                 raise ValueError(f"pack_media: row {b} would share a packed {it.kind} with row {ob} although their "
                                  "pixels differ; build the plan from the media's keyed ids (build_media_plan).")
     row_items = sum(len(row) for row in media.items)
-    return PackedMedia(packed_positions(plan, positions), inputs, n_items, row_items)
+    return PackedMedia(packed_positions(plan, positions), inputs, n_items, row_items, n_response)
 
 
 def build_media_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], response_width: int,
@@ -369,5 +388,9 @@ def build_media_plan(input_ids: torch.Tensor, attention_mask: Optional[torch.Ten
     bm = media if isinstance(media, BatchMedia) else batch_media(input_ids, attention_mask, response_width, media,
                                                                  tokens)
     plan = build_plan(bm.keyed_ids, attention_mask, response_width, sharing=sharing, min_shared_len=min_shared_len)
-    plan = replace(plan, input_ids=input_ids.reshape(-1).long()[plan.source_index])
+    # the real ids: the packed row the model embeds, and the predicted tokens (a response's placeholders are targets
+    # too, keyed in bm.keyed_ids)
+    ids = input_ids.long()
+    plan = replace(plan, input_ids=ids.reshape(-1)[plan.source_index],
+                   target_ids=ids[plan.out_row, plan.S - plan.R + plan.out_col])
     return plan, pack_media(plan, bm, positions)

@@ -1,11 +1,11 @@
 """Recurrent (linear-attention) layers on the packed dedup row: causal conv and gated delta rule by segment.
 
-Hybrid models (Qwen3.5, Qwen3-Next) interleave full attention with gated delta-net layers. Such a layer mixes the
-sequence twice, both causally: a short depthwise causal conv (kernel ``Kc``, typically 4) and the gated delta rule,
-a recurrence over a state ``S [H, Dk, Dv]``. On the packed row ``[P | R1 | R2 | ...]`` run unchanged, ``R2`` would
-start from the state left by ``R1``. Here each group's prompt is processed once and every response starts from
-its prompt's final recurrent state and conv context (the last ``Kc-1`` prompt inputs, zeros where the prompt is
-shorter); autograd sums every response's use of those states back into the shared prompt::
+Hybrid models (Qwen3.5, Qwen3-Next, OLMo-hybrid) interleave full attention with gated delta-net layers. Such a layer
+mixes the sequence twice, both causally: a short depthwise causal conv (kernel ``Kc``, typically 4) and the gated
+delta rule, a recurrence over a state ``S [H, Dk, Dv]``. On the packed row ``[P | R1 | R2 | ...]`` run unchanged,
+``R2`` would start from the state left by ``R1``. Here each group's prompt is processed once and every response
+starts from its prompt's final recurrent state and conv context (the last ``Kc-1`` prompt inputs, zeros where the
+prompt is shorter); autograd sums every response's use of those states back into the shared prompt::
 
     ordinary row b:   [ P_g .......... | R_b ]         one uninterrupted pass
     packed:           [ P_g ] -> S_g ;  [ R_b ] from S_g (all responses of all groups in one kernel call)

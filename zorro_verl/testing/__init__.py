@@ -5,10 +5,11 @@ inside the functions that build models).
   :func:`batch_from_rows` from explicit rows, and agentic shapes (:func:`shared_system_rows`,
   :func:`multi_turn_rows`).
 * :mod:`~zorro_verl.testing.models` — tiny models built offline from a config (:func:`tiny_model`,
-  :func:`tiny_hybrid_model`, :func:`tiny_window_model` and their configs).
+  :func:`tiny_hybrid_model`, :func:`tiny_ssm_model`, :func:`tiny_mixer_model`, :func:`tiny_window_model`,
+  :func:`tiny_llama4_model` and their configs).
 * :mod:`~zorro_verl.testing.fp64` — per-instance swaps that keep fp64 end to end (:func:`exact_fp64_norms`,
-  :func:`exact_fp64_hybrid`) and an fp64 eager attention for the oracles (``"fp64_eager"``), so fp64 comparisons
-  measure zorro, not transformers' fp32 casts.
+  :func:`exact_fp64_hybrid`, :func:`exact_fp64_ssm`) and an fp64 eager attention for the oracles
+  (``"fp64_eager"``), so fp64 comparisons measure zorro, not transformers' fp32 casts.
 * :mod:`~zorro_verl.testing.oracles` — the references: the ordinary per-row / batched forwards, and the dense mask and
   attention of a plan's packed row.
 * :mod:`~zorro_verl.testing.compare` — gradient collection and error measures.
@@ -16,15 +17,23 @@ inside the functions that build models).
 
 from zorro_verl.testing.batches import batch_from_rows, create_dummy_batch, multi_turn_rows, shared_system_rows
 from zorro_verl.testing.compare import grad_rel_error, grads_of, max_rel_grad_error
-from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_norms
+from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_llama4, exact_fp64_norms, exact_fp64_ssm
 from zorro_verl.testing.models import (
     HYBRID_KINDS,
+    MIXER_KINDS,
+    SSM_KINDS,
     WINDOW_KINDS,
     model_from_config,
     tiny_config,
     tiny_hybrid_config,
     tiny_hybrid_model,
+    tiny_llama4_config,
+    tiny_llama4_model,
+    tiny_mixer_config,
+    tiny_mixer_model,
     tiny_model,
+    tiny_ssm_config,
+    tiny_ssm_model,
     tiny_window_config,
     tiny_window_model,
 )
@@ -44,8 +53,18 @@ __all__ = [
     "WINDOW_KINDS",
     "tiny_window_config",
     "tiny_window_model",
+    "tiny_llama4_config",
+    "tiny_llama4_model",
     "exact_fp64_norms",
     "exact_fp64_hybrid",
+    "exact_fp64_ssm",
+    "MIXER_KINDS",
+    "SSM_KINDS",
+    "tiny_ssm_config",
+    "tiny_mixer_config",
+    "tiny_mixer_model",
+    "tiny_ssm_model",
+    "exact_fp64_llama4",
     "ordinary_logprobs",
     "ordinary_logprobs_padded",
     "dense_mask",

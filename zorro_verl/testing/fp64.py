@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "FP64_EAGER", "register_fp64_eager_attention", "KeepFp64",
-           "to_fp64"]
+__all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "exact_fp64_ssm", "exact_fp64_llama4", "FP64_EAGER",
+           "register_fp64_eager_attention", "KeepFp64", "to_fp64"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -69,9 +69,10 @@ def _exact_normalized_router_forward(self, hidden_states: torch.Tensor):
 
 def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
                                   **kwargs) -> torch.Tensor:
-    """The ordinary (one sequence per batch row) gated delta-net forward of Qwen3.5 / Qwen3-Next for the fp64
-    oracle: the model's own math, with the log-decay kept in fp64 for fp64 inputs (transformers rounds ``a`` and
-    ``A_log`` to fp32 there). Training forwards only: no cache, no padding mask.
+    """The ordinary (one sequence per batch row) gated delta-net forward of Qwen3.5 / Qwen3-Next / OLMo-hybrid for
+    the fp64 oracle: the model's own math (OLMo-hybrid's conv modules called as the model calls them), with the
+    log-decay kept in fp64 for fp64 inputs (transformers rounds ``a`` and ``A_log`` to fp32 there). Training
+    forwards only: no cache, no padding mask.
 
     Args:
         hidden_states: ``[Bsz, L, hidden]``, one unpadded sequence per row.
@@ -82,7 +83,12 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
     # Lazy: keeps `import zorro_verl.testing` light. The token-wise projections and the log-decay are zorro's own
     # (public) transcriptions of the model, so the oracle and zorro cannot drift apart there; the sequence mixing
     # (causal conv per row, the delta rule over each whole row) is what the oracle checks and stays written out.
-    from zorro_verl.integrations.transformers.hybrid import gated_deltanet_projections, log_decay
+    from zorro_verl.integrations.transformers.hybrid import (
+        deltanet_beta,
+        deltanet_output,
+        gated_deltanet_projections,
+        log_decay,
+    )
 
     F = torch.nn.functional
     if cache_params is not None or attention_mask is not None:
@@ -94,8 +100,12 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
     mixed, z, b, a = gated_deltanet_projections(self, hidden_states.reshape(1, Bsz * L, -1))
     mixed = mixed.reshape(Bsz, L, -1)  # [Bsz, L, C]
     b, a = b.reshape(Bsz, L, -1), a.reshape(Bsz, L, -1)  # [Bsz, L, Hv]
-    mixed = F.silu(self.conv1d(mixed.transpose(1, 2))[:, :, :L]).transpose(1, 2)  # causal per row: keep the first L
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    if hasattr(self, "conv1d"):
+        mixed = F.silu(self.conv1d(mixed.transpose(1, 2))[:, :, :L]).transpose(1, 2)  # causal per row: first L
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    else:  # OLMo-hybrid: the family's own conv module per projection (causal, silu)
+        q, k, v = (conv(x)[0] for conv, x in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v)))
     q = q.reshape(Bsz, L, -1, self.head_k_dim)
     k = k.reshape(Bsz, L, -1, self.head_k_dim)
     v = v.reshape(Bsz, L, -1, self.head_v_dim)
@@ -103,10 +113,9 @@ def _exact_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_param
     rep = self.num_v_heads // self.num_k_heads
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    o, _ = self.chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), initial_state=None, output_final_state=False,
-                                       use_qk_l2norm_in_kernel=True)
-    o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(o.reshape(Bsz, L, -1))
+    o, _ = self.chunk_gated_delta_rule(q, k, v, g=g, beta=deltanet_beta(self, b), initial_state=None,
+                                       output_final_state=False, use_qk_l2norm_in_kernel=True)
+    return deltanet_output(self, o.reshape(-1, self.head_v_dim), z, Bsz * L).reshape(Bsz, L, -1)
 
 
 def exact_fp64_norms(model) -> None:
@@ -129,11 +138,69 @@ def exact_fp64_norms(model) -> None:
             mod.forward = types.MethodType(_exact_offset_rmsnorm_forward, mod)  # Gemma: (1 + weight) * x / rms(x)
 
 
+def _exact_llama4_rmsnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Llama 4's RMSNorm ``weight * x / rms(x)`` (and its weightless q/k L2 norm), fp64 kept."""
+    y = x.to(_compute_dtype(x))
+    y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+    return y * self.weight if getattr(self, "weight", None) is not None else y
+
+
+def _exact_llama4_router_forward(self, hidden_states: torch.Tensor):
+    """Llama 4's router (top-k logits, sigmoid scores), the sigmoid in fp64 for fp64 inputs."""
+    logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+    top_value, top_index = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, top_index, top_value)
+    return torch.sigmoid(scores.to(_compute_dtype(scores))).to(scores.dtype), logits
+
+
+def _exact_llama4_rotary(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Llama 4's complex rotary embedding with fp64 queries / keys kept in complex128."""
+    dt = _compute_dtype(xq)
+    xq_ = torch.view_as_complex(xq.to(dt).reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.to(dt).reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def exact_fp64_llama4(model) -> None:
+    """Per-instance fp64-exact swaps for Llama 4 text models (test oracle only; fp32/bf16 behaviour unchanged):
+    its RMSNorm, q/k L2 norm and router sigmoid cast to fp32 whatever the input dtype, and its rotary embedding
+    multiplies in complex64 (``xq.float()``). The rotary function is module-level in transformers, so each attention
+    instance gets a forward that calls :func:`_exact_llama4_rotary` through the module's globals swapped for the
+    call. Both the ordinary model and zorro's copy get the same swaps."""
+    import transformers.models.llama4.modeling_llama4 as ml4
+
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name in ("Llama4TextRMSNorm", "Llama4TextL2Norm"):
+            mod.forward = types.MethodType(_exact_llama4_rmsnorm_forward, mod)
+        elif name == "Llama4Router":
+            mod.forward = types.MethodType(_exact_llama4_router_forward, mod)
+        elif name == "Llama4TextAttention":
+            mod.forward = types.MethodType(_with_exact_rotary(ml4.Llama4TextAttention.forward, ml4), mod)
+
+
+def _with_exact_rotary(forward, module):
+    """``forward`` with ``module.apply_rotary_emb`` swapped for :func:`_exact_llama4_rotary` during the call."""
+
+    def call(self, *args, **kwargs):
+        saved = module.apply_rotary_emb
+        module.apply_rotary_emb = _exact_llama4_rotary
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            module.apply_rotary_emb = saved
+
+    return call
+
+
 def exact_fp64_hybrid(model) -> None:
     """Per-instance fp64-exact swaps for hybrid models (test oracle only; fp32/bf16 behaviour unchanged).
 
     transformers computes these in fp32 whatever the input dtype: the ``1 + weight`` RMSNorms, the gated RMSNorm of
-    the delta-net output, the MoE routers, the delta-net log-decay and the torch fallback delta-rule kernels. The
+    the delta-net output, the MoE routers, the delta-net log-decay and the torch fallback delta-rule kernels (and
+    a MiniMax lightning attention cast from fp32 keeps fp32-rounded decay buffers: recomputed from its slopes). The
     kernels are replaced by :func:`zorro_verl.recurrent.chunk_gated_delta_rule_ref` (the same math,
     dtype-preserving), set on the instance attribute the module calls, so the ordinary forward and zorro use the
     same kernel; the delta-net forward by :func:`_exact_gated_deltanet_forward`, which keeps the log-decay in fp64
@@ -151,10 +218,139 @@ def exact_fp64_hybrid(model) -> None:
         elif name.endswith("TopKRouter") and isinstance(w, torch.Tensor) and w.dim() == 2:
             fwd = _exact_topk_router_forward if hasattr(mod, "norm_topk_prob") else _exact_normalized_router_forward
             mod.forward = types.MethodType(fwd, mod)
+        if hasattr(mod, "decay_factors") and hasattr(mod, "slope_rate") and mod.slope_rate.dtype == torch.float64:
+            # MiniMax lightning attention: its block-wise decay buffers, from the slopes, in fp64 (a model built in
+            # fp32 and cast to fp64 keeps fp32-rounded decays, ~1e-8 off the recurrence with those slopes)
+            mod.query_decay, mod.key_decay, mod.diagonal_decay = mod.decay_factors(mod.slope_rate)
         if hasattr(mod, "chunk_gated_delta_rule") and hasattr(mod, "A_log"):
             mod.chunk_gated_delta_rule = chunk_gated_delta_rule_ref
             mod.recurrent_gated_delta_rule = recurrent_gated_delta_rule_ref
             mod.forward = types.MethodType(_exact_gated_deltanet_forward, mod)
+
+
+def _exact_gate_first_rmsnorm_forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None):
+    """The Mamba-2 gated norm: ``weight * g / rms(g)``, ``g = x * silu(gate)``, the rms over each ``group_size``
+    block where the module has one (Nemotron-H / Zamba2), else over the last dim. hidden_states, gate: ``[.., I]``."""
+    dt = _compute_dtype(hidden_states)
+    x = hidden_states.to(dt)
+    if gate is not None:
+        x = x * torch.nn.functional.silu(gate.to(dt))
+    gs = getattr(self, "group_size", x.shape[-1])
+    xg = x.reshape(*x.shape[:-1], -1, gs)
+    x = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).reshape(x.shape)
+    return self.weight * x.to(hidden_states.dtype)
+
+
+def _exact_mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                **kwargs) -> torch.Tensor:
+    """The ordinary (one sequence per batch row) Mamba-2 mixer forward for the fp64 oracle: the model's own math
+    (projection, causal conv per row, the scan over each whole row, ``D`` skip, gated norm, out_proj) with the scan in
+    fp64 for fp64 inputs (the models' torch path casts ``x``, ``B``, ``C`` and ``A`` to fp32). Training forwards only.
+
+    Args:
+        hidden_states: ``[Bsz, L, hidden]``, one unpadded sequence per row.
+
+    Returns:
+        ``[Bsz, L, hidden]`` in the input dtype.
+    """
+    # zorro's (public) transcriptions of the token-wise parts, so the oracle and zorro cannot drift apart there; the
+    # sequence mixing (conv per row, the scan over each whole row) is what the oracle checks and stays written out.
+    from zorro_verl.integrations.transformers.ssm import (
+        mamba2_projections,
+        ssm_decay_rate,
+        ssm_step_size,
+        stock_runs_fused,
+    )
+    from zorro_verl.recurrent import chunk_ssd
+
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("exact Mamba-2 oracle: got a cache or an attention_mask; expected neither (run each row "
+                         "unpadded with use_cache=False).")
+    b, L, _ = hidden_states.shape
+    gate, xBC, dt = mamba2_projections(self, hidden_states)
+    xBC = self.act(self.conv1d(xBC.transpose(1, 2))[..., :L].transpose(1, 2))  # causal per row: the first L
+    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    x, B, C = torch.split(xBC, [self.intermediate_size, G * N, G * N], dim=-1)
+    cdt = _compute_dtype(x)
+    x = x.reshape(b, L, H, P).to(cdt)
+    y, _ = chunk_ssd(x, ssm_step_size(self, dt, stock_runs_fused(self, hidden_states)), ssm_decay_rate(self, cdt),
+                     B.reshape(b, L, G, N),
+                     C.reshape(b, L, G, N), chunk_size=self.chunk_size)
+    y = y + self.D[:, None] * x
+    return self.out_proj(self.norm(y.reshape(b, L, -1), gate).to(hidden_states.dtype))
+
+
+def _exact_mamba1_mixer_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                                **kwargs) -> torch.Tensor:
+    """The ordinary (one sequence per batch row) Mamba (v1) mixer forward for the fp64 oracle: the model's math
+    (projection, causal conv per row, selection, the step-by-step scan over each whole row, ``D`` skip, gate,
+    out_proj) with the scan in fp64 for fp64 inputs (the models' torch path casts ``A`` and ``B`` to fp32).
+
+    Args: hidden_states ``[Bsz, L, hidden]``, one unpadded sequence per row. Returns ``[Bsz, L, hidden]``.
+    """
+    from zorro_verl.integrations.transformers.ssm import mamba1_selection
+    from zorro_verl.recurrent import selective_scan
+
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("exact Mamba oracle: got a cache or an attention_mask; expected neither (run each row "
+                         "unpadded with use_cache=False).")
+    L = hidden_states.shape[1]
+    x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [b, L, D]
+    x = self.act(self.conv1d(x.transpose(1, 2))[..., :L].transpose(1, 2))  # causal per row: the first L
+    dt, B, C = mamba1_selection(self, x)
+    y, _ = selective_scan(x, dt, -self.A_log.to(_compute_dtype(x)).exp(), B, C)
+    y = (y.to(x.dtype) + x * self.D) * self.act(gate)
+    return self.out_proj(y)
+
+
+def _exact_logits_root_forward(self, input_ids=None, logits_to_keep=0, labels=None, **kwargs):
+    """A ``*ForCausalLM`` forward without the fp32 cast of the logits (Mamba2 and Nemotron-H end in ``.float()``,
+    which rounds fp64 logits to fp32): decoder, then the head on the kept rows. Returns ``CausalLMOutput``."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    if labels is not None:
+        raise ValueError("exact fp64 root forward: labels are not supported (the oracles compute log-probs).")
+    kwargs.pop("use_cache", None)
+    h = self.get_decoder()(input_ids=input_ids, use_cache=False, **kwargs)[0]
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return CausalLMOutput(logits=self.get_output_embeddings()(h[:, keep]))
+
+
+def _exact_topk_gating_forward(self, hidden_states: torch.Tensor):
+    """Granite MoE's top-k gating (``GraniteMoeHybridTopKGating``) with its router logits kept in fp64 for fp64 inputs
+    (transformers: ``.float()``). hidden_states ``[N, H]``; returns the module's tuple ``(index_sorted_experts,
+    batch_index, batch_gates, expert_size, logits)``."""
+    logits = self.layer(hidden_states).to(_compute_dtype(hidden_states))  # [N, E]
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    gates = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype,
+                        device=top_k_gates.device).scatter(1, top_k_indices, 1)
+    expert_size = gates.long().sum(0).tolist()
+    _, index_sorted_experts = top_k_indices.flatten().sort(0)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
+def exact_fp64_ssm(model) -> None:
+    """Per-instance fp64-exact swaps for state-space models (test oracle only; fp32/bf16 behaviour unchanged): the
+    RMSNorms (:func:`exact_fp64_norms`), Granite's MoE top-k gating, the gated norms of the mixers' output, the
+    mixers' forward (:func:`_exact_mamba2_mixer_forward`, :func:`_exact_mamba1_mixer_forward`: the scan in fp64) and,
+    for roots that cast their logits to fp32 (Mamba2, Nemotron-H, Mamba, FalconMamba), the root forward."""
+    exact_fp64_norms(model)
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNormGated") and hasattr(mod, "variance_epsilon"):
+            mod.forward = types.MethodType(_exact_gate_first_rmsnorm_forward, mod)
+        elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "n_groups", "ssm_state_size")):
+            mod.forward = types.MethodType(_exact_mamba2_mixer_forward, mod)
+        elif all(hasattr(mod, a) for a in ("in_proj", "conv1d", "A_log", "D", "x_proj", "dt_proj")):
+            mod.forward = types.MethodType(_exact_mamba1_mixer_forward, mod)
+        elif name.endswith("TopKGating") and all(hasattr(mod, a) for a in ("layer", "top_k", "num_experts")):
+            mod.forward = types.MethodType(_exact_topk_gating_forward, mod)
+    if type(model).__name__ in ("Mamba2ForCausalLM", "NemotronHForCausalLM", "MambaForCausalLM",
+                                "FalconMambaForCausalLM"):
+        model.forward = types.MethodType(_exact_logits_root_forward, model)
 
 
 #: Name of :func:`fp64_eager_attention` in transformers' attention and mask interfaces (test oracles only).

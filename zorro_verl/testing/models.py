@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from zorro_verl.testing.fp64 import FP64_EAGER, exact_fp64_hybrid, exact_fp64_norms, register_fp64_eager_attention
+from zorro_verl.testing.fp64 import (
+    FP64_EAGER,
+    exact_fp64_hybrid,
+    exact_fp64_norms,
+    exact_fp64_ssm,
+    register_fp64_eager_attention,
+)
 
 __all__ = ["tiny_config", "tiny_model", "HYBRID_KINDS", "tiny_hybrid_config", "tiny_hybrid_model",
-           "model_from_config", "WINDOW_KINDS", "tiny_window_config", "tiny_window_model"]
+           "model_from_config", "WINDOW_KINDS", "tiny_window_config", "tiny_window_model", "SSM_KINDS",
+           "tiny_ssm_config", "tiny_ssm_model", "MIXER_KINDS", "tiny_mixer_config", "tiny_mixer_model"]
 
 
 def tiny_config(kind: str = "qwen3", *, gqa: bool = True, layers: int = 2, vocab_size: int = 128,
@@ -116,6 +123,84 @@ def tiny_hybrid_model(kind: str = "qwen3_5", *, dtype: torch.dtype = torch.float
     return model
 
 
+#: ``kind`` names of :func:`tiny_ssm_config`: state-space models (Mamba-2, then Mamba v1), pure and hybrid.
+SSM_KINDS = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "granitemoehybrid_moe", "mamba", "falcon_mamba",
+             "jamba")
+
+
+def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int = 32, heads: int = 4,
+                    ssm_heads: int = 4, ssm_head_dim: int = 16, state: int = 8, groups: int = 2, conv_kernel: int = 4,
+                    chunk: int = 8):
+    """A small state-space config built offline: ``mamba2`` (two Mamba-2 layers), ``bamba`` / ``granitemoehybrid``
+    (mamba, attention, mamba; Granite without routed experts, ``granitemoehybrid_moe`` with 4, top 2), ``nemotron_h``
+    (mamba, attention, mlp, mamba); Mamba v1: ``mamba`` / ``falcon_mamba`` (two layers), ``jamba`` (mamba, attention,
+    mamba).
+    ``ssm_heads * ssm_head_dim = 2 * hidden`` (expand 2); ``groups`` < heads exercises the B / C group repeat; a small
+    ``chunk`` makes prompts and responses cross scan chunks."""
+    att = dict(num_attention_heads=heads, num_key_value_heads=heads // 2, attention_dropout=0.0,
+               max_position_embeddings=4096)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, tie_word_embeddings=False)
+    if kind == "mamba2":
+        from transformers import Mamba2Config
+
+        # residual_in_fp32=False: the default rounds the residual stream to fp32 (a no-op in fp32 / bf16 models),
+        # which would cap fp64 comparisons at ~1e-8
+        return Mamba2Config(num_hidden_layers=2, num_heads=ssm_heads, head_dim=ssm_head_dim, expand=2,
+                            state_size=state, n_groups=groups, conv_kernel=conv_kernel, chunk_size=chunk,
+                            residual_in_fp32=False, **common)
+    if kind in ("mamba", "falcon_mamba"):  # Mamba v1: two layers, the scan over [2 * hidden, state] per token
+        from transformers import FalconMambaConfig, MambaConfig
+
+        cls = MambaConfig if kind == "mamba" else FalconMambaConfig
+        return cls(num_hidden_layers=2, state_size=state, expand=2, conv_kernel=conv_kernel, time_step_rank=4,
+                   residual_in_fp32=False, **common)  # residual_in_fp32: as for mamba2
+    if kind == "jamba":  # Mamba v1 mixers with dt / B / C norms + attention (mamba, attention, mamba), no MoE
+        from transformers import JambaConfig
+
+        return JambaConfig(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+                           expert_layer_period=100, intermediate_size=2 * hidden, mamba_d_state=state,
+                           mamba_d_conv=conv_kernel, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+                           **att, **common)
+    mamba = dict(mamba_n_heads=ssm_heads, mamba_d_head=ssm_head_dim, mamba_expand=2, mamba_d_state=state,
+                 mamba_n_groups=groups, mamba_d_conv=conv_kernel, mamba_chunk_size=chunk)
+    if kind == "bamba":
+        from transformers import BambaConfig
+
+        return BambaConfig(num_hidden_layers=3, attn_layer_indices=[1], intermediate_size=2 * hidden, **mamba, **att,
+                           **common)
+    if kind in ("granitemoehybrid", "granitemoehybrid_moe"):  # the latter with 4 routed experts (top 2)
+        from transformers import GraniteMoeHybridConfig
+
+        moe = dict(num_local_experts=4, num_experts_per_tok=2) if kind.endswith("_moe") else dict(num_local_experts=0)
+        return GraniteMoeHybridConfig(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                      shared_intermediate_size=2 * hidden, intermediate_size=2 * hidden, **moe,
+                                      **mamba, **att, **common)
+    if kind == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        # Nemotron-H's torch path is exact only within one chunk (ssm.py): a chunk longer than the test rows
+        chunk = max(chunk, 32)
+
+        return NemotronHConfig(layers_block_type=["mamba", "attention", "mlp", "mamba"], head_dim=hidden // heads,
+                               intermediate_size=2 * hidden, mamba_num_heads=ssm_heads, mamba_head_dim=ssm_head_dim,
+                               expand=2, ssm_state_size=state, n_groups=groups, conv_kernel=conv_kernel,
+                               chunk_size=chunk, hidden_dropout=0.0, **att, **common)
+    raise ValueError(f"kind: expected one of {SSM_KINDS}, got {kind!r}.")
+
+
+def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                   attn_implementation: str = "sdpa", exact: bool = True, **cfg_kwargs):
+    """A randomly initialised state-space ``*ForCausalLM`` from :func:`tiny_ssm_config`; deterministic per ``seed``.
+    With ``exact`` (default) and fp64, :func:`exact_fp64_ssm` makes the oracle keep fp64 end to end."""
+    if kind in ("mamba2", "mamba", "falcon_mamba"):
+        attn_implementation = "eager"  # no attention layers; transformers refuses sdpa for them
+    model = model_from_config(tiny_ssm_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    _perturb_vectors(model)
+    if exact and dtype == torch.float64:
+        exact_fp64_ssm(model)
+    return model
+
+
 #: ``kind`` names of :func:`tiny_window_config`: model families with sliding-window layers, sinks or soft-capping.
 WINDOW_KINDS = ("gpt_oss", "gemma2", "gemma3", "mistral")
 
@@ -178,4 +263,99 @@ def tiny_window_model(kind: str, *, dtype: torch.dtype = torch.float64, seed: in
     _perturb_vectors(model)
     if exact:
         exact_fp64_norms(model)
+    return model
+
+
+def tiny_llama4_config(*, layer_types: str = "default", chunk: int = 4, floor_scale: int = 2, layers: int = 4,
+                       vocab_size: int = 128, moe: bool = True, **kwargs):
+    """A tiny Llama 4 text config (``Llama4ForCausalLM``). ``layer_types="default"``: Llama 4's own pattern (RoPE
+    layers ``chunked_attention`` with ``attention_chunk_size = chunk``, every 4th layer NoPE ``full_attention`` with
+    the query temperature); ``"full"``: every layer ``full_attention`` (the NoPE layers keep their temperature).
+    ``floor_scale`` small (default 2) so the temperature varies within a few tokens (real models: 8192); weights
+    drawn with std 0.2 (``initializer_range``) so attention is far from uniform and each rule shows. ``moe``:
+    every layer a mixture of 2 experts (top-1, a shared expert), else dense MLPs."""
+    from transformers import Llama4TextConfig
+
+    extra = {"layer_types": ["full_attention"] * layers} if layer_types == "full" else {}
+    if not moe:
+        extra["moe_layers"] = []
+    return Llama4TextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=chunk,
+                            floor_scale=floor_scale, attn_scale=0.5, attention_dropout=0.0,
+                            initializer_range=kwargs.pop("initializer_range", 0.2), **extra, **kwargs)
+
+
+def tiny_llama4_model(*, dtype: torch.dtype = torch.float64, seed: int = 0, attn_implementation: str = "sdpa",
+                      **cfg_kwargs):
+    """A randomly initialised ``Llama4ForCausalLM`` of :func:`tiny_llama4_config`; in fp64 with Llama 4's fp32
+    casts (norms, router, rotary) kept in fp64 (:func:`~zorro_verl.testing.fp64.exact_fp64_llama4`)."""
+    from zorro_verl.testing.fp64 import exact_fp64_llama4
+
+    model = model_from_config(tiny_llama4_config(**cfg_kwargs), dtype, seed, attn_implementation)
+    _perturb_vectors(model)
+    if dtype == torch.float64:
+        exact_fp64_llama4(model)
+    return model
+
+
+#: ``kind`` names of :func:`tiny_mixer_config`: hybrids whose other sequence mixers are short convs (LFM2), lightning
+#: attention (MiniMax) or OLMo-hybrid's gated delta-net layout.
+MIXER_KINDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid")
+
+
+def tiny_mixer_config(kind: str, *, vocab_size: int = 128, hidden: int = 32, heads: int = 4, conv_kernel: int = 3,
+                      block_size: int = 4, linear_k_heads: int = 2, linear_v_heads: int = 4, linear_head_dim: int = 8):
+    """A small config, three layers (mixer, full attention, mixer), built offline:
+
+    * ``lfm2`` / ``lfm2_moe``: ``conv`` layers (short gated conv of kernel ``conv_kernel``, with bias for ``lfm2``);
+      LFM2-MoE with one dense layer first, then 4-expert top-2 MoE;
+    * ``minimax``: lightning-attention ``linear_attention`` layers (``block_size`` small, so rows cross blocks), a
+      4-expert top-2 MoE;
+    * ``olmo_hybrid``: OLMo-hybrid's gated delta-net (a conv per projection, ``allow_neg_eigval``), ``linear_v_heads >
+      linear_k_heads`` exercises the key-head repeat.
+    """
+    att = dict(vocab_size=vocab_size, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads // 2,
+               max_position_embeddings=4096, tie_word_embeddings=False, attention_dropout=0.0, num_hidden_layers=3)
+    if kind in ("lfm2", "lfm2_moe"):
+        types = ["conv", "full_attention", "conv"]
+        if kind == "lfm2":
+            from transformers import Lfm2Config
+
+            return Lfm2Config(layer_types=types, intermediate_size=2 * hidden, block_auto_adjust_ff_dim=False,
+                              conv_L_cache=conv_kernel, conv_bias=True, **att)
+        from transformers import Lfm2MoeConfig
+
+        return Lfm2MoeConfig(layer_types=types, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+                             num_experts=4, num_experts_per_tok=2, num_dense_layers=1, conv_L_cache=conv_kernel,
+                             **att)
+    types = ["linear_attention", "full_attention", "linear_attention"]
+    if kind == "minimax":
+        from transformers import MiniMaxConfig
+
+        return MiniMaxConfig(layer_types=types, intermediate_size=hidden, num_local_experts=4, num_experts_per_tok=2,
+                             block_size=block_size, head_dim=hidden // heads, **att)
+    if kind == "olmo_hybrid":
+        from transformers import OlmoHybridConfig
+
+        return OlmoHybridConfig(layer_types=types, intermediate_size=2 * hidden, linear_num_key_heads=linear_k_heads,
+                                linear_num_value_heads=linear_v_heads, linear_key_head_dim=linear_head_dim,
+                                linear_value_head_dim=linear_head_dim, linear_conv_kernel_dim=conv_kernel + 1,
+                                pad_token_id=0, eos_token_id=1, **att)
+    raise ValueError(f"kind: expected one of {MIXER_KINDS}, got {kind!r}.")
+
+
+def tiny_mixer_model(kind: str, *, dtype: torch.dtype = torch.float64, seed: int = 0,
+                     attn_implementation: str = "sdpa", exact: bool = True, **cfg_kwargs):
+    """A randomly initialised ``*ForCausalLM`` of :func:`tiny_mixer_config`; deterministic per ``seed``. With
+    ``exact`` and fp64, the norms, routers and delta-net decays keep fp64 (:func:`exact_fp64_norms`,
+    :func:`exact_fp64_hybrid`)."""
+    model = model_from_config(tiny_mixer_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    # OLMo-hybrid creates A_log in fp32 whatever the model dtype: an fp32 gradient, summed in a different order by
+    # the ordinary and the deduplicated backward, would differ by fp32 rounding (~1e-7)
+    model.to(dtype)
+    _perturb_vectors(model)
+    if exact and dtype == torch.float64:
+        exact_fp64_norms(model)
+        exact_fp64_hybrid(model)
     return model

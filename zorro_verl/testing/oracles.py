@@ -57,7 +57,7 @@ def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def dense_mask(plan, window: int | None = None) -> torch.Tensor:
+def dense_mask(plan, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """The full attention mask of a plan's packed row. O(T^2): tests and tiny batches only.
 
     Uses the plan's core fields only: ``T``, ``G``, ``B``, ``row_group [B]``, ``prompt_start [G]``,
@@ -68,13 +68,14 @@ def dense_mask(plan, window: int | None = None) -> torch.Tensor:
     Returns:
         ``[T, T] bool``: ``mask[q, k]`` is True iff ``k <= q``, ``q`` and ``k`` belong to the same group, ``k``
         is a prompt token or lies in ``q``'s own segment (its prompt, or its own response), and (with a window)
-        ``pos[q] - pos[k] < window`` (transformers' sliding-window rule).
+        ``pos[q] - pos[k] < window`` (transformers' sliding-window rule), (with a ``chunk``)
+        ``pos[q] // chunk == pos[k] // chunk`` (transformers' ``chunked_overlay``, Llama 4).
 
     Raises:
         ValueError: the prompt and response segments do not tile ``[0, T)`` exactly once.
     """
     if getattr(plan, "tree", None) is not None:
-        return _tree_dense_mask(plan, window)
+        return _tree_dense_mask(plan, window, chunk)
     T, G, B = int(plan.T), int(plan.G), int(plan.B)
     dev = plan.prompt_start.device
     # Segments 0..G-1 are the prompts, G..G+B-1 the responses (of rows 0..B-1).
@@ -99,15 +100,24 @@ def dense_mask(plan, window: int | None = None) -> torch.Tensor:
     same_group = group[:, None] == group[None, :]
     visible = is_prompt[None, :] | (seg[:, None] == seg[None, :])  # key is a prompt token, or in q's own segment
     mask = causal & same_group & visible
-    if window is not None:
+    if window is not None or chunk is not None:
         seg_pos0 = torch.cat([torch.zeros(G, dtype=torch.long, device=dev), plan.prompt_lens.long()[plan.row_group]])
         pos = torch.empty(T, dtype=torch.long, device=dev)
         pos[tok] = seg_pos0[seg_of] + torch.arange(total, device=dev) - _excl_cumsum(lens)[seg_of]
-        mask = mask & (pos[:, None] - pos[None, :] < window)
+        mask = _position_rule(mask, pos, window, chunk)
     return mask
 
 
-def _tree_dense_mask(plan, window: int | None = None) -> torch.Tensor:
+def _position_rule(mask: torch.Tensor, pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """``mask [T, T]`` and the window / chunk rule on the packed tokens' row positions ``pos [T]``."""
+    if window is not None:
+        mask = mask & (pos[:, None] - pos[None, :] < window)
+    if chunk is not None:
+        mask = mask & (pos[:, None] // chunk == pos[None, :] // chunk)
+    return mask
+
+
+def _tree_dense_mask(plan, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """:func:`dense_mask` of a prefix-tree plan from its ancestor table: ``mask[q, k]`` iff ``k``'s node is an
     ancestor of ``q``'s node, or the same node and ``k <= q`` (and ``pos_q - pos_k < window``: a node's positions
     continue from its ancestors). The nodes must tile ``[0, T)`` exactly once."""
@@ -128,17 +138,17 @@ def _tree_dense_mask(plan, window: int | None = None) -> torch.Tensor:
     ar = torch.arange(T, device=dev)
     same = node[:, None] == node[None, :]
     mask = is_anc & (~same | (ar[None, :] <= ar[:, None]))
-    if window is not None:
+    if window is not None or chunk is not None:
         pos = tree.node_pos0[node] + ar - starts[node]  # [T] position of each packed token in its rows
-        mask = mask & (pos[:, None] - pos[None, :] < window)
+        mask = _position_rule(mask, pos, window, chunk)
     return mask
 
 
 
 def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
                            window: int | None = None, sinks: torch.Tensor | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
-    """``softmax(cap(q k^T * scaling), masked by dense_mask(plan, window), with the sinks) v`` over the whole
+                           softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+    """``softmax(cap(q k^T * scaling), masked by dense_mask(plan, window, chunk), with the sinks) v`` over the whole
     packed row. O(T^2), tests only.
 
     Args:
@@ -149,6 +159,7 @@ def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         window: sliding window (``pos_q - pos_k < window``), or None.
         sinks: ``[Hq]`` sink logits (gpt-oss): an extra softmax column per head with no value, or None.
         softcap: ``c`` (Gemma 2): scores ``c * tanh(scores / c)`` before the mask, or None.
+        chunk: chunked attention (``pos_q // chunk == pos_k // chunk``, Llama 4), or None.
 
     Returns:
         ``[1, T, Hq, D]`` in ``q``'s dtype (the layout attention functions return).
@@ -166,7 +177,7 @@ def dense_attention_oracle(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     s = (q @ k.transpose(-1, -2)) * scaling
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~dense_mask(plan, window).to(q.device), float("-inf"))  # every token sees itself
+    s = s.masked_fill(~dense_mask(plan, window, chunk).to(q.device), float("-inf"))  # every token sees itself
     if sinks is None:
         return (torch.softmax(s, -1) @ v).transpose(1, 2)
     col = sinks.to(s.dtype).view(1, hq, 1, 1).expand(1, hq, T, 1)

@@ -12,7 +12,7 @@ from zorro_verl.testing.fp64 import _exact_normalized_router_forward, exact_fp64
 from zorro_verl.testing.models import _perturb_vectors
 
 __all__ = ["VLM_KINDS", "exact_fp64_vision", "tiny_vlm_config", "tiny_vlm_model", "VlmRow", "image",
-           "prompt_with_media", "vlm_batch", "ordinary_vlm_logprobs"]
+           "prompt_with_media", "agent_row", "vlm_batch", "ordinary_vlm_logprobs"]
 
 #: ``kind`` names of :func:`tiny_vlm_config`.
 VLM_KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
@@ -155,6 +155,18 @@ def prompt_with_media(parts: list) -> tuple:
     if not pix:
         return toks, None
     return toks, {"pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grids)}
+
+
+def agent_row(prompt_parts: list, response_parts: list) -> VlmRow:
+    """A multi-turn agent's row whose response may hold images too (a tool that returns an image):
+    ``prompt_parts`` / ``response_parts`` as :func:`prompt_with_media`'s ``parts`` -> a :class:`VlmRow` whose media
+    dict holds the prompt's images, then the response's, in placeholder order (as the Qwen-VL processors return a
+    whole conversation's; None without images)."""
+    prompt, pm = prompt_with_media(prompt_parts)
+    response, rm = prompt_with_media(response_parts)
+    parts = [m for m in (pm, rm) if m is not None]
+    media = {k: torch.cat([m[k] for m in parts]) for k in ("pixel_values", "image_grid_thw")} if parts else None
+    return VlmRow(prompt, response, media)
 
 
 def vlm_batch(rows: list) -> dict:

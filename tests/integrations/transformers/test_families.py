@@ -157,8 +157,9 @@ def test_refused_at_install():
     with pytest.raises(ValueError, match="bidirectional"):
         install_zorro(model)
     model = tiny_window_model("gemma3")
-    model.config.layer_types = ["sliding_attention", "chunked_attention", "full_attention"]
-    with pytest.raises(ValueError, match="chunked_attention"):
+    # a layer type zorro does not handle
+    model.config.layer_types = ["sliding_attention", "heavily_compressed_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layers of type \['heavily_compressed_attention'\]"):
         install_zorro(model)
     # a layer whose window disagrees with its layer type (the ordinary mask follows the type): probe refuses
     model = tiny_window_model("gpt_oss", window=4)

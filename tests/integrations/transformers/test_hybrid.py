@@ -219,7 +219,7 @@ def test_bypassed_linear_layer_is_caught():
     _, mod = hybrid.linear_attention_modules(model)[1]
     mod.forward = mod.__dict__.pop("_zorro_saved_forward")  # someone re-patched it after install
     batch = _batch(B=2, G=1, P=4, R=2)
-    with pytest.raises(ValueError, match="linear-attention layers but zorro's gated delta-net forward ran 1"):
+    with pytest.raises(ValueError, match="short-conv layers but zorro's recurrent forwards ran 1"):
         zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 2))
 
 
@@ -228,10 +228,10 @@ def test_unsupported_layer_type_raises_at_install():
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                      layer_types=["full_attention", "chunked_attention"])
+                      layer_types=["full_attention", "heavily_compressed_attention"])  # a type zorro does not handle
     model = AutoModelForCausalLM.from_config(cfg)
     prev = model.config._attn_implementation
-    with pytest.raises(ValueError, match="chunked_attention"):
+    with pytest.raises(ValueError, match="heavily_compressed_attention"):
         install_zorro(model)
     assert model.config._attn_implementation == prev
 

@@ -3,12 +3,15 @@ row, without verl: every rank of an SP group runs its slice of the padded row, e
 shards around the backend, runs the head at the rows it holds and all-gathers them (tests/support/ulysses_step.py).
 
 CPU: SP = 2 in two processes over gloo, fp64, backend ``sdpa``, modes ``none`` and ``memory``, models with 2 and with
-1 KV head (fewer KV heads than SP ranks), tiny gpt-oss (sliding windows, attention sinks sliced per rank's heads)
-and Gemma 2 (windows, soft-capping), a packed row of odd length, a 1-token and an empty response:
+1 KV head (fewer KV heads than SP ranks), tiny gpt-oss (sliding windows, attention sinks sliced per rank's heads),
+Gemma 2 (windows, soft-capping) and Llama 4 (chunk 4, the NoPE query temperature at floor_scale 2, applied from
+the rank's slice of the positions), a packed row of odd length, a 1-token and an empty response:
 log-probs, entropy and the gradient relative (Frobenius) <= 1e-12. Prefix trees and hybrid layers (the same two
 processes; SP = 4 in four more, the two tree cases): a tree over a shared system prompt, responses sharing their
 first tokens, an identical row and multi-output agent-loop samples with masked tool tokens on tiny Qwen3; Qwen3.5
-and Qwen3-Next (one key head: repeated before the exchange) with the prompt plan, Qwen3.5 with the tree (trees also
+and Qwen3-Next (one key head: repeated before the exchange), OLMo-hybrid (its three convs exchanged as one) and
+MiniMax (lightning-attention heads exchanged) with the prompt plan, LFM2 (short-conv channels exchanged) with the
+prompt plan and the tree, Qwen3.5 with the tree (trees also
 with per-row temperatures: outputs sharing a head row divide it by their own). SP vs the
 same plan without SP: relative (Frobenius) <= 1e-12; SP vs the ordinary per-row forward: log-probs / entropy
 <= 1e-12 abs, gradients per parameter (floored at 1e-6 of the largest) <= 1e-9 for attention-only models
@@ -27,7 +30,8 @@ from tests.support import HANG_TIMEOUT_S  # a hang guard, never a speed check
 FP64_TOL = 1e-12
 CASES = ("heads4", "heads2")
 MODES = ("none", "memory")
-TREE_CASES = ("tree_qwen3", "hybrid_qwen3_5", "hybrid_qwen3_next_k1", "hybrid_tree_qwen3_5")
+TREE_CASES = ("tree_qwen3", "hybrid_qwen3_5", "hybrid_qwen3_next_k1", "hybrid_tree_qwen3_5", "hybrid_olmo_hybrid",
+              "mixer_lfm2", "mixer_tree_lfm2", "mixer_minimax")
 ORACLE_ABS_TOL = 1e-12
 TREE_GRAD_TOL = 1e-9
 
@@ -64,7 +68,8 @@ def test_sp2_step_matches_whole_row_fp64(tmp_path):
             for mode in MODES:
                 err = r[case][mode]["sp_vs_ref"]
                 assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (case, mode, err)
-        for kind, modes in (("gpt_oss", MODES), ("gemma2", ("none",))):  # windows, sinks, soft-capping
+        # windows, sinks, soft-capping; Llama 4's chunks and NoPE query temperature
+        for kind, modes in (("gpt_oss", MODES), ("gemma2", ("none",)), ("llama4", ("none",))):
             for mode in modes:
                 err = r[kind][mode]["sp_vs_ref"]
                 assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (kind, mode, err)

@@ -3,7 +3,9 @@ the one model step (docs/design/attention.md, model-step.md).
 
 * :mod:`.attention` — the function registered as ``"zorro"`` in ``AttentionInterface``;
 * :mod:`.context` — :class:`StepContext` (plan, backend, :class:`LayerCalls`), the ``zorro_ctx`` kwarg;
-* :mod:`.hybrid` — gated delta-net layers of hybrid models (Qwen3.5, Qwen3-Next);
+* :mod:`.hybrid` — gated delta-net layers of hybrid models (Qwen3.5, Qwen3-Next, OLMo-hybrid);
+* :mod:`.ssm` — Mamba-2 layers (Mamba2, Bamba, Granite 4 hybrid, Nemotron-H);
+* :mod:`.mixers` — LFM2's short gated convs and MiniMax's lightning attention;
 * :mod:`.install` — :func:`install_zorro` / :func:`uninstall_zorro` and the checked packed forward;
 * :mod:`.step` — :func:`zorro_step`, used by every caller;
 * :mod:`.loading` — :func:`load_causal_lm`.

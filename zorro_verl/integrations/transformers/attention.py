@@ -14,8 +14,10 @@ import torch
 from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.attention.ulysses import ulysses_attend
 from zorro_verl.integrations.transformers.context import ModelMaskError, StepContext, require_context
+from zorro_verl.integrations.transformers.positions import apply_query_temperature
 
-__all__ = ["ZORRO_ATTN_NAME", "register_zorro_attention", "zorro_attention_forward"]
+__all__ = ["ZORRO_ATTN_NAME", "register_zorro_attention", "zorro_attention_forward", "layer_chunk",
+           "CHUNKED_ATTENTION"]
 
 ZORRO_ATTN_NAME = "zorro"
 
@@ -24,6 +26,26 @@ ZORRO_ATTN_NAME = "zorro"
 #: positions (zorro's come from the plan, which the step also passes as position_ids), cache and output switches.
 _INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
                            "output_hidden_states", "return_dict"})
+
+
+#: transformers' layer type of chunked local attention (Llama 4): a query sees the keys of its own chunk of
+#: ``config.attention_chunk_size`` positions (``create_chunked_causal_mask``), which transformers passes to the
+#: attention function only as a mask — zorro registers none, so the chunk is read from the layer's config.
+CHUNKED_ATTENTION = "chunked_attention"
+
+
+def layer_chunk(module: torch.nn.Module) -> Optional[int]:
+    """The chunk size of ``module``'s layer: ``config.attention_chunk_size`` when ``config.layer_types[layer_idx]``
+    is ``chunked_attention``, else None. Raises ``ValueError`` for a chunked layer without a chunk size."""
+    cfg, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(cfg, "layer_types", None)
+    if not types or not isinstance(idx, int) or idx >= len(types) or types[idx] != CHUNKED_ATTENTION:
+        return None
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk is None:
+        raise ValueError(f"model: layer {idx} is a chunked_attention layer but config.attention_chunk_size is None; "
+                         "set the chunk size the ordinary forward's mask uses.")
+    return chunk
 
 
 def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,7 +60,10 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     (attention logit soft-capping, Gemma 2) and ``s_aux`` (per-head sink logits ``[Hq]``, gpt-oss) become the
     layer's :class:`~zorro_verl.attention.AttentionFeatures`; ``dropout > 0``, a non-causal module
     (``module.is_causal`` False: bidirectional attention), ``is_causal=False``, ``output_attentions=True`` and any
-    keyword not known to be inert raise ``ValueError``.
+    keyword not known to be inert raise ``ValueError``. A ``chunked_attention`` layer (Llama 4) gets its chunk
+    from the module's config (:func:`layer_chunk`: transformers passes it only as a mask), and a query temperature
+    moved out of the module at install (Llama 4's NoPE layers, :mod:`.positions`) is applied here from each token's
+    own position.
 
     Args:
         query: ``[1, Hq, T, D]``; key/value: ``[1, Hkv, T, D]`` (RoPE / q-k-norm applied, GQA not expanded); under
@@ -81,7 +106,10 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          "This model is not supported by zorro.")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    features = AttentionFeatures(window=sliding_window, sinks=s_aux, softcap=softcap)
+    features = AttentionFeatures(window=sliding_window, sinks=s_aux, softcap=softcap, chunk=layer_chunk(module))
+    # Llama 4's NoPE query temperature, from each token's position in its own row (the module's own code would
+    # read the packed index; install_zorro switched that off: positions.fix_query_temperature)
+    query = apply_query_temperature(module, query, (plan if shard is None else shard).position_ids)
     ctx.calls.attention += 1
     ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling, module)
     if shard is not None:  # Ulysses: exchange sequence shards for head shards around the backend

@@ -33,8 +33,8 @@ class LayerCalls:
     attention: int = 0
     recurrent: int = 0
     fallbacks: dict = field(default_factory=dict)
-    #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling)``
-    #: — what the install probe reports and checks against the model's layer types.
+    #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling,
+    #: chunk | None)`` — what the install probe reports and checks against the model's layer types.
     features: list = field(default_factory=list)
     #: ``id()`` of every module that called the zorro attention in this forward (to name the ones that did not).
     callers: set = field(default_factory=set)
@@ -47,7 +47,8 @@ class LayerCalls:
         self.callers.clear()
 
     def record_features(self, layer_idx, features, scaling: float, module=None) -> None:
-        self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling))
+        self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling,
+                              features.chunk))
         if module is not None:
             self.callers.add(id(module))
 

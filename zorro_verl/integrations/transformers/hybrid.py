@@ -1,4 +1,5 @@
-"""Hybrid linear-attention models (Qwen3.5 dense/MoE, Qwen3-Next): zorro for their gated delta-net layers.
+"""Hybrid linear-attention models (Qwen3.5 dense/MoE, Qwen3-Next, OLMo-hybrid): zorro for their gated delta-net
+layers.
 
 These models interleave ``full_attention`` layers (they dispatch through the registered ``"zorro"`` attention) with
 ``linear_attention`` layers (``config.layer_types``), whose module mixes the sequence with a short causal conv and the
@@ -11,6 +12,11 @@ on GPU (then called varlen with ``cu_seqlens`` and one initial state per respons
 padded) — and ``causal_conv1d_fn`` (causal-conv1d on GPU, else torch's conv1d) over a context-expanded row
 (:func:`~zorro_verl.recurrent.packed_causal_conv`). On CUDA a missing fast kernel is warned about once per process and
 counted per layer call in the step's ``LayerCalls.fallbacks[<library>]``.
+
+OLMo-hybrid: separate ``q/k/v/a/b/g`` projections and a short conv module per ``q`` / ``k`` / ``v`` projection (fla's
+``ShortConvolution`` on GPU); being depthwise, the three are one conv over ``[q | k | v]`` with their weights stacked
+(:func:`deltanet_conv`), which zorro runs with torch's conv1d on every device (exact; fla's conv is not called).
+``beta`` is doubled where ``allow_neg_eigval``; ``o_norm`` / ``o_proj`` stand for ``norm`` / ``out_proj``.
 """
 
 from __future__ import annotations
@@ -39,11 +45,20 @@ __all__ = [
 
 LINEAR_ATTENTION = "linear_attention"
 
-#: Attributes every supported gated delta-net module has; plus one of the two projection layouts below.
-_COMMON_ATTRS = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "chunk_gated_delta_rule", "num_k_heads",
-                 "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_kernel_size")
+#: Attributes every supported gated delta-net module has; plus one of the projection layouts below (Qwen3.5 and
+#: Qwen3-Next: one conv over [q | k | v], ``norm``, ``out_proj``; OLMo-hybrid: a conv per projection, ``o_norm``,
+#: ``o_proj``, optionally ``beta`` doubled by ``allow_neg_eigval``).
+_COMMON_ATTRS = ("A_log", "dt_bias", "chunk_gated_delta_rule", "num_k_heads", "num_v_heads", "head_k_dim",
+                 "head_v_dim", "key_dim", "value_dim", "conv_kernel_size")
+_FUSED_CONV_ATTRS = ("conv1d", "norm", "out_proj")
 _LAYOUT_QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 _LAYOUT_QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
+_LAYOUT_OLMO_HYBRID = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj", "o_norm", "q_conv1d",
+                       "k_conv1d", "v_conv1d", "allow_neg_eigval")
+_SUPPORTED = "Qwen3.5 (dense/MoE), Qwen3-Next and OLMo-hybrid"
+#: Attributes of MiniMax's lightning attention (MiniMaxLightningAttention), run by :mod:`.mixers`.
+_LIGHTNING_ATTRS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate", "block_size",
+                    "num_attention_heads", "head_dim")
 _SILU = ("silu", "swish")
 _NO_FORWARD = object()  # marks "the instance had no forward of its own" for unwrap
 _warned_fallback: set = set()
@@ -54,10 +69,17 @@ def text_config(model):
     return getattr(cfg, "text_config", None) or cfg
 
 
-def linear_attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
-    """``[(layer_index, module)]`` of every ``linear_attention`` layer per ``config.layer_types`` (empty if none).
+def is_lightning_attention(mod) -> bool:
+    """Whether ``mod`` is a lightning attention module (MiniMax's layout), run by :mod:`.mixers`, not here."""
+    return isinstance(mod, torch.nn.Module) and all(hasattr(mod, a) for a in _LIGHTNING_ATTRS)
 
-    Raises ``ValueError`` when such a layer has no ``linear_attn`` module (an unknown hybrid layout).
+
+def linear_attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
+    """``[(layer_index, module)]`` of every gated delta-net ``linear_attention`` layer per ``config.layer_types``
+    (empty if none). Lightning-attention layers (MiniMax, :mod:`.mixers`) are not listed.
+
+    Raises ``ValueError`` when such a layer has neither a ``linear_attn`` module nor a lightning attention (an unknown
+    hybrid layout).
     """
     types_ = getattr(text_config(model), "layer_types", None) or []
     if LINEAR_ATTENTION not in types_:
@@ -68,28 +90,41 @@ def linear_attention_modules(model) -> list[tuple[int, torch.nn.Module]]:
                          "list; zorro cannot find them. This model is not supported by zorro.")
     out = []
     for i, t in enumerate(types_[: len(layers)]):
-        if t != LINEAR_ATTENTION:
+        if t != LINEAR_ATTENTION or is_lightning_attention(getattr(layers[i], "self_attn", None)):
             continue
         mod = getattr(layers[i], "linear_attn", None)
         if not isinstance(mod, torch.nn.Module):
             raise ValueError(f"model: layer {i} is a linear_attention layer without a `linear_attn` module; zorro "
-                             "supports the gated delta-net layers of Qwen3.5 / Qwen3-Next only.")
+                             f"supports the gated delta-net layers of {_SUPPORTED} and MiniMax's lightning "
+                             "attention only.")
         out.append((i, mod))
     return out
+
+
+def _layout(mod):
+    """The projection layout of a gated delta-net module (one of the ``_LAYOUT_*`` tuples) or None."""
+    for lay in (_LAYOUT_QWEN3_5, _LAYOUT_QWEN3_NEXT, _LAYOUT_OLMO_HYBRID):
+        if all(hasattr(mod, a) for a in lay):
+            return lay
+    return None
 
 
 def check_linear_attention_supported(model) -> list[tuple[int, torch.nn.Module]]:
     """Check every linear-attention module is a gated delta-net zorro can run; returns them. Raises ``ValueError``."""
     mods = linear_attention_modules(model)
     for i, mod in mods:
-        missing = [a for a in _COMMON_ATTRS if not hasattr(mod, a)]
-        layouts = [lay for lay in (_LAYOUT_QWEN3_5, _LAYOUT_QWEN3_NEXT) if all(hasattr(mod, a) for a in lay)]
-        if missing or not layouts:
+        layout = _layout(mod)
+        common = _COMMON_ATTRS + (_FUSED_CONV_ATTRS if layout is not _LAYOUT_OLMO_HYBRID else ())
+        missing = [a for a in common if not hasattr(mod, a)]
+        if missing or layout is None:
             raise ValueError(
                 f"model: linear-attention layer {i} ({type(mod).__name__}) is not a gated delta-net zorro knows "
                 f"(missing {missing or 'a known projection layout'}); running it over the packed row would let a "
-                "response see its siblings — refused. Supported: Qwen3.5 (dense/MoE) and Qwen3-Next.")
+                f"response see its siblings — refused. Supported: {_SUPPORTED}.")
         act = getattr(mod, "activation", "silu")
+        if layout is _LAYOUT_OLMO_HYBRID:
+            act = next((type(c.act_fn).__name__ for c in _olmo_convs(mod)
+                        if type(c.act_fn).__name__ not in ("SiLU", "SiLUActivation")), "silu")
         if act not in _SILU:
             raise ValueError(f"model: linear-attention layer {i} uses conv activation {act!r}; zorro supports "
                              f"{_SILU}.")
@@ -101,7 +136,11 @@ def is_wrapped(module: torch.nn.Module) -> bool:
 
 
 def wrap_linear_attention(model) -> int:
-    """Replace ``forward`` of each linear-attention module instance (idempotent). Returns how many are wrapped."""
+    """Replace ``forward`` of each linear-attention module instance (idempotent). Returns how many are wrapped.
+
+    OLMo-hybrid's decoder layer calls its delta-net without kwargs (:func:`passes_no_kwargs`): its layer instance
+    gets a context carrier from :func:`.mixers.wrap_mixers`, as Mamba-2 layers do (:mod:`.ssm`).
+    """
     mods = check_linear_attention_supported(model)
     for _, mod in mods:
         if is_wrapped(mod):
@@ -123,6 +162,12 @@ def unwrap_linear_attention(model) -> None:
             mod.forward = saved
 
 
+def passes_no_kwargs(mod) -> bool:
+    """Whether the family's decoder layer calls this delta-net without its kwargs (OLMo-hybrid), so the step context
+    must be handed over by a carrier on the layer."""
+    return _layout(mod) is _LAYOUT_OLMO_HYBRID
+
+
 def _uses_fla(fn) -> bool:
     return (getattr(fn, "__module__", "") or "").split(".")[0] == "fla"
 
@@ -139,17 +184,51 @@ def _report_fallback(calls: LayerCalls, library: str, consequence: str, pip_name
 def gated_deltanet_projections(mod, h: torch.Tensor):
     """Token-wise projections of the layer exactly as the model computes them.
 
-    Args: h ``[1, T, hidden]``. Returns ``mixed_qkv [T, C]`` (conv input), ``z [T, H, Dv]``, ``b``, ``a [T, H]``.
+    Args: h ``[1, T, hidden]``. Returns ``mixed_qkv [T, C]`` (conv input, channels ``[q | k | v]``), ``z [T, H,
+    Dv]`` (the output gate), ``b``, ``a [T, H]``.
     """
     T = h.shape[1]
     if hasattr(mod, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key-head group
         q, k, v, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(h), mod.in_proj_ba(h))
         mixed = torch.cat([x.reshape(1, T, -1) for x in (q, k, v)], -1)
-    else:  # Qwen3.5
+    elif hasattr(mod, "in_proj_qkv"):  # Qwen3.5
         mixed = mod.in_proj_qkv(h)
         z = mod.in_proj_z(h)
         b, a = mod.in_proj_b(h), mod.in_proj_a(h)
+    else:  # OLMo-hybrid: separate projections (each with its own conv; depthwise, so one conv over [q | k | v])
+        mixed = torch.cat([mod.q_proj(h), mod.k_proj(h), mod.v_proj(h)], -1)
+        z = mod.g_proj(h)
+        b, a = mod.b_proj(h), mod.a_proj(h)
     return mixed[0], z.reshape(T, -1, mod.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+
+
+def _olmo_convs(mod):
+    return mod.q_conv1d, mod.k_conv1d, mod.v_conv1d
+
+
+def deltanet_conv(mod):
+    """The layer's depthwise conv over ``[q | k | v]``: ``(weight [C, Kc], bias [C] | None)``. OLMo-hybrid's three
+    convs (one per projection) are one conv over the concatenated channels (a depthwise conv is per channel)."""
+    if hasattr(mod, "conv1d"):
+        return mod.conv1d.weight.squeeze(1), mod.conv1d.bias
+    convs = _olmo_convs(mod)
+    weight = torch.cat([c.weight.squeeze(1) for c in convs], 0)
+    bias = None if all(c.bias is None for c in convs) else torch.cat(
+        [c.bias if c.bias is not None else c.weight.new_zeros(c.weight.shape[0]) for c in convs])
+    return weight, bias
+
+
+def deltanet_beta(mod, b: torch.Tensor) -> torch.Tensor:
+    """``beta = sigmoid(b)`` ``[.., H]``, doubled where the layer allows negative eigenvalues (OLMo-hybrid)."""
+    beta = b.sigmoid()
+    return beta * 2.0 if getattr(mod, "allow_neg_eigval", False) else beta
+
+
+def deltanet_output(mod, core: torch.Tensor, z: torch.Tensor, n: int) -> torch.Tensor:
+    """The gated norm and output projection: ``core [n * H, Dv]``, ``z [n, H, Dv]`` -> ``[1, n, hidden]``."""
+    norm, out = (mod.norm, mod.out_proj) if hasattr(mod, "out_proj") else (mod.o_norm, mod.o_proj)
+    core = norm(core, z.reshape(-1, mod.head_v_dim))
+    return out(core.reshape(1, n, -1))
 
 
 def log_decay(mod, a: torch.Tensor) -> torch.Tensor:
@@ -179,7 +258,7 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
         ``[1, T, hidden]`` (``[1, L, hidden]`` under SP) equal, token for token, to the module's output on each
         ordinary row ``[prompt|response]``.
     """
-    ctx = require_context(zorro_ctx, "zorro linear attention")
+    ctx = require_context(zorro_ctx or self.__dict__.get("_zorro_layer_ctx"), "zorro linear attention")
     if cache_params is not None:
         raise ValueError("zorro linear attention: got a cache; zorro runs training forwards. Call the model with "
                          "use_cache=False.")
@@ -196,15 +275,15 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
     mixed, z, b, a = gated_deltanet_projections(self, hidden_states)  # [n, C], [n, Hv, Dv], [n, Hv], [n, Hv]
     conv_fn = getattr(self, "causal_conv1d_fn", None)
     if hidden_states.is_cuda:
-        if conv_fn is None:
+        if conv_fn is None and not passes_no_kwargs(self):  # OLMo-hybrid: torch's conv1d always (docstring)
             _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
                              "causal-conv1d")
         if not _uses_fla(self.chunk_gated_delta_rule):
             _report_fallback(ctx.calls, "flash-linear-attention", "the gated delta rule runs the torch fallback kernel "
                              "(exact but slow)", "flash-linear-attention")
-    beta = b.sigmoid()  # token-wise per head: computed before any exchange
+    beta = deltanet_beta(self, b)  # token-wise per head: computed before any exchange
     g = log_decay(self, a)  # [n, Hv]
-    weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [C, Kc], [C] | None
+    weight, bias = deltanet_conv(self)  # [C, Kc], [C] | None
     hk_l, hv_l, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim  # this rank's heads
     if shard is not None:  # Ulysses: sequence shards -> head shards around the conv and the recurrence
         mixed, weight, bias, g, beta, hk_l = _exchange_to_heads(self, mixed, weight, bias, g, beta, shard)
@@ -221,8 +300,7 @@ def zorro_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params
     core = packed_gated_delta_rule(kernel, q, k, v, g, beta, plan, varlen=_uses_fla(kernel))  # [T, Hv_l, Dv]
     if shard is not None:
         core = heads_to_sequence(core, shard)  # [L, Hv, Dv]
-    core = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
-    return self.out_proj(core.reshape(1, n, -1))
+    return deltanet_output(self, core.reshape(-1, dv), z, n)
 
 
 def _exchange_to_heads(mod, mixed: torch.Tensor, weight: torch.Tensor, bias, g: torch.Tensor, beta: torch.Tensor,

@@ -1,9 +1,12 @@
 """Switching a Hugging Face model to zorro, and the one checked model call on a packed row (docs/design/model-step.md).
 
 * :func:`install_zorro` sets the model's attention to the registered ``"zorro"`` function, wraps gated delta-net
-  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), and — with ``probe`` — checks with a tiny forward
-  that every decoder layer's sequence mixing goes through zorro. Any other layer type, or a model that does not
-  dispatch through ``ALL_ATTENTION_FUNCTIONS``, raises here, never silently.
+  (``linear_attention``) layers of hybrid models (:mod:`.hybrid`), Mamba-2 (``mamba``) layers (:mod:`.ssm`), LFM2's
+  short convs (``conv``) and MiniMax's lightning attention (:mod:`.mixers`), moves Llama 4's NoPE query temperature
+  into zorro's attention (:mod:`.positions`), and — with ``probe`` — checks with a tiny forward that every decoder
+  layer's sequence mixing goes through zorro and that every module's output on the packed row equals its output on
+  each row alone. Any other layer type, a model that does not dispatch through ``ALL_ATTENTION_FUNCTIONS``, or a
+  layer that reads the packed row (its length, packed indices, a mask over it), raises here, never silently.
 * :func:`forward_packed` is the only place a model runs on a packed row: it zeroes the step's counters, calls the
   root module (so FSDP hooks and any final processing run as in the stock forward) and checks that every attention
   and linear-attention layer ran through zorro exactly once.
@@ -13,24 +16,27 @@ Model-agnostic: nothing is patched by class name.
 
 from __future__ import annotations
 
-import inspect
 import re
 
 import torch
 
-from zorro_verl.integrations.transformers import hybrid, vision
-from zorro_verl.integrations.transformers.attention import ZORRO_ATTN_NAME, register_zorro_attention
+from zorro_verl.integrations.transformers import hybrid, mixers, positions, ssm, vision
+from zorro_verl.integrations.transformers.attention import CHUNKED_ATTENTION, ZORRO_ATTN_NAME, register_zorro_attention
 from zorro_verl.integrations.transformers.context import ACTIVE, LayerCalls, ModelMaskError, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.packing import build_plan
 
 __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_calls", "check_layer_calls",
-           "forward_packed", "expected_windows", "check_windows", "probe_report"]
+           "forward_packed", "expected_windows", "expected_chunks", "check_windows", "probe_report", "PROBE_RTOL"]
 
-#: config.layer_types entries zorro handles: full and sliding-window attention (registered function) and linear
-#: attention (hybrid.py).
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION)
+#: config.layer_types entries zorro handles: full, sliding-window and chunked attention (registered function;
+#: ``attention`` is the state-space hybrids' name for full attention), linear attention (gated delta-nets: hybrid.py;
+#: MiniMax's lightning attention: mixers.py), Mamba-2 (ssm.py), LFM2's short convs (mixers.py) and the token-wise
+#: MLP / MoE layers of Nemotron-H (no sequence mixing).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION, "attention")
+_TOKENWISE_LAYER_TYPES = ("mlp", "moe")
+_HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, mixers.SHORT_CONV,
+                        *_TOKENWISE_LAYER_TYPES)
 
 
 def is_installed(model) -> bool:
@@ -38,9 +44,9 @@ def is_installed(model) -> bool:
 
 
 def expected_layer_calls(model) -> tuple[int, int]:
-    """``(attention layers, linear-attention layers)`` one forward must run through zorro: the ``full_attention``
-    and ``sliding_attention`` entries of ``config.layer_types`` when the config lists them, else
-    ``num_hidden_layers``."""
+    """``(attention layers, recurrent layers)`` one forward must run through zorro: the attention entries of
+    ``config.layer_types`` when the config lists them, else ``num_hidden_layers``; the recurrent ones are the
+    ``linear_attention`` (gated delta-net, lightning attention), ``mamba`` (Mamba-2) and ``conv`` (LFM2) layers."""
     cfg = hybrid.text_config(model)
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
@@ -48,7 +54,8 @@ def expected_layer_calls(model) -> tuple[int, int]:
                          "supports decoder-only language models.")
     types = getattr(cfg, "layer_types", None)
     attn = sum(t in _ATTENTION_LAYER_TYPES for t in types[:n]) if types else n
-    return attn, len(hybrid.linear_attention_modules(model))
+    return attn, (len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
+                  + len(mixers.short_conv_modules(model)) + len(mixers.lightning_modules(model)))
 
 
 def _check_layer_types(model) -> None:
@@ -62,6 +69,8 @@ def _check_layer_types(model) -> None:
                 f"{list(_HANDLED_LAYER_TYPES)} are handled). Running them over the packed row would let one response "
                 "see its siblings — refused. Use a model whose layers are all of the handled types.")
     hybrid.check_linear_attention_supported(model)
+    ssm.check_mamba_supported(model)
+    mixers.check_mixers_supported(model)
     cfg = hybrid.text_config(model)
     drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
     if drop:
@@ -92,39 +101,62 @@ def expected_windows(model) -> dict:
     return {i: window for i in range(n)}
 
 
+def expected_chunks(model) -> dict:
+    """``{layer_idx: chunk | None}`` of the attention layers: ``config.attention_chunk_size`` on
+    ``chunked_attention`` layers (transformers' ``create_chunked_causal_mask``), None elsewhere; empty without
+    ``config.layer_types``."""
+    cfg = hybrid.text_config(model)
+    types = getattr(cfg, "layer_types", None) or []
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    return {i: (chunk if t == CHUNKED_ATTENTION else None) for i, t in enumerate(types[:cfg.num_hidden_layers])
+            if t in _ATTENTION_LAYER_TYPES}
+
+
 def check_windows(model, calls: LayerCalls) -> None:
-    """Every attention call's window equals the one its layer type gives (:func:`expected_windows`); raises
-    ``ValueError`` otherwise — the ordinary forward's mask follows the layer types, zorro follows the call."""
-    expect = expected_windows(model)
-    for i, (layer, window, *_) in enumerate(calls.features):
+    """Every attention call's window and chunk equal the ones its layer type gives (:func:`expected_windows`,
+    :func:`expected_chunks`); raises ``ValueError`` otherwise — the ordinary forward's mask follows the layer types,
+    zorro follows the call."""
+    expect, chunks = expected_windows(model), expected_chunks(model)
+    for i, (layer, window, *rest) in enumerate(calls.features):
         layer = i if layer is None else layer
         if layer in expect and window != expect[layer]:
             raise ValueError(f"model: attention layer {layer} passed sliding_window={window} but its layer type "
                              f"gives {expect[layer]} (config.layer_types / config.sliding_window); the ordinary "
                              "forward's mask and zorro would differ. This model is not supported by zorro.")
+        chunk = rest[3] if len(rest) > 3 else None
+        if layer in chunks and chunk != chunks[layer]:
+            raise ValueError(f"model: attention layer {layer} ran with attention chunk {chunk} but its layer type "
+                             f"gives {chunks[layer]} (config.layer_types / config.attention_chunk_size; zorro reads "
+                             "the chunk from the attention module's config and layer_idx); the ordinary forward's "
+                             "mask and zorro would differ. This model is not supported by zorro.")
 
 
 def probe_report(model, calls: LayerCalls) -> dict:
     """What one forward's attention calls received, checked against the model's layer types.
 
     Returns ``{"attention_layers", "linear_attention_layers", "sliding_window" ({layer: window} of the windowed
-    layers), "sinks" (layers with sink logits), "attn_logit_softcapping" ({layer: cap}), "scaling" (sorted distinct
-    values), "final_logit_softcapping"}``. Raises ``ValueError`` when a layer's window differs from the one its
-    layer type gives (the ordinary forward's mask follows the layer types; zorro follows the call)."""
+    layers), "attention_chunk" ({layer: chunk} of the chunked layers), "sinks" (layers with sink logits),
+    "attn_logit_softcapping" ({layer: cap}), "scaling" (sorted distinct values), "query_temperature" (names of the
+    modules whose NoPE query temperature zorro applies from the plan's positions), "final_logit_softcapping"}``.
+    Raises ``ValueError`` when a layer's window or chunk differs from the one its layer type gives (the ordinary
+    forward's mask follows the layer types; zorro follows the call)."""
     check_windows(model, calls)
-    windows, sinks, caps, scales = {}, [], {}, set()
-    for i, (layer, window, has_sinks, cap, scaling) in enumerate(calls.features):
+    windows, chunks, sinks, caps, scales = {}, {}, [], {}, set()
+    for i, (layer, window, has_sinks, cap, scaling, chunk) in enumerate(calls.features):
         layer = i if layer is None else layer
         if window is not None:
             windows[layer] = window
+        if chunk is not None:
+            chunks[layer] = chunk
         if has_sinks:
             sinks.append(layer)
         if cap is not None:
             caps[layer] = cap
         scales.add(scaling)
     attn, rec = expected_layer_calls(model)
-    return {"attention_layers": attn, "linear_attention_layers": rec, "sliding_window": windows, "sinks": sinks,
-            "attn_logit_softcapping": caps, "scaling": sorted(scales),
+    return {"attention_layers": attn, "linear_attention_layers": rec, "sliding_window": windows,
+            "attention_chunk": chunks, "sinks": sinks, "attn_logit_softcapping": caps, "scaling": sorted(scales),
+            "query_temperature": [name for name, _ in positions.temperature_layers(model)],
             "final_logit_softcapping": getattr(hybrid.text_config(model), "final_logit_softcapping", None)}
 
 
@@ -201,9 +233,9 @@ def check_layer_calls(model, calls: LayerCalls) -> None:
             "way), so the deduplicated forward would be wrong. This model is not supported by zorro.")
     if calls.recurrent != rec:
         raise ValueError(
-            f"model: {rec} linear-attention layers but zorro's gated delta-net forward ran {calls.recurrent} times; a "
-            "linear-attention module was bypassed or replaced after install_zorro. Call install_zorro(model) again "
-            "after changing the model.")
+            f"model: {rec} linear-attention / mamba / short-conv layers but zorro's recurrent forwards ran "
+            f"{calls.recurrent} times; a linear-attention, Mamba or short-conv module was bypassed or replaced after "
+            "install_zorro. Call install_zorro(model) again after changing the model.")
     check_windows(model, calls)
 
 
@@ -241,18 +273,25 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
 
 
 def install_zorro(model, *, probe: bool = True) -> dict | None:
-    """Switch ``model`` to zorro attention (idempotent) and, with ``probe``, verify every layer dispatches to it.
+    """Switch ``model`` to zorro attention (idempotent) and, with ``probe``, verify it computes what the ordinary
+    forward computes.
 
-    The probe is a no-grad forward of a 2-row, 1-group batch of a few tokens. Raises ``ValueError`` (restoring the
-    model's previous attention) when a layer would bypass zorro or its features disagree with its layer types.
-    Returns the probe's :func:`probe_report` (the model features it saw: windows, sinks, soft-caps, scalings), also
-    kept as ``model.zorro_features``; None without the probe. Verl's engines install without the probe (it would
-    call submodules outside the FSDP root's forward) and rely on the check of every :func:`forward_packed`.
+    The probe (:func:`_probe`) runs a tiny batch — three rows of 5, 7 and 7 tokens, two sharing a prompt — once
+    through the model's ordinary forward row by row and once through zorro's packed row, no grad, recording every
+    module's output; it raises ``ValueError`` (restoring the model's previous attention) when a layer bypasses zorro,
+    its features disagree with its layer types, or a module's output on the packed row differs from its output on
+    the rows alone (a layer reading the packed row's length, packed indices or a mask over it). Returns the probe's
+    :func:`probe_report` (the model features it saw: windows, chunks, sinks, soft-caps, scalings), also kept as
+    ``model.zorro_features``; None without the probe. Verl's engines install without the probe (it would call
+    submodules outside the FSDP root's forward) and rely on the check of every :func:`forward_packed`.
     """
     register_zorro_attention()
     _check_layer_types(model)
     if is_installed(model):
+        positions.fix_query_temperature(model)  # idempotent
         hybrid.wrap_linear_attention(model)  # idempotent
+        ssm.wrap_mamba(model)
+        mixers.wrap_mixers(model)
         return getattr(model, "zorro_features", None)
     if probe and not vision.is_multimodal(model):
         _check_default_positions(model)
@@ -260,20 +299,29 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
     model._zorro_previous_sub_attn = vision.sub_attention(model)
     model._zorro_previous_text_attn = getattr(getattr(model.config, "text_config", None), "_attn_implementation",
                                               None)
+    batch = _probe_batch(model) if probe else None
+    reference = None
+    if probe:
+        try:
+            reference = _probe_reference(model, batch)
+        finally:
+            _restore_attention(model)
     # a vision-language model: its language model runs zorro, its vision tower keeps its own attention
     model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
     if not is_installed(model):  # transformers declined (it only warns): the model's attention is not pluggable
-        mixers = _unpluggable_modules(model) or _mixer_modules(model)
+        names = _unpluggable_modules(model) or _mixer_modules(model)
         raise ValueError(
             "model: its attention does not dispatch through transformers' AttentionInterface (module "
-            f"{mixers[0] if mixers else type(model).__name__} computes attention itself; transformers keeps "
+            f"{names[0] if names else type(model).__name__} computes attention itself; transformers keeps "
             f"attn_implementation={model.config._attn_implementation!r} on {type(model).__name__}), so zorro cannot "
             "reach it. zorro runs models whose attention calls ALL_ATTENTION_FUNCTIONS (the README's model table); "
             "this model is not supported by zorro.")
     try:
+        positions.fix_query_temperature(model)
         hybrid.wrap_linear_attention(model)
-        report = _probe(model) if probe else None
-        _check_position_ids(model)
+        ssm.wrap_mamba(model)
+        mixers.wrap_mixers(model)
+        report = _probe(model, batch, reference) if probe else None
     except Exception:
         uninstall_zorro(model)
         raise
@@ -308,53 +356,143 @@ def _check_default_positions(model) -> None:
             "the positions 0..L-1; the two forwards would differ. This model is not supported by zorro.")
 
 
-def _check_position_ids(model) -> None:
-    """Refuse a model whose forward takes no ``position_ids``: it numbers the packed row's tokens 0..T-1 itself, so
-    each response would sit at the wrong distance from its prompt (and its siblings)."""
-    from transformers import PreTrainedModel
-
-    # the transformers model itself, under any wrapper (PEFT, FSDP) whose forward passes keywords on
-    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    if hf is None:
-        return
-    for mod in (hf, hf.base_model):
-        params = inspect.signature(mod.forward).parameters
-        named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        # a pass-through wrapper (``*args, **kwargs`` only, e.g. a decoder wrapper or a patched forward) tells
-        # nothing; a forward that names its inputs but not position_ids drops them
-        if named and "position_ids" not in params:
-            raise ValueError(
-                f"model: {type(mod).__name__}.forward takes no position_ids (it numbers the tokens of its input "
-                "itself), so on the packed row each response would get the wrong positions. zorro needs a model "
-                "whose forward takes position_ids; this model is not supported by zorro.")
-
-
 def uninstall_zorro(model) -> None:
-    """Restore the attention implementation (and linear-attention forwards) the model had before
-    :func:`install_zorro`."""
+    """Restore the attention implementation (and linear-attention forwards, and the modules' own query
+    temperature) the model had before :func:`install_zorro`."""
     hybrid.unwrap_linear_attention(model)
+    ssm.unwrap_mamba(model)
+    positions.restore_query_temperature(model)
+    mixers.unwrap_mixers(model)
     if is_installed(model):
-        previous = getattr(model, "_zorro_previous_attn", None) or "sdpa"
-        subs = getattr(model, "_zorro_previous_sub_attn", None) or {}
-        if subs:  # a vision-language model: install switched its language model (text_config) too
-            text = getattr(model, "_zorro_previous_text_attn", None) or previous
-            model.set_attn_implementation({"": previous, "text_config": text, **subs})
-        else:
-            model.set_attn_implementation(previous)
+        _restore_attention(model)
 
 
-def _probe(model) -> None:
+def _restore_attention(model) -> None:
+    previous = getattr(model, "_zorro_previous_attn", None) or "sdpa"
+    subs = getattr(model, "_zorro_previous_sub_attn", None) or {}
+    if subs:  # a vision-language model: install switched its language model (text_config) too
+        text = getattr(model, "_zorro_previous_text_attn", None) or previous
+        model.set_attn_implementation({"": previous, "text_config": text, **subs})
+    else:
+        model.set_attn_implementation(previous)
+
+
+#: The probe's tolerance on ``max|packed - row| / max(1, max|row|)`` per module output, by the model's dtype. The two
+#: sides are the same math in a different order (split attention vs each row's own; the reference attention may be
+#: transformers' eager, whose softmax some families take in fp32: ~1e-7 relative), so a correct model stays at
+#: rounding: fp64 ~1e-15 (1e-7 with an fp32 softmax), fp32 ~1e-6, bf16/fp16 a few units of their 2^-8 / 2^-11
+#: spacing. A layer that reads the packed row (a response seeing a sibling, a per-position quantity read at the packed
+#: index) moves its output by a visible fraction of its scale on this batch — Llama 4's query temperature, unfixed,
+#: by 6e-3 at floor_scale = 2 on the tiny test model. In half precision only such gross differences are caught.
+PROBE_RTOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def _probe_batch(model) -> dict:
+    """Three rows ``[prompt A (3) | 2]``, ``[prompt A | 4]``, ``[prompt B (4) | 3]`` (lengths 5, 7, 7; packed row
+    16 tokens: the second response and prompt B sit at packed indices past their row positions), verl's layout
+    (left-padded prompts, right-padded responses)."""
     emb = model.get_input_embeddings()
-    vocab = emb.weight.shape[0]
-    ids = (torch.arange(10, device=emb.weight.device) % max(vocab - 1, 1) + 1).view(2, 5)
-    ids[:, :3] = ids[0, :3]  # one shared 3-token prompt, two 2-token responses
-    plan = build_plan(ids, None, 2)
+    dev, vocab = emb.weight.device, emb.weight.shape[0]
+    tok = lambda n, at: torch.arange(at, at + n, device=dev) % max(vocab - 1, 1) + 1  # noqa: E731
+    Pw, R = 4, 4
+    ids = torch.zeros(3, Pw + R, dtype=torch.long, device=dev)
+    mask = torch.zeros_like(ids)
+    a, b = tok(3, 0), tok(4, 5)
+    for row, (prompt, r, at) in enumerate(((a, 2, 11), (a, 4, 15), (b, 3, 21))):
+        ids[row, Pw - len(prompt):Pw], mask[row, Pw - len(prompt):Pw] = prompt, 1
+        ids[row, Pw:Pw + r], mask[row, Pw:Pw + r] = tok(r, at), 1
+    return {"plan": build_plan(ids, mask, R), "rows": [ids[i][mask[i].bool()] for i in range(3)]}
+
+
+class _Recorder:
+    """Forward hooks on every submodule: the first tensor output of each call whose dims are ``[1, seq_len, ...]``
+    (the sequence axis second), detached, per module name in firing order."""
+
+    def __init__(self, model):
+        self.model, self.seq_len, self.out, self.handles = model, None, {}, []
+
+    def __enter__(self):
+        for name, mod in self.model.named_modules():
+            if name:
+                self.handles.append(mod.register_forward_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, name):
+        def hook(mod, args, output):
+            x = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == self.seq_len:
+                self.out.setdefault(name, []).append(x.detach())
+        return hook
+
+
+def _eager_reference(model) -> str:
+    """The attention the probe's per-row reference runs: the model's own unless it is a kernel path that may skip
+    a feature (transformers' SDPA path drops Gemma 2's soft-cap; flash / flex): then transformers' eager one."""
+    prev = getattr(model, "_zorro_previous_attn", None) or "sdpa"
+    return "eager" if any(k in prev for k in ("sdpa", "flash", "flex", "paged")) else prev
+
+
+def _probe_reference(model, batch) -> list:
+    """Every row of the probe batch alone through the model's ordinary forward: ``[{module: [outputs]}]``."""
+    model.set_attn_implementation(vision.zorro_attention_request(model, _eager_reference(model)))
+    was_training = model.training
+    model.eval()
+    rows = []
+    try:
+        with torch.no_grad(), _Recorder(model) as rec:
+            for ids in batch["rows"]:
+                rec.seq_len, rec.out = ids.numel(), {}
+                model(input_ids=ids[None], use_cache=False)
+                rows.append(rec.out)
+    finally:
+        model.train(was_training)
+    return rows
+
+
+def _probe(model, batch, reference) -> dict:
+    from zorro_verl.attention.standard import row_index
+
+    plan = batch["plan"]
     was_training = model.training
     model.eval()
     ctx = StepContext(plan, "sdpa")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _Recorder(model) as rec:
+            rec.seq_len = plan.T
             forward_packed(model, ctx, logits_to_keep=plan.logit_index)
     finally:
         model.train(was_training)
-    return probe_report(model, ctx.calls)
+    report = probe_report(model, ctx.calls)
+    ri = row_index(plan)["row_index"]  # [B, Lmax]: packed index of each row position
+    rtol = PROBE_RTOL.get(model.get_input_embeddings().weight.dtype, 5e-2)
+    for name, packed in rec.out.items():
+        for b, row in enumerate(reference):
+            if len(row.get(name, ())) != len(packed):
+                continue  # a module called differently by zorro's path (a wrapped delta-net's internals)
+            idx = ri[b, :batch["rows"][b].numel()]
+            for x, y in zip(packed, row[name]):
+                x = x[0, idx]
+                if x.shape != y[0].shape:
+                    continue
+                err = (x - y[0]).abs().max().item()
+                scale = max(1.0, y.abs().max().item())
+                if not err <= rtol * scale:
+                    # the first module (in hook order: innermost first) whose output differs; its parent is named
+                    # too (an attention function is no module: its difference first shows in the o_proj after it)
+                    where = f"{name} ({type(model.get_submodule(name)).__name__}"
+                    if "." in name:
+                        parent = name.rsplit(".", 1)[0]
+                        where += f", in {parent} ({type(model.get_submodule(parent)).__name__})"
+                    raise ValueError(
+                        f"model: install probe: module {where}) gives a different output on "
+                        f"zorro's packed row than on each row alone (row {b}: max difference {err:.3g}, "
+                        f"{err / scale:.3g} of its scale, tolerance {rtol:g} for {y.dtype}). The layer reads the "
+                        "packed row — its length, packed token indices or a mask over it — instead of each token's own "
+                        "row and position, so the deduplicated forward would train a different function. This model "
+                        "is not supported by zorro (a half-precision model whose difference is rounding: install it "
+                        "in fp32 to check).")
+    return report

@@ -41,6 +41,8 @@ from zorro_verl.integrations.transformers.hybrid import (
     text_config,
 )
 from zorro_verl.integrations.transformers.lora import lora_unsupported
+from zorro_verl.integrations.transformers.mixers import mixers_sp_unsupported
+from zorro_verl.integrations.transformers.ssm import mamba_sp_unsupported
 from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
 from zorro_verl.integrations.transformers.vision import is_multimodal
 from zorro_verl.integrations.verl.common import ZorroActorMixin, setup_unsupported
@@ -147,12 +149,16 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
 
     def _zorro_model_unsupported(self):
         """Static refusals that need the built model: LoRA adapters with dropout, attention or gated delta-net head
-        counts Ulysses cannot shard; the ``memory`` logits mode computes the head as ``F.linear(hidden,
-        weight, bias)`` and needs the head's output returned unchanged as the logits."""
+        counts Ulysses cannot shard, Mamba layers / LFM2 short-conv channels / MiniMax lightning heads Ulysses cannot
+        shard; the ``memory`` logits mode computes the head as ``F.linear(hidden, weight, bias)`` and needs the
+        head's output returned unchanged as the logits."""
         reason = lora_unsupported(self.module)
         if reason is not None:
             return reason
         sp = self.ulysses_sequence_parallel_size
+        reason = mamba_sp_unsupported(self.module, sp) or mixers_sp_unsupported(self.module, sp)
+        if reason is not None:
+            return reason
         if sp > 1:
             cfg = text_config(self.module)
             try:

@@ -1,0 +1,301 @@
+"""State-space models, ZoRRo vs the ordinary per-row forward: Mamba-2 — Mamba2 (pure), Bamba, Granite 4 hybrid
+(granitemoehybrid), Nemotron-H (hybrids with attention) — and Mamba v1 — Mamba, FalconMamba (pure), Jamba (hybrid).
+
+Tolerances:
+
+* fp64 (``exact_fp64_ssm`` oracle: the family's per-row forward with the scan, norms and logits kept in fp64, the same
+  scan kernel as zorro's): log-probs / entropy within ``1e-12`` absolute (measured 1.8e-15 / 3.6e-15);
+  gradients per parameter ``max|Δ|/max|ref| <= 1e-12`` (measured <= 3.3e-15; zorro chunks the scan differently — a
+  prompt and each response are separate kernel sequences — so they differ by rounding only).
+* fp32 with the stock transformers forward (its own torch SSD / sequential-scan path, no swaps): zorro's error vs the
+  fp64 oracle must be at most 2x (log-probs, entropy) / 3x (gradients) the error of the ordinary fp32 forward vs the
+  same oracle (docs/design/testing.md).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.recurrent.test_recurrent import _batch
+from zorro_verl.integrations.transformers import (
+    LayerCalls,
+    expected_layer_calls,
+    install_zorro,
+    is_installed,
+    ssm,
+    uninstall_zorro,
+    zorro_step,
+)
+from zorro_verl.packing import build_plan
+from zorro_verl.testing import (
+    SSM_KINDS,
+    batch_from_rows,
+    exact_fp64_ssm,
+    grads_of,
+    max_rel_grad_error,
+    ordinary_logprobs,
+    shared_system_rows,
+    tiny_model,
+    tiny_ssm_model,
+)
+
+LP_ABS_TOL = 1e-12
+GRAD_REL_TOL = 1e-12
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster than two and does not spin on a shared, busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _grads(model, lp, ent):
+    model.zero_grad(set_to_none=True)
+    (lp.sum() + 0.3 * ent.sum()).backward()  # entropy weighted so its gradient path counts separately
+    return grads_of(model)
+
+
+def _oracle(model, batch, R):
+    lp, ent = ordinary_logprobs(model, batch["input_ids"], batch["attention_mask"], R, calculate_entropy=True)
+    return lp.detach(), ent.detach(), _grads(model, lp, ent)
+
+
+def _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref, calls=None):
+    lp, ent = zorro_step(model, plan, calculate_entropy=True, calls=calls)
+    g_z = _grads(model, lp, ent)
+    assert (lp - lp_ref).abs().max().item() < LP_ABS_TOL
+    assert (ent - ent_ref).abs().max().item() < LP_ABS_TOL
+    assert set(g_z) == set(g_ref) and len(g_ref) == len(list(model.parameters()))
+    for name, ref in g_ref.items():
+        assert ref.abs().max().item() > 0, name  # every parameter matters
+        err, _ = max_rel_grad_error({name: ref}, {name: g_z[name]})
+        assert err <= GRAD_REL_TOL, (name, err)
+
+
+CASES = {
+    # B, G, P, R: interleaved siblings, 1-token and empty responses (create_dummy_batch add_padding + shuffle)
+    "mixed": dict(B=6, G=2, P=11, R=7),
+    "short_prompts": dict(B=5, G=2, P=2, R=5),  # prompts shorter than the conv context (zeros before them)
+    "long": dict(B=3, G=1, P=70, R=66),  # prompts and responses cross many 8-token scan chunks
+}
+
+
+@pytest.mark.parametrize("kind,case", [(k, "mixed") for k in SSM_KINDS] + [("bamba", "short_prompts"),
+                                                                          ("mamba2", "long"),
+                                                                          ("falcon_mamba", "short_prompts")])
+def test_zorro_equals_ordinary_fp64(kind, case):
+    c = CASES[case]
+    batch = _batch(B=c["B"], G=c["G"], P=c["P"], R=c["R"], seed=11)
+    R = c["R"]
+    model = tiny_ssm_model(kind, seed=1)
+    model.train()
+    lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"])
+    assert plan.N == lp_ref.numel() and plan.T < plan.ordinary_tokens
+    calls = LayerCalls()
+    _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref, calls)
+    attn, rec = expected_layer_calls(model)
+    assert calls.recurrent == rec == 2
+    assert calls.attention == attn == (0 if kind in ("mamba2", "mamba", "falcon_mamba") else 1)
+    assert not calls.fallbacks
+
+
+@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba"])
+def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
+    """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
+    nodes shorter than the conv context, vs the ordinary per-row forward. The scan state runs from each node's
+    parent's final state; each node's conv context spans its ancestors."""
+    from tests.attention.test_tree_backends import branching_rows
+
+    rows = shared_system_rows(2, 2, system_len=9, question_len=2, response_len=5, vocab_size=100, seed=5)
+    rows += branching_rows(depth=3, width=2, turn=2, seed=6)  # 2-token nodes: the conv context spans ancestors
+    batch = batch_from_rows(rows)
+    R = batch["responses"].shape[1]
+    model = tiny_ssm_model(kind, seed=1)
+    model.train()
+    lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
+    assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
+    _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
+
+
+@pytest.mark.parametrize("kind", ["bamba", "nemotron_h"])
+def test_gradient_checkpointing_fp64(kind):
+    """Checkpointed layers re-run the wrapped forward: Bamba's layers pass the context kwarg to the mixer, Nemotron-H's
+    layer carrier hands it over again on the recompute. Same values and gradients."""
+    batch = _batch(B=4, G=2, P=6, R=4, seed=2)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], 4)
+    model = tiny_ssm_model(kind, seed=2)
+    model.train()
+    install_zorro(model)
+    lp0, ent0 = zorro_step(model, plan, calculate_entropy=True)
+    g0 = _grads(model, lp0, ent0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lp, ent = zorro_step(model, plan, calculate_entropy=True)
+    g1 = _grads(model, lp, ent)
+    assert (lp - lp0).abs().max().item() == 0 and (ent - ent0).abs().max().item() == 0
+    assert max_rel_grad_error(g0, g1)[0] < 1e-14
+
+
+def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
+    """Mamba2's backbone passes no kwargs to its blocks: a recomputed block could not find its plan — refused."""
+    batch = _batch(B=3, G=1, P=5, R=3)
+    model = tiny_ssm_model("mamba2", seed=0)
+    model.train()
+    install_zorro(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="whose model does not pass zorro's step context"):
+        zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 3))
+
+
+# ---------------------------------------------------------------------------------------------------- fp32
+@pytest.mark.parametrize("kind", SSM_KINDS)
+def test_zorro_fp32_stock_forward(kind):
+    """fp32, transformers' own torch path (its chunked SSD, norms, casts; no swaps) — what runs on a CPU host."""
+    # ~80 response tokens: the 2x rule compares two maxima of rounding noise, which over fewer tokens scatter
+    # (measured on 30 tokens: FalconMamba's ratio 0.9x to 2.5x over seeds, with zorro's scan rounding as the stock one)
+    batch = _batch(B=8, G=2, P=10, R=12, seed=4)
+    R = 12
+    m32 = tiny_ssm_model(kind, dtype=torch.float32, seed=3, exact=False)
+    m64 = copy.deepcopy(m32).to(torch.float64)
+    exact_fp64_ssm(m64)
+    for m in (m32, m64):
+        m.train()
+    lp64, ent64, g64 = _oracle(m64, batch, R)
+    lp_o, ent_o, g_o = _oracle(m32, batch, R)
+    install_zorro(m32)
+    lp_z, ent_z = zorro_step(m32, build_plan(batch["input_ids"], batch["attention_mask"], R), calculate_entropy=True)
+    g_z = _grads(m32, lp_z, ent_z)
+    up = lambda g: {n: t.double() for n, t in g.items()}  # noqa: E731
+    ref_lp, z_lp = (lp_o.double() - lp64).abs().max().item(), (lp_z.double() - lp64).abs().max().item()
+    ref_ent, z_ent = (ent_o.double() - ent64).abs().max().item(), (ent_z.double() - ent64).abs().max().item()
+    ref_g, z_g = max_rel_grad_error(g64, up(g_o))[0], max_rel_grad_error(g64, up(g_z))[0]
+    # The fp64 oracle computes the stock model's function (sanity of exact_fp64_ssm's written-out forward).
+    assert 0 < ref_lp < 1e-5 and 0 < ref_ent < 1e-5
+    assert z_lp <= 2 * ref_lp and z_ent <= 2 * ref_ent, (z_lp, ref_lp, z_ent, ref_ent)
+    assert z_g <= 3 * ref_g, (z_g, ref_g)
+
+
+# ---------------------------------------------------------------------------------------------------- install / errors
+def test_install_wraps_instances_and_uninstall_restores():
+    model = tiny_ssm_model("nemotron_h", seed=4)
+    batch = _batch(B=3, G=1, P=5, R=3)
+    before, _ = ordinary_logprobs(model, batch["input_ids"], batch["attention_mask"], 3)
+    mods = ssm.mamba_modules(model)
+    saved = [m.__dict__["forward"] for _, _, m in mods]  # the exact oracle's instance forward
+    root_saved = model.__dict__["forward"]
+    assert [i for i, _, _ in mods] == [0, 3] and expected_layer_calls(model) == (1, 2)
+    keys = list(model.state_dict())
+    install_zorro(model)
+    install_zorro(model)  # idempotent
+    assert is_installed(model) and all(ssm.is_wrapped(m) and ssm.is_wrapped(lay) for _, lay, m in mods)
+    assert list(model.state_dict()) == keys  # the carriers hold their mixer without registering it again
+    cls = type(mods[0][2])
+    assert cls.forward.__name__ == "forward"  # class untouched
+    with pytest.raises(ValueError, match="without zorro's step context"):
+        mods[0][2](torch.zeros(1, 3, 32, dtype=torch.float64))
+    uninstall_zorro(model)
+    assert not is_installed(model) and not any(ssm.is_wrapped(m) or ssm.is_wrapped(lay) for _, lay, m in mods)
+    assert all(m.__dict__["forward"] is f for (_, _, m), f in zip(mods, saved))
+    assert model.__dict__["forward"] is root_saved and "forward" not in mods[0][1].__dict__
+    after, _ = ordinary_logprobs(model, batch["input_ids"], batch["attention_mask"], 3)
+    assert torch.equal(before, after)
+
+
+def test_unknown_mamba_mixer_refused_by_name():
+    model = tiny_ssm_model("bamba", seed=0)
+    prev = model.config._attn_implementation
+    del model.model.layers[2].mamba.D  # no longer a Mamba-2 mixer zorro knows
+    with pytest.raises(ValueError, match=r"is not a Mamba-2 mixer zorro knows \(missing \['D'\]"):
+        install_zorro(model)
+    assert model.config._attn_implementation == prev and not ssm.is_wrapped(model.model.layers[0].mamba)
+
+
+@pytest.mark.parametrize("kind", ["falcon_h1", "zamba2"])
+def test_parallel_hybrid_layers_refused(kind):
+    """Falcon-H1 (attention and Mamba-2 side by side in one layer, muP multipliers) and Zamba2 (shared attention
+    blocks) have ``hybrid`` layers: refused by their layer type."""
+    import transformers as T
+
+    if kind == "falcon_h1":
+        cfg = T.FalconH1Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                               mamba_d_state=8, mamba_chunk_size=8, intermediate_size=32)
+    else:
+        cfg = T.Zamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4,
+                             layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], chunk_size=8)
+    cfg._attn_implementation = "eager"
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="'hybrid'"):
+        install_zorro(model)
+
+
+def test_sp2_mamba2_fp64(tmp_path):
+    """Mamba-2 under Ulysses SP = 2 (two processes over gloo, tests/support/ulysses_step.py): each rank runs the conv
+    and the scan of its heads over the whole deduplicated row; Bamba with 2 B / C groups (one per rank), Mamba2 with 1
+    (repeated per head before the exchange), Bamba with a prefix tree; logits modes none and memory. SP vs the same
+    plan without SP <= 1e-12 (relative, Frobenius); vs the ordinary per-row forward: log-probs / entropy <= 1e-12
+    abs, every gradient <= 1e-12 relative."""
+    from tests.support import HANG_TIMEOUT_S
+    from tests.support.multi_rank import run_ranks
+
+    for r in run_ranks("tests.support.ulysses_step", 2, ["cpu", "ssm"], tmp_path, HANG_TIMEOUT_S):
+        assert set(r) >= {"bamba_g2", "mamba2_g1", "bamba_tree"} and r["bamba_tree"]["tree"]
+        for case in ("bamba_g2", "mamba2_g1", "bamba_tree"):
+            for mode in ("none", "memory"):
+                err, orc = r[case][mode]["sp_vs_ref"], r[case][mode]["sp_vs_oracle"]
+                assert max(err["log_probs"], err["entropy"], err["grads"]) <= 1e-12, (case, mode, err)
+                assert max(orc["log_probs_max_abs"], orc["entropy_max_abs"]) <= LP_ABS_TOL, (case, mode, orc)
+                assert orc["grad_per_param"] <= GRAD_REL_TOL, (case, mode, orc)
+
+
+def test_ulysses_refusals_by_name():
+    """Mamba v1 layers, and Mamba-2 heads SP does not divide, are refused (the FSDP engine asks at initialisation)."""
+    assert ssm.mamba_sp_unsupported(tiny_ssm_model("bamba", seed=0), 2) is None  # 4 heads
+    assert "must divide the Mamba-2 heads (num_heads = 4)" in ssm.mamba_sp_unsupported(
+        tiny_ssm_model("bamba", seed=0), 8)
+    assert "Mamba (v1) layers under Ulysses sequence parallelism" in ssm.mamba_sp_unsupported(
+        tiny_ssm_model("jamba", seed=0), 2)
+    assert ssm.mamba_sp_unsupported(tiny_model(), 2) is None  # no mamba layers: nothing to refuse
+
+
+def test_nemotron_h_torch_path_is_chunk_dependent_so_long_rows_are_refused():
+    """transformers' torch path of Nemotron-H's mixer changes with its chunk size on a 20-token row (Bamba's, the same
+    recurrence, does not): it is not the Mamba-2 recurrence across chunks. zorro computes the recurrence, so without
+    the fused kernels it refuses rows longer than one chunk (and is exact within one, tests above)."""
+    h = torch.randn(2, 20, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    spread = {}
+    for kind in ("nemotron_h", "bamba"):
+        m = tiny_ssm_model(kind, seed=3, exact=False)
+        mix = ssm.mamba_modules(m)[0][2]
+        outs = []
+        for chunk in (8, 40):
+            mix.chunk_size = chunk
+            outs.append(mix.torch_forward(h))
+        spread[kind] = (outs[0] - outs[1]).abs().max().item()
+    assert spread["bamba"] < 1e-6 < 1e-5 < spread["nemotron_h"], spread
+    model = tiny_ssm_model("nemotron_h", seed=0)  # chunk_size 32
+    install_zorro(model)
+    batch = _batch(B=2, G=1, P=20, R=14)
+    with pytest.raises(ValueError, match="crosses one, so no deduplicated forward can equal"):
+        zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 14))
+
+
+def test_fused_path_with_grouped_norm_refused_where_the_torch_norm_is_not_grouped():
+    """On CUDA with mamba-ssm the stock mixer runs mamba_split_conv1d_scan_combined, whose gated norm is per group of
+    intermediate / n_groups channels; the torch path's norm module (which zorro runs) is grouped only for Nemotron-H.
+    The check (called on that path) refuses the others with n_groups > 1."""
+    for kind, groups, refused in (("bamba", 2, True), ("bamba", 1, False), ("mamba2", 2, True),
+                                  ("nemotron_h", 2, False)):
+        mix = ssm.mamba_modules(tiny_ssm_model(kind, seed=0, groups=groups))[0][2]
+        reason = ssm.fused_path_unsupported(mix)
+        assert (reason is not None) == refused, (kind, groups, reason)
+        if refused:
+            assert "normalises the scan output per group" in reason
