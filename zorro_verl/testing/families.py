@@ -46,6 +46,8 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_v3": _MLA,
     "bamba": dict(**_MAMBA2, attn_layer_indices=[1]),
     "granitemoehybrid": dict(**_MAMBA2, layer_types=["mamba", "attention"]),
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1,
+                       moe_shared_expert_intermediate_size=32),
     "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
                          laurel_rank=4, intermediate_size=64, altup_num_inputs=2, activation_sparsity_pattern=None),
     "codegen": dict(rotary_dim=4),
@@ -68,8 +70,8 @@ OVERRIDES: dict[str, dict] = {
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),
 }
 
-#: Families that take seconds each even tiny (their torch gated delta rule in fp64; one short batch like all).
-SLOW: frozenset = frozenset({"roc_bert", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
+#: Families that take seconds each even tiny (torch gated delta rule / Mamba-2 scan in fp64; one short batch like all).
+SLOW: frozenset = frozenset({"bamba", "nemotron_h", "roc_bert", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
 
 #: model_type -> outcome (module docstring). Layer types zorro does not handle yet (Zamba's and Falcon-H1's ``hybrid``
 #: layers, DeepSeek-V4's compressed attention) are ``refused:step.layer_types``: flip an entry to ``exact`` when zorro
