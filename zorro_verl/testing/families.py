@@ -71,7 +71,8 @@ OVERRIDES: dict[str, dict] = {
 }
 
 #: Families that take seconds each even tiny (torch gated delta rule / Mamba-2 scan in fp64; one short batch like all).
-SLOW: frozenset = frozenset({"bamba", "nemotron_h", "roc_bert", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
+SLOW: frozenset = frozenset({"bamba", "nemotron_h", "roc_bert", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
+                             "qwen3_5_text", "qwen3_next"})
 
 #: model_type -> outcome (module docstring). Layer types zorro does not handle yet (Zamba's and Falcon-H1's ``hybrid``
 #: layers, DeepSeek-V4's compressed attention) are ``refused:step.layer_types``: flip an entry to ``exact`` when zorro
