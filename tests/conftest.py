@@ -26,6 +26,12 @@ def pytest_terminal_summary(terminalreporter):
     for kind, vals in (getattr(fam, "WORST", None) or {}).items():
         worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())
         terminalreporter.write_line(f"zorro vs ordinary (fp64, tiny {kind}), worst: {worst}")
+    allf = sys.modules.get("tests.integrations.transformers.test_all_families")
+    if getattr(allf, "WORST", None):
+        w = allf.WORST
+        worst = {k: max((r[k][0] if k == "grad rel" else r[k]) for r in w.values()) for k in next(iter(w.values()))}
+        terminalreporter.write_line(f"zorro vs each family's own per-row forward (fp64, {len(w)} exact families), "
+                                    "worst: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     vis = sys.modules.get("tests.integrations.transformers.test_vision")
     for (kind, sharing), vals in (getattr(vis, "WORST", None) or {}).items():
         worst = ", ".join(f"{k} {v:.2e}" for k, v in vals.items())

@@ -352,6 +352,21 @@ REFUSALS: tuple[Refusal, ...] = (
             "layers of Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model",
             _HF + "install",
             "do not mix the sequence through zorro"),
+    Refusal("step.no_attention_interface", _STEP, "models whose attention does not dispatch through transformers' "
+            "`AttentionInterface` (e.g. Falcon, GPT-J, BLOOM, MPT, RWKV, RecurrentGemma)", "the module computes "
+            "attention itself; transformers cannot set `attn_implementation` on it, so zorro cannot reach it",
+            "model", _HF + "install", "its attention does not dispatch through transformers' AttentionInterface"),
+    Refusal("step.mixer_bypasses", _STEP, "a sequence mixer that runs beside the attention interface on a model whose "
+            "attention is pluggable", "the probe counts fewer zorro attention calls than attention layers; the module "
+            "named would mix the packed row unseparated", "model", _HF + "install",
+            "mixes the sequence without transformers' AttentionInterface"),
+    Refusal("step.model_mask", _STEP, "a model that builds its attention's mask itself (e.g. Doge's dynamic mask, "
+            "GLM-MoE-DSA's sparse index mask)", "a learned or content-dependent mask zorro cannot reproduce on the "
+            "packed row", "model", _HF + "install", "hands its attention a mask it builds itself"),
+    Refusal("step.own_positions", _STEP, "a model whose own positions for a row are not 0, 1, 2, ... (RoBERTa-style "
+            "embeddings: CamemBERT, XLM-R, Data2Vec-Text, ...)", "zorro numbers every row from 0; checked by the "
+            "install probe (one row with and without `position_ids`)", "model", _HF + "install",
+            "numbers a row's tokens other than 0, 1, 2, ..."),
     Refusal("step.packed_row_reader", _STEP, "a layer whose output on zorro's packed row differs from its output on "
             "each row alone (the install probe: it reads the packed length, packed indices or a mask over the packed "
             "row)", "the deduplicated forward would train a different function", "model", _HF + "install",
@@ -411,6 +426,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "PEFT prompt learning"),
     Refusal("step.hybrid_layers", _STEP, "`linear_attention` layers zorro cannot find (no `layers` list)",
             "they would run over the packed row unseparated", "model", _HF + "hybrid", "has no `layers` list"),
+    Refusal("step.hybrid_no_module", _STEP, "`linear_attention` layers without a `linear_attn` module",
+            "zorro wraps only the linear-attention modules it knows", "model",
+            _HF + "hybrid", "is a linear_attention layer without a `linear_attn` module"),
     Refusal("step.hybrid_unknown", _STEP, "linear-attention modules other than the gated delta-nets of Qwen3.5 / "
             "Qwen3-Next / OLMo-hybrid and MiniMax's lightning attention",
             "a response would see its siblings' state", "model", _HF + "hybrid",

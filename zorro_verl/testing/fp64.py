@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 __all__ = ["exact_fp64_norms", "exact_fp64_hybrid", "exact_fp64_ssm", "exact_fp64_llama4", "FP64_EAGER",
-           "register_fp64_eager_attention"]
+           "register_fp64_eager_attention", "KeepFp64", "to_fp64"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -400,3 +400,49 @@ def register_fp64_eager_attention() -> None:
 
     AttentionInterface.register(FP64_EAGER, fp64_eager_attention)
     AttentionMaskInterface.register(FP64_EAGER, eager_mask)
+
+
+class KeepFp64(torch.overrides.TorchFunctionMode):
+    """A torch-function mode in which every request for fp32 gets fp64 (test oracles only; the model in fp64).
+
+    transformers' model code upcasts to fp32 where its dtype is lower (norms, routers, softmaxes, rotary tables,
+    recurrences): in an fp64 model each such cast rounds to fp32, and the ordinary and the deduplicated forward,
+    whose sums run in different orders (~1e-16 apart), come out ~1e-8 apart after it — rounding, not zorro. Under
+    this mode the same code runs those steps in fp64: ``Tensor.float()``, ``Tensor.to(torch.float32)`` (positional,
+    ``dtype=`` or an fp32 tensor argument), ``Tensor.type(torch.float32)``, ``Tensor.type_as(fp32 tensor)`` and any
+    call with ``dtype=torch.float32`` (factories, softmax) give fp64; the default dtype is fp64 inside. Every other
+    call is unchanged. The generic counterpart of the per-module swaps above (:func:`exact_fp64_norms`), for the
+    every-family test, whose models are built and run entirely in fp64 (:func:`to_fp64`).
+    """
+
+    def __enter__(self):
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._default)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fp32, fp64 = torch.float32, torch.float64
+        if kwargs.get("dtype") is fp32:
+            kwargs = {**kwargs, "dtype": fp64}
+        if func is torch.Tensor.float:
+            return args[0].to(fp64)
+        if func is torch.Tensor.to:
+            args = tuple(fp64 if a is fp32 else
+                         (a.to(fp64) if isinstance(a, torch.Tensor) and a.dtype == fp32 else a) for a in args)
+        elif func is torch.Tensor.type and args[1:2] == (fp32,):
+            return args[0].to(fp64)
+        elif func is torch.Tensor.type_as and args[1].dtype == fp32:
+            return args[0].to(fp64)
+        return func(*args, **kwargs)
+
+
+def to_fp64(model):
+    """Every floating parameter and buffer of ``model`` in fp64 (modules transformers keeps in fp32, rotary
+    frequency tables), so that under :class:`KeepFp64` no fp32 tensor is left to meet an fp64 one. Returns
+    ``model``."""
+    return model.to(torch.float64)

@@ -13,7 +13,7 @@ import torch
 
 from zorro_verl.attention import AttentionFeatures, attend
 from zorro_verl.attention.ulysses import ulysses_attend
-from zorro_verl.integrations.transformers.context import StepContext, require_context
+from zorro_verl.integrations.transformers.context import ModelMaskError, StepContext, require_context
 from zorro_verl.integrations.transformers.positions import apply_query_temperature
 
 __all__ = ["ZORRO_ATTN_NAME", "register_zorro_attention", "zorro_attention_forward", "layer_chunk",
@@ -74,11 +74,12 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Returns:
         ``([1, T, Hq, D], None)`` (``[1, L, Hq, D]``, this rank's slice, under sequence parallelism).
     """
-    ctx = require_context(zorro_ctx, "zorro attention")
+    ctx = require_context(zorro_ctx, f"zorro attention ({type(module).__name__})")
     plan = ctx.plan
     if attention_mask is not None:
-        raise ValueError("zorro attention: got an attention_mask; the model built a mask although zorro registers "
-                         "none. Call the model without attention_mask (the plan carries the structure).")
+        raise ModelMaskError(f"zorro attention ({type(module).__name__}): got an attention_mask; the model built a "
+                             "mask although zorro registers none. Call the model without attention_mask (the plan "
+                             "carries the structure).")
     shard = ctx.shard
     length = plan.T if shard is None else shard.local_len
     if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != length:
@@ -95,7 +96,10 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if kwargs.get("output_attentions"):
         raise ValueError("zorro attention: output_attentions=True is not supported (zorro never materialises the "
                          "attention weights). Call the model with output_attentions=False.")
-    unknown = sorted(set(kwargs) - _INERT_KWARGS - {"is_causal", "output_attentions"})
+    # encoder_hidden_states=None: a decoder with optional cross-attention (BERT-style is_decoder) running
+    # self-attention; a tensor there is cross-attention and is refused as unknown below
+    unknown = sorted(k for k in set(kwargs) - _INERT_KWARGS - {"is_causal", "output_attentions"}
+                     if not (k == "encoder_hidden_states" and kwargs[k] is None))
     if unknown:
         raise ValueError(f"zorro attention: {type(module).__name__} passed keyword(s) {unknown} that zorro does not "
                          "know; they may change the attention's math, so they are refused rather than ignored. "
@@ -111,7 +115,7 @@ def zorro_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         low = torch.get_autocast_dtype(device_type)  # (q / k can leave a norm + RoPE in fp32 while v is low)
         query, key, value = query.to(low), key.to(low), value.to(low)
     ctx.calls.attention += 1
-    ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling)
+    ctx.calls.record_features(getattr(module, "layer_idx", None), features, scaling, module)
     if shard is not None:  # Ulysses: exchange sequence shards for head shards around the backend
         return ulysses_attend(plan, ctx.backend, shard, query, key, value, scaling, features), None
     return attend(plan, ctx.backend, query, key, value, scaling, features), None

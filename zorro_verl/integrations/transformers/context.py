@@ -8,6 +8,7 @@ opaque object is passed by reference, so the counts made inside the model reach 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from zorro_verl.attention import get_backend
@@ -15,7 +16,12 @@ from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["LayerCalls", "StepContext", "require_context"]
+__all__ = ["LayerCalls", "StepContext", "require_context", "MissingContextError", "ModelMaskError", "ACTIVE"]
+
+#: The context of the model call in progress (set by ``install.forward_packed`` around the call): what a sequence
+#: mixer uses when a module on its way dropped the ``zorro_ctx`` kwarg (a decoder layer without ``**kwargs``
+#: pass-through, e.g. StableLM's). Thread- and task-local; empty outside a zorro model call.
+ACTIVE: ContextVar = ContextVar("zorro_step_context", default=None)
 
 
 @dataclass
@@ -30,16 +36,21 @@ class LayerCalls:
     #: Per attention call, in call order: ``(layer_idx | None, window | None, sinks?, softcap | None, scaling,
     #: chunk | None)`` — what the install probe reports and checks against the model's layer types.
     features: list = field(default_factory=list)
+    #: ``id()`` of every module that called the zorro attention in this forward (to name the ones that did not).
+    callers: set = field(default_factory=set)
 
     def reset(self) -> None:
         self.attention = 0
         self.recurrent = 0
         self.fallbacks.clear()
         self.features.clear()
+        self.callers.clear()
 
-    def record_features(self, layer_idx, features, scaling: float) -> None:
+    def record_features(self, layer_idx, features, scaling: float, module=None) -> None:
         self.features.append((layer_idx, features.window, features.sinks is not None, features.softcap, scaling,
                               features.chunk))
+        if module is not None:
+            self.callers.add(id(module))
 
 
 class StepContext:
@@ -83,12 +94,24 @@ class StepContext:
         return {} if self.media is None else self.media.model_kwargs()
 
 
+class MissingContextError(ValueError):
+    """A sequence mixer ran outside a zorro model call: neither the ``zorro_ctx`` kwarg nor :data:`ACTIVE`."""
+
+
+class ModelMaskError(ValueError):
+    """The zorro attention received an attention mask although zorro registers no mask function: the model built
+    one itself. The install probe turns it into a refusal naming the module."""
+
+
 def require_context(ctx, who: str) -> StepContext:
-    """The ``zorro_ctx`` kwarg a sequence mixer received: a :class:`StepContext`, or a clear error naming ``who``."""
+    """The ``zorro_ctx`` kwarg a sequence mixer received (or, when a module on the way dropped it, the context of the
+    zorro model call in progress, :data:`ACTIVE`): a :class:`StepContext`, or a clear error naming ``who``."""
     if ctx is None:
-        raise ValueError(f"{who}: called without zorro's step context (the `zorro_ctx` kwarg is missing). Run the "
-                         "model through zorro_verl.integrations.transformers.zorro_step, or uninstall zorro "
-                         "(uninstall_zorro(model)) for an ordinary forward.")
+        ctx = ACTIVE.get()
+    if ctx is None:
+        raise MissingContextError(f"{who}: called without zorro's step context (the `zorro_ctx` kwarg is missing). "
+                                  "Run the model through zorro_verl.integrations.transformers.zorro_step, or "
+                                  "uninstall zorro (uninstall_zorro(model)) for an ordinary forward.")
     if not isinstance(ctx, StepContext):
         raise TypeError(f"zorro_ctx: expected a StepContext, got {type(ctx).__name__}.")
     return ctx

@@ -17,12 +17,13 @@ Model-agnostic: nothing is patched by class name.
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 
 from zorro_verl.integrations.transformers import hybrid, mixers, positions, ssm, vision
 from zorro_verl.integrations.transformers.attention import CHUNKED_ATTENTION, ZORRO_ATTN_NAME, register_zorro_attention
-from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
+from zorro_verl.integrations.transformers.context import ACTIVE, LayerCalls, ModelMaskError, StepContext
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.packing import build_plan
 
@@ -160,12 +161,72 @@ def probe_report(model, calls: LayerCalls) -> dict:
             "final_logit_softcapping": getattr(hybrid.text_config(model), "final_logit_softcapping", None)}
 
 
+#: Class names of modules that mix a sequence (attention, state-space / recurrent mixers, convolutions): used only to
+#: *name* a module in a refusal, never to decide one.
+_MIXER_NAME = re.compile(r"attention|attn|mixer|mamba|ssm|recurren|rwkv|lstm|rnn|retention|conv", re.I)
+
+
+def _is_mixer_name(name: str) -> bool:
+    return bool(_MIXER_NAME.search(name)) and not name.endswith(("ForCausalLM", "Model", "LMHeadModel",
+                                                                  "ForConditionalGeneration"))
+
+
+def _mixer_modules(model, skip: set = frozenset()) -> list[str]:
+    """Distinct class names, in model order (a vision / audio tower's last), of the modules that look like sequence
+    mixers (:data:`_MIXER_NAME`), leaving out the modules whose ``id()`` is in ``skip`` and their ancestors and
+    descendants."""
+    names, inside = [], set()
+    for m in model.modules():
+        if id(m) in skip:
+            inside.update(id(x) for x in m.modules())
+    for _, m in model.named_modules():
+        if id(m) in inside or any(id(x) in skip for x in m.modules()):
+            continue
+        name = type(m).__name__
+        if type(m).__module__.startswith("torch."):  # torch's own layers (a vision tower's Conv2d) name nothing
+            continue
+        if _is_mixer_name(name) and name not in names:
+            names.append(name)
+    # a media tower's modules last: the text model's mixers are the ones a text forward runs
+    return sorted(names, key=lambda n: bool(re.search(r"vision|visual|image|audio|speech", n, re.I)))
+
+
+def _unpluggable_modules(model) -> list[str]:
+    """Class names of the mixer-like modules whose source file fails transformers' own test for a pluggable
+    attention (``PreTrainedModel._can_set_attn_implementation``, which reads the class's module file): the ones that
+    made transformers decline ``attn_implementation="zorro"``. Empty when that test is unavailable."""
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel._can_set_attn_implementation, "__func__", None)
+    if check is None:
+        return []
+    names = []
+    for m in model.modules():
+        name = type(m).__name__
+        if _is_mixer_name(name) and not type(m).__module__.startswith("torch.") and name not in names:
+            try:
+                if not check(type(m)):
+                    names.append(name)
+            except Exception:  # only names a module in a message: never let it mask the refusal
+                continue
+    return names
+
+
 def check_layer_calls(model, calls: LayerCalls) -> None:
     """After one forward: every full-attention layer called the zorro attention once, every linear-attention
     layer ran zorro's gated delta-net forward once, and every attention call got its layer type's window. Raises
     ``ValueError`` otherwise (a layer bypassed zorro, or the deduplicated result would differ from the ordinary
     one)."""
     attn, rec = expected_layer_calls(model)
+    if calls.attention < attn:
+        bypass = _mixer_modules(model, calls.callers)
+        if bypass:
+            raise ValueError(
+                f"model: {attn} attention layers but the zorro attention was called {calls.attention} times: module "
+                f"{bypass[0]} mixes the sequence without transformers' AttentionInterface (it computes its mixing "
+                "itself), so over the packed row a response would see its siblings. zorro reaches only attention "
+                "called through ALL_ATTENTION_FUNCTIONS (and the gated delta-nets it wraps); this model is not "
+                "supported by zorro.")
     if calls.attention != attn:
         raise ValueError(
             f"model: {attn} attention layers but the zorro attention was called {calls.attention} times; some layers "
@@ -195,8 +256,19 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
     if ctx.media is not None and not vision.is_multimodal(model):
         raise ValueError("media: this model has no vision tower (config.vision_config); multimodal inputs need a "
                          "vision-language model.")
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx, use_cache=False,
-                **ctx.media_inputs(), **model_kwargs)
+    token = ACTIVE.set(ctx)  # reaches attention layers whose decoder layer drops **kwargs (StableLM)
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx,
+                    use_cache=False, **ctx.media_inputs(), **model_kwargs)
+    # this call passes no mask and zorro registers no mask function: a mask reaching attention is the model's own
+    except ModelMaskError as e:
+        raise ValueError(
+            f"model: it hands its attention a mask it builds itself ({e.args[0].split(':')[0]} got an "
+            "attention_mask although zorro_step passes none and zorro registers no mask function: a learned or "
+            "content-dependent mask zorro cannot reproduce on the packed row). This model is not supported by "
+            "zorro.") from e
+    finally:
+        ACTIVE.reset(token)
     check_layer_calls(model, ctx.calls)
     return out
 
@@ -222,6 +294,8 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
         ssm.wrap_mamba(model)
         mixers.wrap_mixers(model)
         return getattr(model, "zorro_features", None)
+    if probe and not vision.is_multimodal(model):
+        _check_default_positions(model)
     model._zorro_previous_attn = getattr(model.config, "_attn_implementation", None)
     model._zorro_previous_sub_attn = vision.sub_attention(model)
     model._zorro_previous_text_attn = getattr(getattr(model.config, "text_config", None), "_attn_implementation",
@@ -235,6 +309,14 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
             _restore_attention(model)
     # a vision-language model: its language model runs zorro, its vision tower keeps its own attention
     model.set_attn_implementation(vision.zorro_attention_request(model, ZORRO_ATTN_NAME))
+    if not is_installed(model):  # transformers declined (it only warns): the model's attention is not pluggable
+        names = _unpluggable_modules(model) or _mixer_modules(model)
+        raise ValueError(
+            "model: its attention does not dispatch through transformers' AttentionInterface (module "
+            f"{names[0] if names else type(model).__name__} computes attention itself; transformers keeps "
+            f"attn_implementation={model.config._attn_implementation!r} on {type(model).__name__}), so zorro cannot "
+            "reach it. zorro runs models whose attention calls ALL_ATTENTION_FUNCTIONS (the README's model table); "
+            "this model is not supported by zorro.")
     try:
         positions.fix_query_temperature(model)
         hybrid.wrap_linear_attention(model)
@@ -246,6 +328,33 @@ def install_zorro(model, *, probe: bool = True) -> dict | None:
         raise
     model.zorro_features = report
     return report
+
+
+def _check_default_positions(model) -> None:
+    """Refuse a model whose own numbering of a row's tokens is not ``0..L-1`` (RoBERTa-style embeddings start
+    after the padding index and skip pad ids): zorro gives every row the positions ``0..L-1``. No-grad forwards of
+    one 5-token row with the model's own attention, ``position_ids`` None (twice) vs ``arange(5)``: the latter must
+    differ from the first by no more than the two identical calls differ from each other (0 on deterministic
+    kernels; on a GPU, atomics in e.g. MoE scatters can make identical calls differ by rounding), times 10."""
+    emb = model.get_input_embeddings()
+    vocab = emb.weight.shape[0]
+    ids = (torch.arange(5, device=emb.weight.device) % max(vocab - 1, 1) + 1)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = model(input_ids=ids, use_cache=False).logits
+            again = model(input_ids=ids, use_cache=False).logits
+            pos = torch.arange(5, device=ids.device)[None]
+            counted = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    finally:
+        model.train(was_training)
+    noise = (own - again).abs().max().item()
+    if (own - counted).abs().max().item() > 10 * noise:
+        raise ValueError(
+            f"model: {type(model).__name__} numbers a row's tokens other than 0, 1, 2, ... when it is given no "
+            "position_ids (e.g. RoBERTa-style embeddings start after the padding index), while zorro gives every row "
+            "the positions 0..L-1; the two forwards would differ. This model is not supported by zorro.")
 
 
 def uninstall_zorro(model) -> None:
