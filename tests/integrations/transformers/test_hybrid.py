@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.recurrent.test_recurrent import _batch
+from tests.support.recurrent_checks import assert_relative_rule, grads, one_thread, oracle
 from zorro_verl.integrations.transformers import (
     LayerCalls,
     expected_layer_calls,
@@ -32,7 +33,6 @@ from zorro_verl.packing import build_plan
 from zorro_verl.recurrent import chunk_gated_delta_rule_ref
 from zorro_verl.testing import (
     exact_fp64_hybrid,
-    grads_of,
     max_rel_grad_error,
     ordinary_logprobs,
     tiny_hybrid_model,
@@ -41,29 +41,14 @@ from zorro_verl.testing import (
 KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster than two and does not spin on a shared, busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+_grads, _oracle = grads, oracle
+
 LP_ABS_TOL = 1e-12
 GRAD_REL_FLOOR = 1e-12
 
 
 # ---------------------------------------------------------------------------------------------------- models, fp64
-def _grads(model, lp, ent):
-    model.zero_grad(set_to_none=True)
-    (lp.sum() + 0.3 * ent.sum()).backward()  # entropy weighted so its gradient path counts separately
-    return grads_of(model)
-
-
-def _oracle(model, batch, R):
-    lp, ent = ordinary_logprobs(model, batch["input_ids"], batch["attention_mask"], R, calculate_entropy=True)
-    return lp.detach(), ent.detach(), _grads(model, lp, ent)
-
-
 def _set_kernel(model, kernel):
     for _, mod in hybrid.linear_attention_modules(model):
         mod.chunk_gated_delta_rule = kernel
@@ -170,20 +155,7 @@ def test_zorro_fp32_stock_kernels(kind):
     exact_fp64_hybrid(m64)
     for m in (m32, m64):
         m.train()
-    lp64, ent64, g64 = _oracle(m64, batch, R)
-    lp_o, ent_o, g_o = _oracle(m32, batch, R)
-    install_zorro(m32)
-    lp_z, ent_z = zorro_step(m32, build_plan(batch["input_ids"], batch["attention_mask"], R),
-                                calculate_entropy=True)
-    g_z = _grads(m32, lp_z, ent_z)
-    up = lambda g: {n: t.double() for n, t in g.items()}  # noqa: E731
-    ref_lp, z_lp = (lp_o.double() - lp64).abs().max().item(), (lp_z.double() - lp64).abs().max().item()
-    ref_ent, z_ent = (ent_o.double() - ent64).abs().max().item(), (ent_z.double() - ent64).abs().max().item()
-    ref_g, z_g = max_rel_grad_error(g64, up(g_o))[0], max_rel_grad_error(g64, up(g_z))[0]
-    # The fp64 oracle computes the stock model's function (sanity of exact_fp64_hybrid's written-out forward).
-    assert 0 < ref_lp < 1e-5 and 0 < ref_ent < 1e-5
-    assert z_lp <= 2 * ref_lp and z_ent <= 2 * ref_ent, (z_lp, ref_lp, z_ent, ref_ent)
-    assert z_g <= 3 * ref_g, (z_g, ref_g)
+    assert_relative_rule(m32, m64, batch, R)
 
 
 # ---------------------------------------------------------------------------------------------------- install / errors

@@ -310,13 +310,17 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
                                        chunk_size=self.logits_chunk_size, shard=shard, media=media)
 
             model_output = predict_next_outputs(micro_batch, p, plan, logp, ent if calculate_entropy else None)
+            return self._loss_and_output(model_output, micro_batch, loss_function, forward_only)
 
-            if loss_function is not None:
-                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
-                                              dp_group=self.get_data_parallel_group())
-            else:
-                assert forward_only, "forward_only must be True when loss_function is None"
-                loss = torch.tensor(1.0, device=device_name)
-                metrics = {}
-            output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
-            return loss, output
+    def _loss_and_output(self, model_output: dict, micro_batch, loss_function, forward_only: bool):
+        """verl's micro-batch result from the model outputs (nested ``[b, j_b]`` tensors in verl's layout): the loss
+        (``loss_function``'s, or a dummy 1.0 for a forward-only pass) and ``{"model_output", "loss", "metrics"}``."""
+        if loss_function is not None:
+            loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                          dp_group=self.get_data_parallel_group())
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+            loss = torch.tensor(1.0, device=get_device_name())
+            metrics = {}
+        output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+        return loss, output

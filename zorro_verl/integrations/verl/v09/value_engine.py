@@ -19,7 +19,6 @@ from contextlib import nullcontext
 import torch
 from verl.utils.device import get_device_id, get_device_name
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
-from verl.workers.engine.utils import detach_tree
 
 from zorro_verl.integrations.transformers.step import value_head, zorro_values
 from zorro_verl.integrations.verl.v09.batching import (
@@ -81,12 +80,4 @@ class ZorroFSDPEngineWithValueHead(ZorroFSDPEngineWithLMHead, FSDPEngineWithValu
             values = zorro_values(self.module, plan, backend=self._zorro_backend, shard=shard)
             # verl's nested full-sequence layout; the positions verl reads are the predict-next ones
             model_output = {"values": predict_next_outputs(micro_batch, p, plan, values, None)["log_probs"]}
-            if loss_function is not None:
-                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
-                                              dp_group=self.get_data_parallel_group())
-            else:
-                assert forward_only, "forward_only must be True when loss_function is None"
-                loss = torch.tensor(1.0, device=device_name)
-                metrics = {}
-            output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
-            return loss, output
+            return self._loss_and_output(model_output, micro_batch, loss_function, forward_only)
