@@ -171,3 +171,54 @@ def test_other_families_and_dropped_images_are_refused(trainers):
     zeroed = {"mm_token_type_ids": torch.zeros_like(media["mm_token_type_ids"])}
     with pytest.raises(ValueError, match="mm_token_type_ids disagree with the image / video placeholder"):
         zorro._get_per_token_logps_and_entropies(model, ids, am, C, **zeroed)
+
+
+def _train(cls, out, proc, tmp, **kw):
+    """2 SGD steps of image GRPO (dapo, beta 0.04: the reference model too); returns (logs, weights, completions)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.support.trl_assets import vlm_dataset
+
+    args = GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                      use_cpu=True, report_to="none", beta=0.04, loss_type="dapo", max_steps=2, logging_steps=1,
+                      seed=1, optim="sgd", learning_rate=0.1, bf16=False, save_strategy="no", temperature=T,
+                      disable_tqdm=True)
+    tr = cls(model=AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32), reward_funcs=length_reward,
+             args=args, train_dataset=vlm_dataset(2), processing_class=proc, **kw)
+    completions, gen = [], tr._generate_and_score_completions
+
+    def recorded(*a, **k):
+        res = gen(*a, **k)
+        assert res["pixel_values"].shape[0] == 8 * 16 and res["num_images"] == [1] * 8  # every row has its image
+        completions.append(res["completion_ids"].clone())
+        return res
+
+    tr._generate_and_score_completions = recorded
+    tr.train()
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    return logs, {n: p.detach().clone() for n, p in tr.model.named_parameters()}, completions
+
+
+def test_train_matches_stock(tmp_path):
+    """``train()`` on an image dataset, stock vs zorro, identical completions: two prompts with the same text and
+    different images in every step (a grouping on tokens alone would merge them). Loss, grad norm, KL, entropy per
+    step rel 1e-5 (abs 1e-7), the weights after 2 steps (the vision tower's included) 1e-6."""
+    from tests.support.trl_assets import build_vlm
+
+    out, proc = build_vlm(tmp_path / "assets")
+    ls, ws, cs = _train(GRPOTrainer, out, proc, tmp_path / "s")
+    lz, wz, cz = _train(ztrl.ZorroGRPOTrainer, out, proc, tmp_path / "z", zorro={"attention_backend": "sdpa"})
+    assert len(cs) == len(cz) == 2 and all(torch.equal(a, b) for a, b in zip(cs, cz)), "completions differ"
+    assert len(ls) == len(lz) == 2
+    worst = {}
+    for a, b in zip(ls, lz):
+        for k in ("loss", "grad_norm", "kl", "entropy"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])
+            worst[k] = max(worst.get(k, 0.0), abs(a[k] - b[k]))
+        # 2 unique prompts (images) encoded per call instead of 8; prompt tokens deduplicated
+        assert b["zorro/fallbacks"] == 0 and b["zorro/media_dedup_ratio"] == 4.0 and b["zorro/dedup_ratio"] > 1.5
+    assert ws.keys() == wz.keys() and any(n.startswith("model.visual") for n in ws)
+    moved = max((ws[n] - wz[n]).abs().max().item() for n in ws)
+    assert moved <= 1e-6, moved
+    print(f"  train: max |d| {worst}, weights {moved:.1e}, dedup {[b['zorro/dedup_ratio'] for b in lz]}, "
+          f"media {[b['zorro/media_dedup_ratio'] for b in lz]}")

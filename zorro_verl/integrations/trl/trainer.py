@@ -243,6 +243,7 @@ def _media_unsupported(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         return (f"zorro for TRL: multimodal inputs ({', '.join(other)}) of this model family are not supported; "
                 "zorro's media plan takes the Qwen2-VL family's images (pixel_values, image_grid_thw, num_images)")
     if not is_multimodal(hf):
+        present = [k for k in present if k != "num_images"]  # stock ignores the counts without images
         if present:
             return (f"zorro for TRL: multimodal inputs ({', '.join(present)}) with a text-only model "
                     f"({type(hf).__name__}: no config.vision_config); nothing would encode the images")
