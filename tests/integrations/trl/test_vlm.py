@@ -167,6 +167,9 @@ def test_other_families_and_dropped_images_are_refused(trainers):
     ids, am, C, media = _trl_batch(model, rows)
     with pytest.raises(ValueError, match=r"multimodal inputs \(image_sizes\) of this model family"):
         zorro._get_per_token_logps_and_entropies(model, ids, am, C, **media, image_sizes=torch.ones(3, 2))
+    no_counts = {k: v for k, v in media.items() if k != "num_images"}
+    with pytest.raises(ValueError, match="pixel_values without image_grid_thw and num_images"):
+        zorro._get_per_token_logps_and_entropies(model, ids, am, C, **no_counts)
     # TRL's truncated-tool-image path: the images dropped, mm_token_type_ids zeroed, placeholders kept
     zeroed = {"mm_token_type_ids": torch.zeros_like(media["mm_token_type_ids"])}
     with pytest.raises(ValueError, match="mm_token_type_ids disagree with the image / video placeholder"):
