@@ -334,9 +334,22 @@ REFUSALS: tuple[Refusal, ...] = (
             "are computed per micro-batch, so regrouping"),
     Refusal("trl.aux_loss", _TRLW, "the MoE router auxiliary loss (`output_router_logits`)",
             "it is computed per token of the ordinary rows", "call", _TRL, "the MoE router auxiliary loss"),
-    Refusal("trl.multimodal", _TRLW, "multimodal inputs (TRL's image GRPO: `pixel_values`, ...)",
-            "not wired to zorro's media plan in this integration yet", "call", _TRL,
-            "are not wired to zorro's media plan"),
+    Refusal("trl.media_family", _TRLW, "multimodal inputs of families other than the Qwen2-VL one "
+            "(`pixel_attention_mask`, `spatial_shapes`, `num_tiles`, `image_sizes`, `token_type_ids`, "
+            "`image_position_ids`: InternVL, LFM2-VL, LLaVA-style, Gemma, ...)", "zorro's media plan takes the "
+            "Qwen2-VL family's images (`pixel_values` + `image_grid_thw` + `num_images`)", "call", _TRL,
+            "of this model family are not supported"),
+    Refusal("trl.media_text_model", _TRLW, "multimodal inputs with a text-only model", "nothing would encode the "
+            "images", "call", _TRL, "with a text-only model"),
+    Refusal("trl.media_vision_tower", _TRLW, "a vision-language model outside the Qwen2-VL family (no "
+            "`vision_config.spatial_merge_size`)", "zorro's media plan is written for that family's placeholders "
+            "and grids", "call", _TRL, "vision tower is not of the Qwen2-VL family"),
+    Refusal("trl.media_counts", _TRLW, "`pixel_values` without `image_grid_thw` and `num_images`", "the rows' "
+            "images cannot be told apart", "call", _TRL, "pixel_values without image_grid_thw and num_images"),
+    Refusal("trl.media_dropped", _TRLW, "`mm_token_type_ids` that disagree with the placeholder tokens (TRL drops "
+            "a batch's images when a completion truncated an image's placeholders)", "the placeholders then run as "
+            "text, which zorro's media plan does not reproduce", "call", _TRL,
+            "mm_token_type_ids disagree with the image / video placeholder"),
     # ---------------------------------------------------------------- standalone API
     Refusal("api.multimodal_keys", _API, "multimodal keys in a `DeduplicatedActor` batch", "it runs text batches and "
             "would drop them; use the lower-level path", "call", "zorro_verl.api.actor",

@@ -179,10 +179,11 @@ def test_reference_and_old_logps_are_deduplicated(pair32):
     assert len(saved) == 1 and saved[0] > 0 and zorro._metrics["train"]["zorro/fallbacks"] == [0.0]
 
 
-def test_multimodal_inputs_are_refused_by_name(pair32):
+def test_multimodal_inputs_on_a_text_model_are_refused_by_name(pair32):
+    """Images for a text-only model: nothing would encode them (stock fails on the unexpected keyword too)."""
     _, zorro = pair32
     ids, am, C = _batch()
-    with pytest.raises(ValueError, match="pixel_values.*not wired to zorro's media plan"):
+    with pytest.raises(ValueError, match="pixel_values.*with a text-only model"):
         zorro._get_per_token_logps_and_entropies(zorro.model, ids, am, C, pixel_values=torch.zeros(1, 3))
 
 

@@ -13,9 +13,13 @@ the override builds a plan per row chunk (the same chunks as stock) and runs :fu
 * Optimizer steps see the rows stock TRL gives them (the row shuffle of ``_prepare_inputs`` is left alone). Opt-in
   ``micro_batch_order='groups'``: the shuffle keeps each prompt's completions adjacent (whole groups per micro-batch)
   where that leaves every optimizer step's gradient unchanged (:data:`GROUP_ORDER_LOSS_TYPES`, refused otherwise).
-* What cannot be exact (MoE auxiliary loss, multimodal inputs, Liger's fused loss, an untested TRL version or loss
-  type) is refused by name, or with ``on_unsupported='warn'`` runs TRL's stock forward (warned once, counted in
-  ``zorro/fallbacks``).
+* Image GRPO on a Qwen2-VL-family model (``pixel_values`` / ``image_grid_thw`` / ``num_images``): each chunk's rows
+  get their own images and the 3-D positions the model's ``get_rope_index`` gives them, and run through zorro's
+  media plan (:func:`~zorro_verl.packing.multimodal.build_media_plan`): each unique prompt (tokens *and* pixels
+  equal) and its images are encoded once.
+* What cannot be exact (MoE auxiliary loss, other model families' multimodal inputs, Liger's fused loss, an
+  untested TRL version or loss type) is refused by name, or with ``on_unsupported='warn'`` runs TRL's stock forward
+  (warned once, counted in ``zorro/fallbacks``).
 
 Two ways in: :class:`ZorroGRPOTrainer` (a subclass taking ``zorro={...}``) or :func:`enable` (patches
 ``trl.GRPOTrainer`` itself, so an unmodified script runs deduplicated; :func:`disable` undoes it).
@@ -34,9 +38,11 @@ import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOTrainer
 
 from zorro_verl.integrations.transformers import install_zorro, is_installed, uninstall_zorro, zorro_step
+from zorro_verl.integrations.transformers.vision import is_multimodal, media_tokens, rope_positions, token_types
 from zorro_verl.integrations.trl.settings import FIX_HINT, TESTED_TRL, trl_settings
 from zorro_verl.integrations.verl.settings import ZorroSettings
 from zorro_verl.packing import build_plan
+from zorro_verl.packing.multimodal import build_media_plan
 
 __all__ = ["ZorroGRPOTrainer", "enable", "disable", "is_enabled", "SUPPORTED_LOSS_TYPES", "GROUP_ORDER_LOSS_TYPES",
            "check_trl_version", "group_order_unsupported", "group_keeping_permutation"]
@@ -51,9 +57,12 @@ SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "ves
 #: (per-row value, mean over the micro-batch's rows, / accumulation), ``dr_grpo`` (/ rows x max length), ``dapo`` /
 #: ``cispo`` / ``vespo`` (/ the generation batch's token count). Not ``bnpo``: it divides by the micro-batch's tokens.
 GROUP_ORDER_LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
-#: The multimodal keywords of the seam (TRL's image GRPO): not wired to zorro's media plan here.
+#: The multimodal keywords of the seam (TRL's image GRPO). The Qwen2-VL family's (:data:`_QWEN_MEDIA_KEYS`) run
+#: through zorro's media plan; the others (tile-indexed InternVL / LFM2-VL, LLaVA-style ``image_sizes``, Gemma's
+#: ``token_type_ids``, ...) are refused.
 _MEDIA_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
 #: The GRPOTrainer methods zorro replaces (the same functions for the subclass and for :func:`enable`).
 _METHODS = ("__init__", "_get_per_token_logps_and_entropies", "_generate", "_prepare_inputs", "train")
 _STOCK = {name: getattr(GRPOTrainer, name) for name in _METHODS}
@@ -218,6 +227,67 @@ def _count(trainer, ordinary: int, packed: int, fallback: int) -> None:
         m["zorro/prompt_tokens_saved"].append(float(ordinary - packed))
 
 
+def _hf_model(model):
+    """The transformers model under a PEFT wrapper (``get_rope_index`` and the config live there)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _media_unsupported(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, media: dict) -> Optional[str]:
+    """Why this call's multimodal inputs cannot run through zorro's media plan (None when they can, or when there
+    are none). ``model``: the unwrapped policy / reference; ``input_ids`` / ``attention_mask`` ``[B, S]``;
+    ``media``: the seam's multimodal keywords."""
+    present = [k for k in _MEDIA_KEYS if media.get(k) is not None]
+    other = [k for k in present if k not in _QWEN_MEDIA_KEYS]
+    hf = _hf_model(model)
+    if other:
+        return (f"zorro for TRL: multimodal inputs ({', '.join(other)}) of this model family are not supported; "
+                "zorro's media plan takes the Qwen2-VL family's images (pixel_values, image_grid_thw, num_images)")
+    if not is_multimodal(hf):
+        present = [k for k in present if k != "num_images"]  # stock ignores the counts without images
+        if present:
+            return (f"zorro for TRL: multimodal inputs ({', '.join(present)}) with a text-only model "
+                    f"({type(hf).__name__}: no config.vision_config); nothing would encode the images")
+        return None
+    if not isinstance(getattr(hf.config.vision_config, "spatial_merge_size", None), int):
+        return (f"zorro for TRL: {type(hf).__name__}'s vision tower is not of the Qwen2-VL family (no "
+                "vision_config.spatial_merge_size); zorro's media plan supports Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
+                "Qwen3.5")
+    if media.get("pixel_values") is not None and (media.get("image_grid_thw") is None
+                                                  or media.get("num_images") is None):
+        return ("zorro for TRL: pixel_values without image_grid_thw and num_images (the rows' image counts); "
+                "zorro's media plan needs both to give each row its own images")
+    mm = media.get("mm_token_type_ids")
+    if mm is not None:
+        want = token_types(input_ids, media_tokens(hf)).to(mm.device)
+        if bool((mm.to(want.dtype) != want)[attention_mask.bool()].any()):
+            # TRL zeroes them (and drops the images) when a completion truncated an image's placeholders: the
+            # placeholders then run as text, which zorro's media plan does not reproduce
+            return ("zorro for TRL: mm_token_type_ids disagree with the image / video placeholder tokens of "
+                    "input_ids (TRL drops a batch's images when a completion truncated an image's placeholders); "
+                    "raise max_completion_length so that no image is cut")
+    return None
+
+
+def _row_media(media: dict, start: int, end: int) -> list:
+    """Rows ``start..end-1``'s images as zorro's media plan takes them: per row ``{pixel_values [n_b, C],
+    image_grid_thw [k_b, 3]}`` (its images in placeholder order) or None. TRL's ``pixel_values`` concatenates every
+    row's image patches (``t*h*w`` patch rows per ``image_grid_thw`` row, one row per image), ``num_images`` (host
+    list) counts each row's images."""
+    pix, grid, num = media.get("pixel_values"), media.get("image_grid_thw"), media.get("num_images")
+    if pix is None:
+        return [None] * (end - start)
+    patches = grid.long().prod(-1).tolist()
+    img0 = sum(num[:start])
+    row0 = sum(patches[:img0])
+    out = []
+    for b in range(start, end):
+        k = num[b]
+        n = sum(patches[img0:img0 + k])
+        out.append({"pixel_values": pix[row0:row0 + n], "image_grid_thw": grid[img0:img0 + k]} if k else None)
+        img0, row0 = img0 + k, row0 + n
+    return out
+
+
 def _get_per_token_logps_and_entropies(self, stock, model, input_ids, attention_mask, logits_to_keep,
                                        batch_size=None, compute_entropy=False, compute_aux_loss=False, **media):
     """zorro's version of the seam: same arguments and returns as TRL's (``logps [B, C]`` fp32, ``entropies
@@ -233,10 +303,7 @@ def _get_per_token_logps_and_entropies(self, stock, model, input_ids, attention_
         reason = ("zorro for TRL: the MoE router auxiliary loss (compute_aux_loss, model.config.output_router_logits)"
                   " is computed per token of the ordinary rows; set output_router_logits=False")
     else:
-        present = [k for k in _MEDIA_KEYS if media.get(k) is not None]
-        if present:
-            reason = (f"zorro for TRL: multimodal inputs ({', '.join(present)}) are not wired to zorro's media plan "
-                      "in the TRL integration; train text-only models")
+        reason = _media_unsupported(self.accelerator.unwrap_model(model), input_ids, attention_mask, media)
     if reason is not None:
         st.refuse(reason)  # raises under on_unsupported=raise
         base = self.accelerator.unwrap_model(model)
@@ -250,19 +317,33 @@ def _get_per_token_logps_and_entropies(self, stock, model, input_ids, attention_
     _install(st, self.accelerator.unwrap_model(model), sharded="FSDP" in kind or "DEEPSPEED" in kind)
     batch_size = batch_size or input_ids.size(0)
     plan_kwargs = st.settings.plan_kwargs()
-    logps, ents, ordinary, packed = [], [], 0, 0
+    hf = _hf_model(self.accelerator.unwrap_model(model))
+    vlm = is_multimodal(hf)
+    logps, ents, ordinary, packed, row_items, items = [], [], 0, 0, 0, 0
     for s in range(0, input_ids.size(0), batch_size):  # stock's row chunks
         ids, am = input_ids[s:s + batch_size], attention_mask[s:s + batch_size]
-        plan = build_plan(ids, am, logits_to_keep, **plan_kwargs)
+        packed_media = None
+        if vlm:
+            rows = _row_media(media, s, s + ids.size(0))
+            # the positions the model's own forward computes for these rows (get_rope_index on the attention mask)
+            pos = rope_positions(hf, ids, am, rows)
+            plan, packed_media = build_media_plan(ids, am, logits_to_keep, rows, media_tokens(hf), pos,
+                                                  **plan_kwargs)
+            row_items, items = row_items + packed_media.row_items, items + packed_media.items
+        else:
+            plan = build_plan(ids, am, logits_to_keep, **plan_kwargs)
         ordinary, packed = ordinary + plan.ordinary_tokens, packed + plan.T
         with self.accelerator.autocast():
             # TRL's fused head applies the temperature as z.float() * (1 / T): zorro's "upcast" order
             lp, ent = zorro_step(model, plan, backend=st.backend, temperature=self.temperature,
                                  calculate_entropy=compute_entropy, temperature_op="upcast",
-                                 logits_optimization=st.settings.logits_optimization)
+                                 logits_optimization=st.settings.logits_optimization, media=packed_media)
         logps.append(plan.to_padded(lp))
         if compute_entropy:
             ents.append(plan.to_padded(ent))
+    metrics = getattr(self, "_metrics", None)
+    if items and metrics is not None:  # the vision tower's saving: images of the ordinary rows / images encoded
+        metrics["train" if self.model.training else "eval"]["zorro/media_dedup_ratio"].append(row_items / items)
     _count(self, ordinary, packed, 0)
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None), None
 
