@@ -348,10 +348,20 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe` (e.g. the `hybrid` "
-            "layers of Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model",
-            _HF + "install",
+            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe`, `hybrid`",
+            "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
+    Refusal("step.hybrid_mup", _STEP, "Falcon-H1's `hybrid` layers (a Mamba-2 mixer with muP multipliers beside the "
+            "attention)", "its mixer scales its input by `ssm_in_multiplier` and its projection by `mup_vector`, "
+            "which zorro's Mamba-2 layer does not apply", "model", _HF + "ssm",
+            "runs a Mamba-2 mixer with muP multipliers"),
+    Refusal("step.hybrid_multihead_mamba", _STEP, "Zamba's `hybrid` / `mamba` layers (a multi-head Mamba v1 mixer)",
+            "each of its `n_mamba_heads` heads has its own `x_proj` / `dt_proj` and `B` / `C`; zorro's Mamba v1 "
+            "scan shares one `B` / `C` across all channels", "model", _HF + "ssm",
+            "runs a multi-head Mamba (v1) mixer"),
+    Refusal("step.hybrid_layer_unknown", _STEP, "`hybrid` layers other than Zamba2's (a shared attention block "
+            "feeding a Mamba-2 layer)", "a response would see its siblings", "model", _HF + "ssm",
+            "is not a hybrid layer zorro knows"),
     Refusal("step.no_attention_interface", _STEP, "models whose attention does not dispatch through transformers' "
             "`AttentionInterface` (e.g. Falcon, GPT-J, BLOOM, MPT, RWKV, RecurrentGemma)", "the module computes "
             "attention itself; transformers cannot set `attn_implementation` on it, so zorro cannot reach it",

@@ -122,7 +122,7 @@ OUTCOMES: dict[str, str] = {
     "exaone4": "exact",
     "exaone_moe": "exact",
     "falcon": "refused:step.no_attention_interface",
-    "falcon_h1": "refused:step.layer_types",
+    "falcon_h1": "refused:step.hybrid_mup",
     "falcon_mamba": "exact",
     "flex_olmo": "exact",
     "fuyu": "exact",
@@ -243,8 +243,8 @@ OUTCOMES: dict[str, str] = {
     "xlstm": "refused:step.mixer_bypasses",
     "xmod": "refused:step.own_positions",
     "youtu": "exact",
-    "zamba": "refused:step.layer_types",
-    "zamba2": "refused:step.layer_types",
+    "zamba": "refused:step.hybrid_multihead_mamba",
+    "zamba2": "exact",
 }
 
 

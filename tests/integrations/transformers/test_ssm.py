@@ -13,6 +13,7 @@ Tolerances:
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     assert not calls.fallbacks
 
 
-@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba"])
+@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba", "zamba2"])
 def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
     nodes shorter than the conv context, vs the ordinary per-row forward. The scan state runs from each node's
@@ -125,7 +126,7 @@ def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
 
 
-@pytest.mark.parametrize("kind", ["bamba", "nemotron_h"])
+@pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "zamba2"])
 def test_gradient_checkpointing_fp64(kind):
     """Checkpointed layers re-run the wrapped forward: Bamba's layers pass the context kwarg to the mixer, Nemotron-H's
     layer carrier hands it over again on the recompute. Same values and gradients."""
@@ -155,7 +156,7 @@ def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
 
 
 # ---------------------------------------------------------------------------------------------------- fp32
-@pytest.mark.parametrize("kind", SSM_KINDS)
+@pytest.mark.parametrize("kind", [*SSM_KINDS, "zamba2"])
 def test_zorro_fp32_stock_forward(kind):
     """fp32, transformers' own torch path (its chunked SSD, norms, casts; no swaps) — what runs on a CPU host."""
     # ~80 response tokens: the 2x rule compares two maxima of rounding noise, which over fewer tokens scatter
@@ -217,24 +218,50 @@ def test_unknown_mamba_mixer_refused_by_name():
     assert model.config._attn_implementation == prev and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
-@pytest.mark.parametrize("kind", ["falcon_h1", "zamba2"])
-def test_parallel_hybrid_layers_refused(kind):
-    """Falcon-H1 (attention and Mamba-2 side by side in one layer, muP multipliers) and Zamba2 (shared attention
-    blocks) have ``hybrid`` layers: refused by their layer type."""
-    import transformers as T
+@pytest.mark.parametrize("kind,cause", [
+    ("falcon_h1", "runs a Mamba-2 mixer with muP multipliers (FalconH1Mixer"),
+    ("zamba", "runs a multi-head Mamba (v1) mixer (ZambaMambaMixer"),
+])
+def test_falcon_h1_and_zamba_hybrid_layers_refused_by_cause(kind, cause):
+    """Falcon-H1 (a Mamba-2 mixer with muP multipliers beside the attention) and Zamba (a multi-head Mamba v1 mixer
+    after the shared attention block) are refused at install by the cause, not by the layer type."""
+    from zorro_verl.testing.families import tiny_family_model
 
-    if kind == "falcon_h1":
-        cfg = T.FalconH1Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
-                               mamba_d_state=8, mamba_chunk_size=8, intermediate_size=32)
-    else:
-        cfg = T.Zamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4,
-                             layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], chunk_size=8)
-    cfg._attn_implementation = "eager"
-    model = T.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="'hybrid'"):
+    model = tiny_family_model(kind)
+    prev = model.config._attn_implementation
+    with pytest.raises(ValueError, match=re.escape(cause)):
         install_zorro(model)
+    assert model.config._attn_implementation == prev and not is_installed(model)
+
+
+def test_unknown_hybrid_layer_refused_by_name():
+    model = tiny_ssm_model("zamba2", seed=0)
+    del model.model.layers[2].shared_transformer  # no longer a shared block feeding a Mamba-2 layer
+    with pytest.raises(ValueError, match=r"hybrid layer 2 \(Zamba2HybridLayer\) is not a hybrid layer zorro knows"):
+        install_zorro(model)
+    assert not is_installed(model) and not ssm.is_wrapped(model.model.layers[0].mamba)
+
+
+def test_zamba2_hybrid_layers_fp64():
+    """Zamba2 (mamba, hybrid, hybrid): each hybrid layer runs the one shared attention block (input [h | embeddings],
+    rotary positions, its own LoRA adapters on q / k / v) through zorro's attention, then its Mamba-2 layer (grouped
+    gated norm, step size clamped at time_step_min as its torch path does) through zorro's; 2 B / C groups. vs the
+    ordinary per-row forward."""
+    batch = _batch(B=6, G=2, P=11, R=7, seed=11)
+    model = tiny_ssm_model("zamba2", seed=1)
+    model.train()
+    mods = ssm.mamba_modules(model)
+    assert [i for i, _, _ in mods] == [0, 1, 2] and mods[1][2].n_groups == 2
+    shared = model.model.layers[1].shared_transformer
+    assert shared is model.model.layers[2].shared_transformer  # one block, run by both hybrid layers
+    lp_ref, ent_ref, g_ref = _oracle(model, batch, 7)
+    install_zorro(model)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
+    assert plan.T < plan.ordinary_tokens
+    calls = LayerCalls()
+    _check_fp64(model, batch, 7, plan, lp_ref, ent_ref, g_ref, calls)
+    assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (2, 3)
+    assert not calls.fallbacks
 
 
 def test_sp2_mamba2_fp64(tmp_path):
@@ -267,12 +294,13 @@ def test_ulysses_refusals_by_name():
 
 
 def test_nemotron_h_torch_path_is_chunk_dependent_so_long_rows_are_refused():
-    """transformers' torch path of Nemotron-H's mixer changes with its chunk size on a 20-token row (Bamba's, the same
-    recurrence, does not): it is not the Mamba-2 recurrence across chunks. zorro computes the recurrence, so without
-    the fused kernels it refuses rows longer than one chunk (and is exact within one, tests above)."""
+    """transformers' torch path of Nemotron-H's (and Zamba2's) mixer changes with its chunk size on a 20-token row
+    (Bamba's, the same recurrence, does not): it is not the Mamba-2 recurrence across chunks. zorro computes the
+    recurrence, so without the fused kernels it refuses rows longer than one chunk (and is exact within one, tests
+    above)."""
     h = torch.randn(2, 20, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     spread = {}
-    for kind in ("nemotron_h", "bamba"):
+    for kind in ("nemotron_h", "zamba2", "bamba"):
         m = tiny_ssm_model(kind, seed=3, exact=False)
         mix = ssm.mamba_modules(m)[0][2]
         outs = []
@@ -280,12 +308,13 @@ def test_nemotron_h_torch_path_is_chunk_dependent_so_long_rows_are_refused():
             mix.chunk_size = chunk
             outs.append(mix.torch_forward(h))
         spread[kind] = (outs[0] - outs[1]).abs().max().item()
-    assert spread["bamba"] < 1e-6 < 1e-5 < spread["nemotron_h"], spread
-    model = tiny_ssm_model("nemotron_h", seed=0)  # chunk_size 32
-    install_zorro(model)
+    assert spread["bamba"] < 1e-6 < 1e-5 < min(spread["nemotron_h"], spread["zamba2"]), spread
     batch = _batch(B=2, G=1, P=20, R=14)
-    with pytest.raises(ValueError, match="crosses one, so no deduplicated forward can equal"):
-        zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 14))
+    for kind in ("nemotron_h", "zamba2"):
+        model = tiny_ssm_model(kind, seed=0)  # chunk_size 32
+        install_zorro(model)
+        with pytest.raises(ValueError, match="crosses one, so no deduplicated forward can equal"):
+            zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 14))
 
 
 def test_fused_path_with_grouped_norm_refused_where_the_torch_norm_is_not_grouped():

@@ -38,12 +38,17 @@ from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.hybrid import _report_fallback, text_config
 from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective_scan, packed_ssd
 
-__all__ = ["MAMBA", "mamba_modules", "mamba_sp_unsupported", "check_mamba_supported", "is_mamba1", "wrap_mamba",
+__all__ = ["MAMBA", "HYBRID", "check_hybrid_supported", "mamba_modules", "mamba_sp_unsupported",
+           "check_mamba_supported", "is_mamba1", "wrap_mamba",
            "unwrap_mamba", "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
            "fused_path_unsupported", "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward",
            "set_carried_mixer"]
 
 MAMBA = "mamba"
+#: Zamba2's ``hybrid`` layer: its shared attention block (attention through the registered function, token-wise LoRA
+#: adapters) feeds a Mamba-2 layer (``mamba_decoder``), both run by zorro. Falcon-H1's and Zamba's ``hybrid`` layers
+#: are refused by :func:`check_hybrid_supported`.
+HYBRID = "hybrid"
 
 #: Attributes of every Mamba-2 mixer zorro runs (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer,
 #: NemotronHMamba2Mixer): in_proj -> [.. | gate | x B C | dt], conv over x B C, the scan's A_log / dt_bias / D, a
@@ -73,19 +78,56 @@ def _mixer_of(layer):
         mod = getattr(layer, name, None)
         if isinstance(mod, torch.nn.Module):
             return mod
-    return None
+    dec = getattr(layer, "mamba_decoder", None)  # Zamba2's hybrid layer: shared attention block, then a Mamba layer
+    return _mixer_of(dec) if isinstance(dec, torch.nn.Module) else None
+
+
+def check_hybrid_supported(model) -> int:
+    """Check every ``hybrid`` layer (``config.layer_types``) is one zorro runs exactly: Zamba2's (a shared attention
+    block whose output feeds a Mamba-2 layer). Returns how many there are; raises ``ValueError`` naming the cause for
+    Falcon-H1's and Zamba's."""
+    types_ = getattr(text_config(model), "layer_types", None) or []
+    if HYBRID not in types_:
+        return 0
+    _, layers = _layers(model)
+    n = 0
+    for i, t in enumerate(types_[: len(layers)]):
+        if t != HYBRID:
+            continue
+        layer, mixer = layers[i], _mixer_of(layers[i])
+        name = type(mixer).__name__
+        if hasattr(mixer, "mup_vector"):
+            raise ValueError(
+                f"model: hybrid layer {i} ({type(layer).__name__}) runs a Mamba-2 mixer with muP multipliers ({name}: "
+                "the input scaled by ssm_in_multiplier, the projection by mup_vector) beside its attention; zorro's "
+                "Mamba-2 layer does not apply them, so running it over the packed row would not equal the ordinary "
+                "forward — refused (Falcon-H1 is not supported by zorro).")
+        if hasattr(mixer, "x_proj_weight"):
+            raise ValueError(
+                f"model: hybrid layer {i} ({type(layer).__name__}) runs a multi-head Mamba (v1) mixer ({name}: "
+                "per-head x_proj_weight / dt_proj_weight, each of n_mamba_heads with its own B / C), not the Mamba "
+                "(v1) contract zorro runs (one B / C for all channels) — refused (Zamba is not supported by zorro; "
+                "Zamba2 is).")
+        if mixer is None or not isinstance(getattr(layer, "shared_transformer", None), torch.nn.Module) \
+                or is_mamba1(mixer) or any(not hasattr(mixer, a) for a in _MIXER_ATTRS):
+            raise ValueError(
+                f"model: hybrid layer {i} ({type(layer).__name__}) is not a hybrid layer zorro knows (a shared "
+                "attention block feeding a Mamba-2 layer, as Zamba2's); running it over the packed row would let a "
+                "response see its siblings — refused.")
+        n += 1
+    return n
 
 
 def mamba_modules(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     """``[(layer_index, decoder layer, mixer)]`` of every ``mamba`` layer per ``config.layer_types`` (empty if
     none). Raises ``ValueError`` when such a layer has no ``mamba`` / ``mixer`` module."""
     types_ = getattr(text_config(model), "layer_types", None) or []
-    if MAMBA not in types_:
+    if MAMBA not in types_ and HYBRID not in types_:
         return []
     _, layers = _layers(model)
     out = []
     for i, t in enumerate(types_[: len(layers)]):
-        if t != MAMBA:
+        if t not in (MAMBA, HYBRID):
             continue
         mod = _mixer_of(layers[i])
         if mod is None:
@@ -98,6 +140,7 @@ def mamba_modules(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
 def check_mamba_supported(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     """Check every ``mamba`` layer's mixer is a Mamba-2 or Mamba v1 mixer zorro can run; returns
     :func:`mamba_modules`. Raises ``ValueError`` naming the mixer class."""
+    check_hybrid_supported(model)
     mods = mamba_modules(model)
     for i, _, mod in mods:
         name = type(mod).__name__
@@ -257,10 +300,10 @@ def ssm_decay_rate(mod, compute_dtype: torch.dtype) -> torch.Tensor:
 #: Mixers whose transformers torch path is not the Mamba-2 recurrence across its ``chunk_size``-token chunks (its
 #: output depends on where the chunk boundaries fall; within one chunk it is exact): no deduplicated forward can equal
 #: it on rows longer than one chunk. Their fused CUDA path (mamba-ssm) computes the recurrence.
-_CHUNK_DEPENDENT_TORCH_PATH = ("NemotronHMamba2Mixer",)
+_CHUNK_DEPENDENT_TORCH_PATH = ("NemotronHMamba2Mixer", "Zamba2MambaMixer")
 #: Mixers whose torch path clamps the step size from below at ``time_step_min`` (their fused path, and every other
 #: family, clamps it to ``time_step_limit``): zorro follows the path the stock model runs.
-_CLAMP_AT_TIME_STEP_MIN = ("NemotronHMamba2Mixer",)
+_CLAMP_AT_TIME_STEP_MIN = ("NemotronHMamba2Mixer", "Zamba2MambaMixer")
 
 
 def stock_runs_fused(mod, h: torch.Tensor) -> bool:
@@ -287,6 +330,8 @@ def ssm_step_size(mod, dt: torch.Tensor, fused: bool = False) -> torch.Tensor:
     dt = F.softplus(dt + mod.dt_bias)
     if not fused and type(mod).__name__ in _CLAMP_AT_TIME_STEP_MIN:
         return torch.clamp(dt, mod.time_step_min)
+    if mod.time_step_limit is None:  # Zamba2's default: its fused path passes no dt_limit (no clamp)
+        return dt
     lo, hi = mod.time_step_limit
     return torch.clamp(dt, lo, hi)
 
