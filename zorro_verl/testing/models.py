@@ -217,7 +217,19 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
                             intermediate_size=2 * hidden, n_mamba_heads=ssm_heads, mamba_expand=2,
                             mamba_d_state=state, mamba_ngroups=groups, mamba_d_conv=conv_kernel, chunk_size=chunk,
                             use_mamba_kernels=False, **{**att, "num_key_value_heads": heads}, **common)
-    raise ValueError(f"kind: expected one of {SSM_KINDS} or 'zamba2', got {kind!r}.")
+    if kind in ("falcon_h1", "falcon_h1_norm"):  # two hybrid layers (attention beside a Mamba-2 mixer); muP
+        # multipliers away from 1 so each matters; falcon_h1_norm: its grouped gated norm, applied before the gate
+        from transformers import FalconH1Config
+
+        mult = dict(ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7], ssm_in_multiplier=1.3, ssm_out_multiplier=0.8,
+                    attention_in_multiplier=1.2, attention_out_multiplier=0.9, key_multiplier=1.1,
+                    mlp_multipliers=[0.9, 1.1], embedding_multiplier=1.5, lm_head_multiplier=0.7)
+        norm = dict(mamba_rms_norm=True, mamba_norm_before_gate=True) if kind.endswith("_norm") else {}
+        return FalconH1Config(num_hidden_layers=2, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                              mamba_d_ssm=ssm_heads * ssm_head_dim, mamba_n_heads=ssm_heads, mamba_d_head=ssm_head_dim,
+                              mamba_d_state=state, mamba_n_groups=groups, mamba_d_conv=conv_kernel,
+                              mamba_chunk_size=chunk, **mult, **norm, **att, **common)
+    raise ValueError(f"kind: expected one of {SSM_KINDS}, 'zamba2', 'falcon_h1', 'falcon_h1_norm'; got {kind!r}.")
 
 
 def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, seed: int = 0,

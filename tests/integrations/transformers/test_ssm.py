@@ -106,7 +106,7 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     assert not calls.fallbacks
 
 
-@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba", "zamba2"])
+@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba", "zamba2", "falcon_h1"])
 def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
     nodes shorter than the conv context, vs the ordinary per-row forward. The scan state runs from each node's
@@ -144,10 +144,12 @@ def test_gradient_checkpointing_fp64(kind):
     assert max_rel_grad_error(g0, g1)[0] < 1e-14
 
 
-def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
-    """Mamba2's backbone passes no kwargs to its blocks: a recomputed block could not find its plan — refused."""
+@pytest.mark.parametrize("kind", ["mamba2", "falcon_h1"])
+def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context(kind):
+    """Mamba2's backbone and Falcon-H1's model pass no kwargs to their layers: a recomputed layer could not find its
+    plan — refused."""
     batch = _batch(B=3, G=1, P=5, R=3)
-    model = tiny_ssm_model("mamba2", seed=0)
+    model = tiny_ssm_model(kind, seed=0)
     model.train()
     install_zorro(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -156,7 +158,7 @@ def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
 
 
 # ---------------------------------------------------------------------------------------------------- fp32
-@pytest.mark.parametrize("kind", [*SSM_KINDS, "zamba2"])
+@pytest.mark.parametrize("kind", [*SSM_KINDS, "zamba2", "falcon_h1", "falcon_h1_norm"])
 def test_zorro_fp32_stock_forward(kind):
     """fp32, transformers' own torch path (its chunked SSD, norms, casts; no swaps) — what runs on a CPU host."""
     # ~80 response tokens: the 2x rule compares two maxima of rounding noise, which over fewer tokens scatter
@@ -218,18 +220,14 @@ def test_unknown_mamba_mixer_refused_by_name():
     assert model.config._attn_implementation == prev and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
-@pytest.mark.parametrize("kind,cause", [
-    ("falcon_h1", "runs a Mamba-2 mixer with muP multipliers (FalconH1Mixer"),
-    ("zamba", "runs a multi-head Mamba (v1) mixer (ZambaMambaMixer"),
-])
-def test_falcon_h1_and_zamba_hybrid_layers_refused_by_cause(kind, cause):
-    """Falcon-H1 (a Mamba-2 mixer with muP multipliers beside the attention) and Zamba (a multi-head Mamba v1 mixer
-    after the shared attention block) are refused at install by the cause, not by the layer type."""
+def test_zamba_multihead_mamba_refused_by_cause():
+    """Zamba's Mamba mixer is a multi-head Mamba v1 (a B / C per head): refused at install by that cause, not by the
+    layer type."""
     from zorro_verl.testing.families import tiny_family_model
 
-    model = tiny_family_model(kind)
+    model = tiny_family_model("zamba")
     prev = model.config._attn_implementation
-    with pytest.raises(ValueError, match=re.escape(cause)):
+    with pytest.raises(ValueError, match=re.escape("runs a multi-head Mamba (v1) mixer (ZambaMambaMixer")):
         install_zorro(model)
     assert model.config._attn_implementation == prev and not is_installed(model)
 
@@ -242,25 +240,31 @@ def test_unknown_hybrid_layer_refused_by_name():
     assert not is_installed(model) and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
-def test_zamba2_hybrid_layers_fp64():
-    """Zamba2 (mamba, hybrid, hybrid): each hybrid layer runs the one shared attention block (input [h | embeddings],
-    rotary positions, its own LoRA adapters on q / k / v) through zorro's attention, then its Mamba-2 layer (grouped
-    gated norm, step size clamped at time_step_min as its torch path does) through zorro's; 2 B / C groups. vs the
-    ordinary per-row forward."""
+@pytest.mark.parametrize("kind", ["zamba2", "falcon_h1", "falcon_h1_norm"])
+def test_hybrid_layers_fp64(kind):
+    """``hybrid`` layers vs the ordinary per-row forward, 2 B / C groups. Zamba2 (mamba, hybrid, hybrid): each hybrid
+    layer runs the one shared attention block (input [h | embeddings], rotary positions, its own LoRA adapters on
+    q / k / v) through zorro's attention, then its Mamba-2 layer (grouped gated norm, step size clamped at
+    time_step_min as its torch path does). Falcon-H1 (hybrid, hybrid): attention and a Mamba-2 mixer side by side on
+    the same input, every muP multiplier away from 1 (the mixer's ssm_in_multiplier and mup_vector included); its
+    output y * silu(gate), or (falcon_h1_norm) its grouped norm with the gate after it."""
     batch = _batch(B=6, G=2, P=11, R=7, seed=11)
-    model = tiny_ssm_model("zamba2", seed=1)
+    model = tiny_ssm_model(kind, seed=1)
     model.train()
     mods = ssm.mamba_modules(model)
-    assert [i for i, _, _ in mods] == [0, 1, 2] and mods[1][2].n_groups == 2
-    shared = model.model.layers[1].shared_transformer
-    assert shared is model.model.layers[2].shared_transformer  # one block, run by both hybrid layers
+    n_mamba = 3 if kind == "zamba2" else 2
+    assert len(mods) == n_mamba and mods[-1][2].n_groups == 2
+    if kind == "zamba2":  # one block, run by both hybrid layers
+        assert model.model.layers[1].shared_transformer is model.model.layers[2].shared_transformer
+    else:
+        assert torch.unique(mods[0][2].mup_vector).numel() == 5 and mods[0][2].ssm_in_multiplier != 1
     lp_ref, ent_ref, g_ref = _oracle(model, batch, 7)
     install_zorro(model)
     plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
     assert plan.T < plan.ordinary_tokens
     calls = LayerCalls()
     _check_fp64(model, batch, 7, plan, lp_ref, ent_ref, g_ref, calls)
-    assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (2, 3)
+    assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (2, n_mamba)
     assert not calls.fallbacks
 
 

@@ -1,5 +1,7 @@
-"""State-space layers: zorro for the ``mamba`` layers of Mamba2, Bamba, Granite 4 hybrid (granitemoehybrid) and
-Nemotron-H (Mamba-2 mixers) and of Mamba, FalconMamba and Jamba (Mamba v1 mixers).
+"""State-space layers: zorro for the ``mamba`` layers of Mamba2, Bamba, Granite 4 hybrid (granitemoehybrid),
+Nemotron-H and Zamba2 (Mamba-2 mixers) and of Mamba, FalconMamba and Jamba (Mamba v1 mixers), and for the ``hybrid``
+layers of Zamba2 (a shared attention block feeding a Mamba-2 layer) and Falcon-H1 (attention beside a Mamba-2 mixer
+with muP multipliers): their attention runs through zorro's attention function, their mixer as below.
 
 A ``mamba`` layer (``config.layer_types``) mixes the sequence with a depthwise causal conv and a selective scan
 (:mod:`zorro_verl.recurrent.ssd`: Mamba-2's per-head scalar decay, or Mamba v1's per-element one), not through the
@@ -38,16 +40,16 @@ from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.hybrid import _report_fallback, text_config
 from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective_scan, packed_ssd
 
-__all__ = ["MAMBA", "HYBRID", "check_hybrid_supported", "mamba_modules", "mamba_sp_unsupported",
+__all__ = ["MAMBA", "HYBRID", "check_hybrid_supported", "mamba2_gated_output", "mamba_modules", "mamba_sp_unsupported",
            "check_mamba_supported", "is_mamba1", "wrap_mamba",
            "unwrap_mamba", "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
            "fused_path_unsupported", "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward",
            "set_carried_mixer"]
 
 MAMBA = "mamba"
-#: Zamba2's ``hybrid`` layer: its shared attention block (attention through the registered function, token-wise LoRA
-#: adapters) feeds a Mamba-2 layer (``mamba_decoder``), both run by zorro. Falcon-H1's and Zamba's ``hybrid`` layers
-#: are refused by :func:`check_hybrid_supported`.
+#: ``hybrid`` layers: Zamba2's shared attention block (attention through the registered function, token-wise LoRA
+#: adapters) feeds a Mamba-2 layer (``mamba_decoder``); Falcon-H1's runs attention and a Mamba-2 mixer (muP
+#: multipliers) side by side; zorro runs both parts of each. Zamba's are refused by :func:`check_hybrid_supported`.
 HYBRID = "hybrid"
 
 #: Attributes of every Mamba-2 mixer zorro runs (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer,
@@ -84,8 +86,8 @@ def _mixer_of(layer):
 
 def check_hybrid_supported(model) -> int:
     """Check every ``hybrid`` layer (``config.layer_types``) is one zorro runs exactly: Zamba2's (a shared attention
-    block whose output feeds a Mamba-2 layer). Returns how many there are; raises ``ValueError`` naming the cause for
-    Falcon-H1's and Zamba's."""
+    block whose output feeds a Mamba-2 layer) or Falcon-H1's (attention and a muP-scaled Mamba-2 mixer side by side on
+    the same input). Returns how many there are; raises ``ValueError`` naming the cause for Zamba's."""
     types_ = getattr(text_config(model), "layer_types", None) or []
     if HYBRID not in types_:
         return 0
@@ -96,24 +98,19 @@ def check_hybrid_supported(model) -> int:
             continue
         layer, mixer = layers[i], _mixer_of(layers[i])
         name = type(mixer).__name__
-        if hasattr(mixer, "mup_vector"):
-            raise ValueError(
-                f"model: hybrid layer {i} ({type(layer).__name__}) runs a Mamba-2 mixer with muP multipliers ({name}: "
-                "the input scaled by ssm_in_multiplier, the projection by mup_vector) beside its attention; zorro's "
-                "Mamba-2 layer does not apply them, so running it over the packed row would not equal the ordinary "
-                "forward — refused (Falcon-H1 is not supported by zorro).")
         if hasattr(mixer, "x_proj_weight"):
             raise ValueError(
                 f"model: hybrid layer {i} ({type(layer).__name__}) runs a multi-head Mamba (v1) mixer ({name}: "
                 "per-head x_proj_weight / dt_proj_weight, each of n_mamba_heads with its own B / C), not the Mamba "
                 "(v1) contract zorro runs (one B / C for all channels) — refused (Zamba is not supported by zorro; "
                 "Zamba2 is).")
-        if mixer is None or not isinstance(getattr(layer, "shared_transformer", None), torch.nn.Module) \
-                or is_mamba1(mixer) or any(not hasattr(mixer, a) for a in _MIXER_ATTRS):
+        attn = getattr(layer, "shared_transformer", None) or getattr(layer, "self_attn", None)
+        if mixer is None or not isinstance(attn, torch.nn.Module) or is_mamba1(mixer) \
+                or any(not hasattr(mixer, a) for a in _mixer_attrs(mixer)):
             raise ValueError(
                 f"model: hybrid layer {i} ({type(layer).__name__}) is not a hybrid layer zorro knows (a shared "
-                "attention block feeding a Mamba-2 layer, as Zamba2's); running it over the packed row would let a "
-                "response see its siblings — refused.")
+                "attention block feeding a Mamba-2 layer, as Zamba2's, or attention beside a Mamba-2 mixer, as "
+                "Falcon-H1's); running it over the packed row would let a response see its siblings — refused.")
         n += 1
     return n
 
@@ -137,6 +134,15 @@ def mamba_modules(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     return out
 
 
+def _mixer_attrs(mod) -> tuple:
+    """:data:`_MIXER_ATTRS` the mixer must have: Falcon-H1's without ``mamba_rms_norm`` has no norm (its output is
+    ``y * silu(gate)``); one with a muP vector needs its input multiplier."""
+    attrs = _MIXER_ATTRS
+    if getattr(mod, "mamba_rms_norm", True) is False:
+        attrs = tuple(a for a in attrs if a != "norm")
+    return (*attrs, "ssm_in_multiplier") if hasattr(mod, "mup_vector") else attrs
+
+
 def check_mamba_supported(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     """Check every ``mamba`` layer's mixer is a Mamba-2 or Mamba v1 mixer zorro can run; returns
     :func:`mamba_modules`. Raises ``ValueError`` naming the mixer class."""
@@ -146,13 +152,13 @@ def check_mamba_supported(model) -> list[tuple[int, torch.nn.Module, torch.nn.Mo
         name = type(mod).__name__
         if is_mamba1(mod):
             continue
-        missing = [a for a in _MIXER_ATTRS if not hasattr(mod, a)]
-        if missing or hasattr(mod, "mup_vector"):
+        missing = [a for a in _mixer_attrs(mod) if not hasattr(mod, a)]
+        if missing:
             raise ValueError(
-                f"model: mamba layer {i} ({name}) is not a Mamba-2 mixer zorro knows (missing {missing or 'nothing'}"
-                f"{', has muP multipliers' if hasattr(mod, 'mup_vector') else ''}); running it over the packed row "
-                "would let a response see its siblings — refused. zorro runs the Mamba-2 mixers of Mamba2, Bamba, "
-                "Granite 4 hybrid, Nemotron-H and the Mamba (v1) mixers of Mamba, FalconMamba, Jamba.")
+                f"model: mamba layer {i} ({name}) is not a Mamba-2 mixer zorro knows (missing {missing}); running it "
+                "over the packed row would let a response see its siblings — refused. zorro runs the Mamba-2 mixers "
+                "of Mamba2, Bamba, Granite 4 hybrid, Nemotron-H, Zamba2, Falcon-H1 and the Mamba (v1) mixers of "
+                "Mamba, FalconMamba, Jamba.")
     return mods
 
 
@@ -283,13 +289,26 @@ def mamba2_projections(mod, h: torch.Tensor):
     """The token-wise input projection of a Mamba-2 mixer exactly as the model computes it.
 
     Args: h ``[1, T, hidden]`` (or ``[b, L, hidden]``). Returns ``gate [.., I]``, ``xBC [.., conv_dim]`` (the conv
-    input), ``dt [.., H]`` (before ``dt_bias`` / softplus), in the model's dtype. Mamba2 / Nemotron-H project two
-    unused ``d_mlp`` blocks first (zero wide in their configs); they are skipped as the model skips them.
+    input), ``dt [.., H]`` (before ``dt_bias`` / softplus), in the model's dtype. Falcon-H1's mixer scales its input
+    by ``ssm_in_multiplier`` and the projection by its muP vector ``mup_vector [1, 1, proj]`` first, as it does.
+    Mamba2 / Nemotron-H project two unused ``d_mlp`` blocks first (zero wide in their configs); they are skipped as
+    the model skips them.
     """
-    proj = mod.in_proj(h)
+    if hasattr(mod, "mup_vector"):  # Falcon-H1: muP multipliers on the input and on each projected block
+        proj = mod.in_proj(h * mod.ssm_in_multiplier) * mod.mup_vector
+    else:
+        proj = mod.in_proj(h)
     tail = mod.intermediate_size + mod.conv_dim + mod.num_heads
     gate, xBC, dt = proj[..., proj.shape[-1] - tail:].split([mod.intermediate_size, mod.conv_dim, mod.num_heads], -1)
     return gate, xBC, dt
+
+
+def mamba2_gated_output(mod, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated output of a Mamba-2 mixer before ``out_proj``, token-wise as the model computes it: its gated norm
+    module, or (Falcon-H1 with ``mamba_rms_norm`` False) ``y * silu(gate)``. y, gate: ``[.., I]``."""
+    if getattr(mod, "mamba_rms_norm", True) is False:
+        return y * F.silu(gate)
+    return mod.norm(y, gate)
 
 
 def ssm_decay_rate(mod, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -316,7 +335,10 @@ def fused_path_unsupported(mod) -> str | None:
     None. Its gated RMS norm normalises each of the ``n_groups`` groups of ``intermediate / n_groups`` channels; the
     torch path's norm module of Mamba2 / Bamba / Granite normalises all channels at once, and zorro calls that module.
     The two agree for ``n_groups = 1`` (and for Nemotron-H, whose norm module is grouped)."""
-    if mod.n_groups > 1 and getattr(mod.norm, "group_size", None) != mod.intermediate_size // mod.n_groups:
+    norm = getattr(mod, "norm", None)  # Falcon-H1 without mamba_rms_norm: none; with it, n_groups groups
+    if norm is None or getattr(norm, "n_groups", None) == mod.n_groups:
+        return None
+    if mod.n_groups > 1 and getattr(norm, "group_size", None) != mod.intermediate_size // mod.n_groups:
         return (f"model: {type(mod).__name__} with n_groups = {mod.n_groups} on CUDA with mamba-ssm: the stock fused "
                 "path normalises the scan output per group, its torch path (whose norm zorro runs) over all channels "
                 "at once, so zorro cannot equal the stock forward. Uninstall mamba-ssm (the stock model then runs its "
@@ -426,7 +448,7 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     y = y + D[:, None] * x  # the skip term, token-wise, as the model adds it
     if shard is not None:
         y = heads_to_sequence(y, shard)  # [L, H, P]
-    out = self.norm(y.reshape(1, n, -1), gate)
+    out = mamba2_gated_output(self, y.reshape(1, n, -1), gate)
     return self.out_proj(out.to(dtype))
 
 
