@@ -271,16 +271,18 @@ def test_hybrid_layers_fp64(kind):
 def test_sp2_mamba2_fp64(tmp_path):
     """Mamba-2 under Ulysses SP = 2 (two processes over gloo, tests/support/ulysses_step.py): each rank runs the conv
     and the scan of its heads over the whole deduplicated row; Bamba with 2 B / C groups (one per rank), Mamba2 with 1
-    (repeated per head before the exchange), Bamba with a prefix tree; logits modes none and memory. SP vs the same
-    plan without SP <= 1e-12 (relative, Frobenius); vs the ordinary per-row forward: log-probs / entropy <= 1e-12
-    abs, every gradient <= 1e-12 relative."""
+    (repeated per head before the exchange), Bamba with a prefix tree, the hybrid layers of Zamba2 and Falcon-H1 (2
+    groups); logits modes none and memory (Falcon-H1 scales its logits: none only). SP vs the same plan without SP
+    <= 1e-12 (relative, Frobenius); vs the ordinary per-row forward: log-probs / entropy <= 1e-12 abs, every gradient
+    <= 1e-12 relative."""
     from tests.support import HANG_TIMEOUT_S
     from tests.support.multi_rank import run_ranks
 
     for r in run_ranks("tests.support.ulysses_step", 2, ["cpu", "ssm"], tmp_path, HANG_TIMEOUT_S):
-        assert set(r) >= {"bamba_g2", "mamba2_g1", "bamba_tree"} and r["bamba_tree"]["tree"]
-        for case in ("bamba_g2", "mamba2_g1", "bamba_tree"):
-            for mode in ("none", "memory"):
+        cases = ("bamba_g2", "mamba2_g1", "bamba_tree", "zamba2_g2", "falcon_h1_g2")
+        assert set(r) >= set(cases) and r["bamba_tree"]["tree"]
+        for case in cases:
+            for mode in ("none",) if case == "falcon_h1_g2" else ("none", "memory"):
                 err, orc = r[case][mode]["sp_vs_ref"], r[case][mode]["sp_vs_oracle"]
                 assert max(err["log_probs"], err["entropy"], err["grads"]) <= 1e-12, (case, mode, err)
                 assert max(orc["log_probs_max_abs"], orc["entropy_max_abs"]) <= LP_ABS_TOL, (case, mode, orc)
