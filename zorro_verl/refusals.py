@@ -351,12 +351,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe`, `hybrid`",
             "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
-    Refusal("step.hybrid_multihead_mamba", _STEP, "Zamba's `hybrid` / `mamba` layers (a multi-head Mamba v1 mixer)",
-            "each of its `n_mamba_heads` heads has its own `x_proj` / `dt_proj` and `B` / `C`; zorro's Mamba v1 "
-            "scan shares one `B` / `C` across all channels", "model", _HF + "ssm",
-            "runs a multi-head Mamba (v1) mixer"),
-    Refusal("step.hybrid_layer_unknown", _STEP, "`hybrid` layers other than Zamba2's (a shared attention block "
-            "feeding a Mamba-2 layer) and Falcon-H1's (attention beside a Mamba-2 mixer)",
+    Refusal("step.hybrid_layer_unknown", _STEP, "`hybrid` layers other than Zamba's / Zamba2's (a shared attention "
+            "block feeding a Mamba layer) and Falcon-H1's (attention beside a Mamba-2 mixer)",
             "a response would see its siblings", "model", _HF + "ssm",
             "is not a hybrid layer zorro knows"),
     Refusal("step.no_attention_interface", _STEP, "models whose attention does not dispatch through transformers' "
@@ -453,7 +449,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "heads (also refused at FSDP engine initialisation)", "each rank runs whole heads of the recurrence",
             "call", _HF + "mixers", "must divide the lightning attention's heads"),
     Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
-            "Granite 4 hybrid / Nemotron-H / Zamba2 / Falcon-H1 nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba",
+            "Granite 4 hybrid / Nemotron-H / Zamba2 / Falcon-H1 nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba / "
+            "Zamba",
             "a response would see its siblings' state",
             "model", _HF + "ssm", "running it over the packed row would let a response see its siblings"),
     Refusal("step.mamba_layers", _STEP, "`mamba` layers zorro cannot find (no `layers` list, no `mamba` / `mixer` "

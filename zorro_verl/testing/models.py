@@ -217,6 +217,12 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
                             intermediate_size=2 * hidden, n_mamba_heads=ssm_heads, mamba_expand=2,
                             mamba_d_state=state, mamba_ngroups=groups, mamba_d_conv=conv_kernel, chunk_size=chunk,
                             use_mamba_kernels=False, **{**att, "num_key_value_heads": heads}, **common)
+    if kind == "zamba":  # mamba, mamba, hybrid: multi-head Mamba v1 mixers (2 heads, a B / C each), shared attention
+        from transformers import ZambaConfig
+
+        return ZambaConfig(num_hidden_layers=3, n_mamba_heads=2, mamba_d_state=state, mamba_d_conv=conv_kernel,
+                           mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, intermediate_size=2 * hidden,
+                           **{**att, "num_key_value_heads": heads}, **common)
     if kind in ("falcon_h1", "falcon_h1_norm"):  # two hybrid layers (attention beside a Mamba-2 mixer); muP
         # multipliers away from 1 so each matters; falcon_h1_norm: its grouped gated norm, applied before the gate
         from transformers import FalconH1Config
@@ -229,7 +235,8 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
                               mamba_d_ssm=ssm_heads * ssm_head_dim, mamba_n_heads=ssm_heads, mamba_d_head=ssm_head_dim,
                               mamba_d_state=state, mamba_n_groups=groups, mamba_d_conv=conv_kernel,
                               mamba_chunk_size=chunk, **mult, **norm, **att, **common)
-    raise ValueError(f"kind: expected one of {SSM_KINDS}, 'zamba2', 'falcon_h1', 'falcon_h1_norm'; got {kind!r}.")
+    raise ValueError(f"kind: expected one of {SSM_KINDS}, 'zamba', 'zamba2', 'falcon_h1', 'falcon_h1_norm'; got "
+                     f"{kind!r}.")
 
 
 def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, seed: int = 0,
@@ -239,6 +246,10 @@ def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, s
     if kind in ("mamba2", "mamba", "falcon_mamba"):
         attn_implementation = "eager"  # no attention layers; transformers refuses sdpa for them
     model = model_from_config(tiny_ssm_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    if kind == "zamba" and dtype == torch.float64:  # Zamba keeps A_log in fp32 (_keep_in_fp32): fp64 here, so
+        from zorro_verl.testing.fp64 import to_fp64  # its gradient does not round to fp32
+
+        model = to_fp64(model)
     if kind == "zamba2":  # one shared block for both hybrid layers, as a checkpoint ties them (_tied_weights_keys;
         # a model built from its config keeps two copies, each using one of its two adapters)
         model.model.layers[2].shared_transformer = model.model.layers[1].shared_transformer

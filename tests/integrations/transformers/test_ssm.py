@@ -12,8 +12,8 @@ Tolerances:
   same oracle (docs/design/testing.md).
 """
 
+import contextlib
 import copy
-import re
 
 import pytest
 import torch
@@ -40,6 +40,7 @@ from zorro_verl.testing import (
     tiny_model,
     tiny_ssm_model,
 )
+from zorro_verl.testing.fp64 import KeepFp64
 
 LP_ABS_TOL = 1e-12
 GRAD_REL_TOL = 1e-12
@@ -106,7 +107,7 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     assert not calls.fallbacks
 
 
-@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba", "zamba2", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba", "zamba2", "zamba", "falcon_h1"])
 def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
     nodes shorter than the conv context, vs the ordinary per-row forward. The scan state runs from each node's
@@ -119,11 +120,12 @@ def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     R = batch["responses"].shape[1]
     model = tiny_ssm_model(kind, seed=1)
     model.train()
-    lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
-    install_zorro(model)
-    plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
-    assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
-    _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
+    with _fp64(kind):
+        lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
+        install_zorro(model)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
+        assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
+        _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
 
 
 @pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "zamba2"])
@@ -220,18 +222,6 @@ def test_unknown_mamba_mixer_refused_by_name():
     assert model.config._attn_implementation == prev and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
-def test_zamba_multihead_mamba_refused_by_cause():
-    """Zamba's Mamba mixer is a multi-head Mamba v1 (a B / C per head): refused at install by that cause, not by the
-    layer type."""
-    from zorro_verl.testing.families import tiny_family_model
-
-    model = tiny_family_model("zamba")
-    prev = model.config._attn_implementation
-    with pytest.raises(ValueError, match=re.escape("runs a multi-head Mamba (v1) mixer (ZambaMambaMixer")):
-        install_zorro(model)
-    assert model.config._attn_implementation == prev and not is_installed(model)
-
-
 def test_unknown_hybrid_layer_refused_by_name():
     model = tiny_ssm_model("zamba2", seed=0)
     del model.model.layers[2].shared_transformer  # no longer a shared block feeding a Mamba-2 layer
@@ -240,31 +230,40 @@ def test_unknown_hybrid_layer_refused_by_name():
     assert not is_installed(model) and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
-@pytest.mark.parametrize("kind", ["zamba2", "falcon_h1", "falcon_h1_norm"])
+def _fp64(kind):
+    """Zamba's mixer computes its decay from ``A_log.float()``: the oracle keeps fp64 under :class:`KeepFp64`."""
+    return KeepFp64() if kind == "zamba" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kind", ["zamba2", "zamba", "falcon_h1", "falcon_h1_norm"])
 def test_hybrid_layers_fp64(kind):
     """``hybrid`` layers vs the ordinary per-row forward, 2 B / C groups. Zamba2 (mamba, hybrid, hybrid): each hybrid
     layer runs the one shared attention block (input [h | embeddings], rotary positions, its own LoRA adapters on
     q / k / v) through zorro's attention, then its Mamba-2 layer (grouped gated norm, step size clamped at
     time_step_min as its torch path does). Falcon-H1 (hybrid, hybrid): attention and a Mamba-2 mixer side by side on
     the same input, every muP multiplier away from 1 (the mixer's ssm_in_multiplier and mup_vector included); its
-    output y * silu(gate), or (falcon_h1_norm) its grouped norm with the gate after it."""
+    output y * silu(gate), or (falcon_h1_norm) its grouped norm with the gate after it. Zamba (mamba, mamba, hybrid):
+    multi-head Mamba v1 mixers (2 heads, each with its own x_proj / dt_proj and so its own B / C)."""
     batch = _batch(B=6, G=2, P=11, R=7, seed=11)
     model = tiny_ssm_model(kind, seed=1)
     model.train()
     mods = ssm.mamba_modules(model)
-    n_mamba = 3 if kind == "zamba2" else 2
-    assert len(mods) == n_mamba and mods[-1][2].n_groups == 2
+    n_mamba = 3 if kind.startswith("zamba") else 2
+    assert len(mods) == n_mamba
+    assert mods[-1][2].n_mamba_heads == 2 if kind == "zamba" else mods[-1][2].n_groups == 2
     if kind == "zamba2":  # one block, run by both hybrid layers
         assert model.model.layers[1].shared_transformer is model.model.layers[2].shared_transformer
-    else:
+    elif kind.startswith("falcon_h1"):
         assert torch.unique(mods[0][2].mup_vector).numel() == 5 and mods[0][2].ssm_in_multiplier != 1
-    lp_ref, ent_ref, g_ref = _oracle(model, batch, 7)
-    install_zorro(model)
-    plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
-    assert plan.T < plan.ordinary_tokens
-    calls = LayerCalls()
-    _check_fp64(model, batch, 7, plan, lp_ref, ent_ref, g_ref, calls)
-    assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (2, n_mamba)
+    with _fp64(kind):
+        lp_ref, ent_ref, g_ref = _oracle(model, batch, 7)
+        install_zorro(model)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
+        assert plan.T < plan.ordinary_tokens
+        calls = LayerCalls()
+        _check_fp64(model, batch, 7, plan, lp_ref, ent_ref, g_ref, calls)
+    n_attn = 1 if kind == "zamba" else 2
+    assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (n_attn, n_mamba)
     assert not calls.fallbacks
 
 
@@ -296,6 +295,8 @@ def test_ulysses_refusals_by_name():
         tiny_ssm_model("bamba", seed=0), 8)
     assert "Mamba (v1) layers under Ulysses sequence parallelism" in ssm.mamba_sp_unsupported(
         tiny_ssm_model("jamba", seed=0), 2)
+    assert "Mamba (v1) layers under Ulysses sequence parallelism" in ssm.mamba_sp_unsupported(
+        tiny_ssm_model("zamba", seed=0), 2)  # Zamba's multi-head Mamba v1
     assert ssm.mamba_sp_unsupported(tiny_model(), 2) is None  # no mamba layers: nothing to refuse
 
 
