@@ -361,10 +361,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "3-D (multimodal/mrope) position ids are not supported"),
     # ---------------------------------------------------------------- model step (transformers)
     Refusal("step.layer_types", _STEP, "`config.layer_types` other than `full_attention`, `sliding_attention`, "
-            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe` (e.g. the `hybrid` "
-            "layers of Falcon-H1, Zamba, Zamba2)", "such layers would let a response see its siblings", "model",
-            _HF + "install",
+            "`attention`, `chunked_attention`, `linear_attention`, `mamba`, `conv`, `mlp`, `moe`, `hybrid`",
+            "such layers would let a response see its siblings", "model", _HF + "install",
             "do not mix the sequence through zorro"),
+    Refusal("step.hybrid_layer_unknown", _STEP, "`hybrid` layers other than Zamba's / Zamba2's (a shared attention "
+            "block feeding a Mamba layer) and Falcon-H1's (attention beside a Mamba-2 mixer)",
+            "a response would see its siblings", "model", _HF + "ssm",
+            "is not a hybrid layer zorro knows"),
     Refusal("step.no_attention_interface", _STEP, "models whose attention does not dispatch through transformers' "
             "`AttentionInterface` (e.g. Falcon, GPT-J, BLOOM, MPT, RWKV, RecurrentGemma)", "the module computes "
             "attention itself; transformers cannot set `attn_implementation` on it, so zorro cannot reach it",
@@ -459,8 +462,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "heads (also refused at FSDP engine initialisation)", "each rank runs whole heads of the recurrence",
             "call", _HF + "mixers", "must divide the lightning attention's heads"),
     Refusal("step.mamba_unknown", _STEP, "`mamba` layers whose mixer is neither a Mamba-2 mixer of Mamba2 / Bamba / "
-            "Granite 4 hybrid / Nemotron-H nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba (or has muP "
-            "multipliers)", "a response would see its siblings' state",
+            "Granite 4 hybrid / Nemotron-H / Zamba2 / Falcon-H1 nor a Mamba v1 mixer of Mamba / FalconMamba / Jamba / "
+            "Zamba",
+            "a response would see its siblings' state",
             "model", _HF + "ssm", "running it over the packed row would let a response see its siblings"),
     Refusal("step.mamba_layers", _STEP, "`mamba` layers zorro cannot find (no `layers` list, no `mamba` / `mixer` "
             "module)", "they would run over the packed row unseparated", "model", _HF + "ssm",

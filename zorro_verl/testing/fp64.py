@@ -230,14 +230,19 @@ def exact_fp64_hybrid(model) -> None:
 
 def _exact_gate_first_rmsnorm_forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None):
     """The Mamba-2 gated norm: ``weight * g / rms(g)``, ``g = x * silu(gate)``, the rms over each ``group_size``
-    block where the module has one (Nemotron-H / Zamba2), else over the last dim. hidden_states, gate: ``[.., I]``."""
+    block where the module has one (Nemotron-H / Zamba2; Falcon-H1: ``n_groups`` blocks), else over the last dim;
+    Falcon-H1 with ``norm_before_gate``: ``weight * x / rms(x) * silu(gate)``. hidden_states, gate: ``[.., I]``."""
     dt = _compute_dtype(hidden_states)
     x = hidden_states.to(dt)
-    if gate is not None:
+    after = getattr(self, "norm_before_gate", False)  # Falcon-H1's option: the gate after the norm
+    if gate is not None and not after:
         x = x * torch.nn.functional.silu(gate.to(dt))
-    gs = getattr(self, "group_size", x.shape[-1])
+    gs = getattr(self, "group_size", None) or x.shape[-1] // getattr(self, "n_groups", 1)
     xg = x.reshape(*x.shape[:-1], -1, gs)
     x = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).reshape(x.shape)
+    if after:  # Falcon-H1: weight * norm(y), then the gate
+        x = self.weight * x
+        return (x * torch.nn.functional.silu(gate.to(dt)) if gate is not None else x).to(hidden_states.dtype)
     return self.weight * x.to(hidden_states.dtype)
 
 
@@ -256,6 +261,7 @@ def _exact_mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache_params=
     # zorro's (public) transcriptions of the token-wise parts, so the oracle and zorro cannot drift apart there; the
     # sequence mixing (conv per row, the scan over each whole row) is what the oracle checks and stays written out.
     from zorro_verl.integrations.transformers.ssm import (
+        mamba2_gated_output,
         mamba2_projections,
         ssm_decay_rate,
         ssm_step_size,
@@ -277,7 +283,7 @@ def _exact_mamba2_mixer_forward(self, hidden_states: torch.Tensor, cache_params=
                      B.reshape(b, L, G, N),
                      C.reshape(b, L, G, N), chunk_size=self.chunk_size)
     y = y + self.D[:, None] * x
-    return self.out_proj(self.norm(y.reshape(b, L, -1), gate).to(hidden_states.dtype))
+    return self.out_proj(mamba2_gated_output(self, y.reshape(b, L, -1), gate).to(hidden_states.dtype))
 
 
 def _exact_mamba1_mixer_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,

@@ -154,7 +154,8 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
     """A small state-space config built offline: ``mamba2`` (two Mamba-2 layers), ``bamba`` / ``granitemoehybrid``
     (mamba, attention, mamba; Granite without routed experts, ``granitemoehybrid_moe`` with 4, top 2), ``nemotron_h``
     (mamba, attention, mlp, mamba); Mamba v1: ``mamba`` / ``falcon_mamba`` (two layers), ``jamba`` (mamba, attention,
-    mamba).
+    mamba); ``zamba2`` (mamba, hybrid, hybrid: its one shared attention block run by both hybrid layers, each with
+    its own LoRA adapters, feeding their Mamba-2 layers; not in :data:`SSM_KINDS`, its own tests).
     ``ssm_heads * ssm_head_dim = 2 * hidden`` (expand 2); ``groups`` < heads exercises the B / C group repeat; a small
     ``chunk`` makes prompts and responses cross scan chunks."""
     att = dict(num_attention_heads=heads, num_key_value_heads=heads // 2, attention_dropout=0.0,
@@ -205,7 +206,37 @@ def tiny_ssm_config(kind: str = "bamba", *, vocab_size: int = 128, hidden: int =
                                intermediate_size=2 * hidden, mamba_num_heads=ssm_heads, mamba_head_dim=ssm_head_dim,
                                expand=2, ssm_state_size=state, n_groups=groups, conv_kernel=conv_kernel,
                                chunk_size=chunk, hidden_dropout=0.0, **att, **common)
-    raise ValueError(f"kind: expected one of {SSM_KINDS}, got {kind!r}.")
+    if kind == "zamba2":  # mamba, hybrid, hybrid: one shared attention block run twice, with per-layer LoRA adapters
+        from transformers import Zamba2Config
+
+        # key / value heads = query heads: transformers' Zamba2 sizes its k / v adapters for the query heads
+        chunk = max(chunk, 32)  # Zamba2's torch path, as Nemotron-H's, is exact only within one chunk (ssm.py)
+
+        return Zamba2Config(layers_block_type=["mamba", "hybrid", "hybrid"], num_hidden_layers=3, num_mem_blocks=1,
+                            use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True,
+                            intermediate_size=2 * hidden, n_mamba_heads=ssm_heads, mamba_expand=2,
+                            mamba_d_state=state, mamba_ngroups=groups, mamba_d_conv=conv_kernel, chunk_size=chunk,
+                            use_mamba_kernels=False, **{**att, "num_key_value_heads": heads}, **common)
+    if kind == "zamba":  # mamba, mamba, hybrid: multi-head Mamba v1 mixers (2 heads, a B / C each), shared attention
+        from transformers import ZambaConfig
+
+        return ZambaConfig(num_hidden_layers=3, n_mamba_heads=2, mamba_d_state=state, mamba_d_conv=conv_kernel,
+                           mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, intermediate_size=2 * hidden,
+                           **{**att, "num_key_value_heads": heads}, **common)
+    if kind in ("falcon_h1", "falcon_h1_norm"):  # two hybrid layers (attention beside a Mamba-2 mixer); muP
+        # multipliers away from 1 so each matters; falcon_h1_norm: its grouped gated norm, applied before the gate
+        from transformers import FalconH1Config
+
+        mult = dict(ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7], ssm_in_multiplier=1.3, ssm_out_multiplier=0.8,
+                    attention_in_multiplier=1.2, attention_out_multiplier=0.9, key_multiplier=1.1,
+                    mlp_multipliers=[0.9, 1.1], embedding_multiplier=1.5, lm_head_multiplier=0.7)
+        norm = dict(mamba_rms_norm=True, mamba_norm_before_gate=True) if kind.endswith("_norm") else {}
+        return FalconH1Config(num_hidden_layers=2, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                              mamba_d_ssm=ssm_heads * ssm_head_dim, mamba_n_heads=ssm_heads, mamba_d_head=ssm_head_dim,
+                              mamba_d_state=state, mamba_n_groups=groups, mamba_d_conv=conv_kernel,
+                              mamba_chunk_size=chunk, **mult, **norm, **att, **common)
+    raise ValueError(f"kind: expected one of {SSM_KINDS}, 'zamba', 'zamba2', 'falcon_h1', 'falcon_h1_norm'; got "
+                     f"{kind!r}.")
 
 
 def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, seed: int = 0,
@@ -215,6 +246,13 @@ def tiny_ssm_model(kind: str = "bamba", *, dtype: torch.dtype = torch.float64, s
     if kind in ("mamba2", "mamba", "falcon_mamba"):
         attn_implementation = "eager"  # no attention layers; transformers refuses sdpa for them
     model = model_from_config(tiny_ssm_config(kind, **cfg_kwargs), dtype, seed, attn_implementation)
+    if kind == "zamba" and dtype == torch.float64:  # Zamba keeps A_log in fp32 (_keep_in_fp32): fp64 here, so
+        from zorro_verl.testing.fp64 import to_fp64  # its gradient does not round to fp32
+
+        model = to_fp64(model)
+    if kind == "zamba2":  # one shared block for both hybrid layers, as a checkpoint ties them (_tied_weights_keys;
+        # a model built from its config keeps two copies, each using one of its two adapters)
+        model.model.layers[2].shared_transformer = model.model.layers[1].shared_transformer
     _perturb_vectors(model)
     if exact and dtype == torch.float64:
         exact_fp64_ssm(model)

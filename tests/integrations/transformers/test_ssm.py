@@ -12,6 +12,7 @@ Tolerances:
   same oracle (docs/design/testing.md).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -39,6 +40,7 @@ from zorro_verl.testing import (
     tiny_model,
     tiny_ssm_model,
 )
+from zorro_verl.testing.fp64 import KeepFp64
 
 LP_ABS_TOL = 1e-12
 GRAD_REL_TOL = 1e-12
@@ -89,7 +91,7 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     assert not calls.fallbacks
 
 
-@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba"])
+@pytest.mark.parametrize("kind", ["bamba", "mamba2", "jamba", "zamba2", "zamba", "falcon_h1"])
 def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     """sharing='prefix': a shared system prompt over two questions, a branching rollout (nodes at depth 3) and
     nodes shorter than the conv context, vs the ordinary per-row forward. The scan state runs from each node's
@@ -102,14 +104,15 @@ def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     R = batch["responses"].shape[1]
     model = tiny_ssm_model(kind, seed=1)
     model.train()
-    lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
-    install_zorro(model)
-    plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
-    assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
-    _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
+    with _fp64(kind):
+        lp_ref, ent_ref, g_ref = _oracle(model, batch, R)
+        install_zorro(model)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
+        assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
+        _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
 
 
-@pytest.mark.parametrize("kind", ["bamba", "nemotron_h"])
+@pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "zamba2"])
 def test_gradient_checkpointing_fp64(kind):
     """Checkpointed layers re-run the wrapped forward: Bamba's layers pass the context kwarg to the mixer, Nemotron-H's
     layer carrier hands it over again on the recompute. Same values and gradients."""
@@ -127,10 +130,12 @@ def test_gradient_checkpointing_fp64(kind):
     assert max_rel_grad_error(g0, g1)[0] < 1e-14
 
 
-def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
-    """Mamba2's backbone passes no kwargs to its blocks: a recomputed block could not find its plan — refused."""
+@pytest.mark.parametrize("kind", ["mamba2", "falcon_h1"])
+def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context(kind):
+    """Mamba2's backbone and Falcon-H1's model pass no kwargs to their layers: a recomputed layer could not find its
+    plan — refused."""
     batch = _batch(B=3, G=1, P=5, R=3)
-    model = tiny_ssm_model("mamba2", seed=0)
+    model = tiny_ssm_model(kind, seed=0)
     model.train()
     install_zorro(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -139,7 +144,7 @@ def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context():
 
 
 # ---------------------------------------------------------------------------------------------------- fp32
-@pytest.mark.parametrize("kind", SSM_KINDS)
+@pytest.mark.parametrize("kind", [*SSM_KINDS, "zamba2", "falcon_h1", "falcon_h1_norm"])
 def test_zorro_fp32_stock_forward(kind):
     """fp32, transformers' own torch path (its chunked SSD, norms, casts; no swaps) — what runs on a CPU host."""
     # ~80 response tokens: the 2x rule compares two maxima of rounding noise, which over fewer tokens scatter
@@ -189,39 +194,66 @@ def test_unknown_mamba_mixer_refused_by_name():
     assert model.config._attn_implementation == prev and not ssm.is_wrapped(model.model.layers[0].mamba)
 
 
-@pytest.mark.parametrize("kind", ["falcon_h1", "zamba2"])
-def test_parallel_hybrid_layers_refused(kind):
-    """Falcon-H1 (attention and Mamba-2 side by side in one layer, muP multipliers) and Zamba2 (shared attention
-    blocks) have ``hybrid`` layers: refused by their layer type."""
-    import transformers as T
-
-    if kind == "falcon_h1":
-        cfg = T.FalconH1Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
-                               mamba_d_state=8, mamba_chunk_size=8, intermediate_size=32)
-    else:
-        cfg = T.Zamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4,
-                             layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], chunk_size=8)
-    cfg._attn_implementation = "eager"
-    model = T.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="'hybrid'"):
+def test_unknown_hybrid_layer_refused_by_name():
+    model = tiny_ssm_model("zamba2", seed=0)
+    del model.model.layers[2].shared_transformer  # no longer a shared block feeding a Mamba-2 layer
+    with pytest.raises(ValueError, match=r"hybrid layer 2 \(Zamba2HybridLayer\) is not a hybrid layer zorro knows"):
         install_zorro(model)
+    assert not is_installed(model) and not ssm.is_wrapped(model.model.layers[0].mamba)
+
+
+def _fp64(kind):
+    """Zamba's mixer computes its decay from ``A_log.float()``: the oracle keeps fp64 under :class:`KeepFp64`."""
+    return KeepFp64() if kind == "zamba" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kind", ["zamba2", "zamba", "falcon_h1", "falcon_h1_norm"])
+def test_hybrid_layers_fp64(kind):
+    """``hybrid`` layers vs the ordinary per-row forward, 2 B / C groups. Zamba2 (mamba, hybrid, hybrid): each hybrid
+    layer runs the one shared attention block (input [h | embeddings], rotary positions, its own LoRA adapters on
+    q / k / v) through zorro's attention, then its Mamba-2 layer (grouped gated norm, step size clamped at
+    time_step_min as its torch path does). Falcon-H1 (hybrid, hybrid): attention and a Mamba-2 mixer side by side on
+    the same input, every muP multiplier away from 1 (the mixer's ssm_in_multiplier and mup_vector included); its
+    output y * silu(gate), or (falcon_h1_norm) its grouped norm with the gate after it. Zamba (mamba, mamba, hybrid):
+    multi-head Mamba v1 mixers (2 heads, each with its own x_proj / dt_proj and so its own B / C)."""
+    batch = _batch(B=6, G=2, P=11, R=7, seed=11)
+    model = tiny_ssm_model(kind, seed=1)
+    model.train()
+    mods = ssm.mamba_modules(model)
+    n_mamba = 3 if kind.startswith("zamba") else 2
+    assert len(mods) == n_mamba
+    assert mods[-1][2].n_mamba_heads == 2 if kind == "zamba" else mods[-1][2].n_groups == 2
+    if kind == "zamba2":  # one block, run by both hybrid layers
+        assert model.model.layers[1].shared_transformer is model.model.layers[2].shared_transformer
+    elif kind.startswith("falcon_h1"):
+        assert torch.unique(mods[0][2].mup_vector).numel() == 5 and mods[0][2].ssm_in_multiplier != 1
+    with _fp64(kind):
+        lp_ref, ent_ref, g_ref = _oracle(model, batch, 7)
+        install_zorro(model)
+        plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
+        assert plan.T < plan.ordinary_tokens
+        calls = LayerCalls()
+        _check_fp64(model, batch, 7, plan, lp_ref, ent_ref, g_ref, calls)
+    n_attn = 1 if kind == "zamba" else 2
+    assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (n_attn, n_mamba)
+    assert not calls.fallbacks
 
 
 def test_sp2_mamba2_fp64(tmp_path):
     """Mamba-2 under Ulysses SP = 2 (two processes over gloo, tests/support/ulysses_step.py): each rank runs the conv
     and the scan of its heads over the whole deduplicated row; Bamba with 2 B / C groups (one per rank), Mamba2 with 1
-    (repeated per head before the exchange), Bamba with a prefix tree; logits modes none and memory. SP vs the same
-    plan without SP <= 1e-12 (relative, Frobenius); vs the ordinary per-row forward: log-probs / entropy <= 1e-12
-    abs, every gradient <= 1e-12 relative."""
+    (repeated per head before the exchange), Bamba with a prefix tree, the hybrid layers of Zamba2 and Falcon-H1 (2
+    groups); logits modes none and memory (Falcon-H1 scales its logits: none only). SP vs the same plan without SP
+    <= 1e-12 (relative, Frobenius); vs the ordinary per-row forward: log-probs / entropy <= 1e-12 abs, every gradient
+    <= 1e-12 relative."""
     from tests.support import HANG_TIMEOUT_S
     from tests.support.multi_rank import run_ranks
 
     for r in run_ranks("tests.support.ulysses_step", 2, ["cpu", "ssm"], tmp_path, HANG_TIMEOUT_S):
-        assert set(r) >= {"bamba_g2", "mamba2_g1", "bamba_tree"} and r["bamba_tree"]["tree"]
-        for case in ("bamba_g2", "mamba2_g1", "bamba_tree"):
-            for mode in ("none", "memory"):
+        cases = ("bamba_g2", "mamba2_g1", "bamba_tree", "zamba2_g2", "falcon_h1_g2")
+        assert set(r) >= set(cases) and r["bamba_tree"]["tree"]
+        for case in cases:
+            for mode in ("none",) if case == "falcon_h1_g2" else ("none", "memory"):
                 err, orc = r[case][mode]["sp_vs_ref"], r[case][mode]["sp_vs_oracle"]
                 assert max(err["log_probs"], err["entropy"], err["grads"]) <= 1e-12, (case, mode, err)
                 assert max(orc["log_probs_max_abs"], orc["entropy_max_abs"]) <= LP_ABS_TOL, (case, mode, orc)
@@ -235,16 +267,19 @@ def test_ulysses_refusals_by_name():
         tiny_ssm_model("bamba", seed=0), 8)
     assert "Mamba (v1) layers under Ulysses sequence parallelism" in ssm.mamba_sp_unsupported(
         tiny_ssm_model("jamba", seed=0), 2)
+    assert "Mamba (v1) layers under Ulysses sequence parallelism" in ssm.mamba_sp_unsupported(
+        tiny_ssm_model("zamba", seed=0), 2)  # Zamba's multi-head Mamba v1
     assert ssm.mamba_sp_unsupported(tiny_model(), 2) is None  # no mamba layers: nothing to refuse
 
 
 def test_nemotron_h_torch_path_is_chunk_dependent_so_long_rows_are_refused():
-    """transformers' torch path of Nemotron-H's mixer changes with its chunk size on a 20-token row (Bamba's, the same
-    recurrence, does not): it is not the Mamba-2 recurrence across chunks. zorro computes the recurrence, so without
-    the fused kernels it refuses rows longer than one chunk (and is exact within one, tests above)."""
+    """transformers' torch path of Nemotron-H's (and Zamba2's) mixer changes with its chunk size on a 20-token row
+    (Bamba's, the same recurrence, does not): it is not the Mamba-2 recurrence across chunks. zorro computes the
+    recurrence, so without the fused kernels it refuses rows longer than one chunk (and is exact within one, tests
+    above)."""
     h = torch.randn(2, 20, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     spread = {}
-    for kind in ("nemotron_h", "bamba"):
+    for kind in ("nemotron_h", "zamba2", "bamba"):
         m = tiny_ssm_model(kind, seed=3, exact=False)
         mix = ssm.mamba_modules(m)[0][2]
         outs = []
@@ -252,12 +287,13 @@ def test_nemotron_h_torch_path_is_chunk_dependent_so_long_rows_are_refused():
             mix.chunk_size = chunk
             outs.append(mix.torch_forward(h))
         spread[kind] = (outs[0] - outs[1]).abs().max().item()
-    assert spread["bamba"] < 1e-6 < 1e-5 < spread["nemotron_h"], spread
-    model = tiny_ssm_model("nemotron_h", seed=0)  # chunk_size 32
-    install_zorro(model)
+    assert spread["bamba"] < 1e-6 < 1e-5 < min(spread["nemotron_h"], spread["zamba2"]), spread
     batch = _batch(B=2, G=1, P=20, R=14)
-    with pytest.raises(ValueError, match="crosses one, so no deduplicated forward can equal"):
-        zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 14))
+    for kind in ("nemotron_h", "zamba2"):
+        model = tiny_ssm_model(kind, seed=0)  # chunk_size 32
+        install_zorro(model)
+        with pytest.raises(ValueError, match="crosses one, so no deduplicated forward can equal"):
+            zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 14))
 
 
 def test_fused_path_with_grouped_norm_refused_where_the_torch_norm_is_not_grouped():

@@ -37,7 +37,7 @@ __all__ = ["install_zorro", "uninstall_zorro", "is_installed", "expected_layer_c
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION, "attention")
 _TOKENWISE_LAYER_TYPES = ("mlp", "moe")
 _HANDLED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, hybrid.LINEAR_ATTENTION, ssm.MAMBA, mixers.SHORT_CONV,
-                        *_TOKENWISE_LAYER_TYPES)
+                        *_TOKENWISE_LAYER_TYPES, ssm.HYBRID)
 
 
 def is_installed(model) -> bool:
@@ -54,7 +54,8 @@ def expected_layer_calls(model) -> tuple[int, int]:
         raise ValueError(f"model: cannot tell its decoder layer count (config.num_hidden_layers is {n!r}); zorro "
                          "supports decoder-only language models.")
     types = getattr(cfg, "layer_types", None)
-    attn = sum(t in _ATTENTION_LAYER_TYPES for t in types[:n]) if types else n
+    # a ``hybrid`` layer (Zamba2) runs one attention call (its shared block) and one Mamba-2 layer
+    attn = sum(t in (*_ATTENTION_LAYER_TYPES, ssm.HYBRID) for t in types[:n]) if types else n
     return attn, (len(hybrid.linear_attention_modules(model)) + len(ssm.mamba_modules(model))
                   + len(mixers.short_conv_modules(model)) + len(mixers.lightning_modules(model)))
 

@@ -1,5 +1,8 @@
-"""State-space layers: zorro for the ``mamba`` layers of Mamba2, Bamba, Granite 4 hybrid (granitemoehybrid) and
-Nemotron-H (Mamba-2 mixers) and of Mamba, FalconMamba and Jamba (Mamba v1 mixers).
+"""State-space layers: zorro for the ``mamba`` layers of Mamba2, Bamba, Granite 4 hybrid (granitemoehybrid),
+Nemotron-H and Zamba2 (Mamba-2 mixers) and of Mamba, FalconMamba and Jamba (Mamba v1 mixers), and for the ``hybrid``
+layers of Zamba2 (a shared attention block feeding a Mamba-2 layer), Zamba (the same with a multi-head Mamba v1 mixer:
+:func:`zorro_zamba_forward`) and Falcon-H1 (attention beside a Mamba-2 mixer with muP multipliers): their attention
+runs through zorro's attention function, their mixer as below.
 
 A ``mamba`` layer (``config.layer_types``) mixes the sequence with a depthwise causal conv and a selective scan
 (:mod:`zorro_verl.recurrent.ssd`: Mamba-2's per-head scalar decay, or Mamba v1's per-element one), not through the
@@ -38,12 +41,18 @@ from zorro_verl.integrations.transformers.context import LayerCalls, StepContext
 from zorro_verl.integrations.transformers.hybrid import _report_fallback, text_config
 from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective_scan, packed_ssd
 
-__all__ = ["MAMBA", "mamba_modules", "mamba_sp_unsupported", "check_mamba_supported", "is_mamba1", "wrap_mamba",
+__all__ = ["MAMBA", "HYBRID", "check_hybrid_supported", "mamba2_gated_output", "mamba_modules", "mamba_sp_unsupported",
+           "check_mamba_supported", "is_mamba1", "wrap_mamba",
            "unwrap_mamba", "is_wrapped", "mamba2_projections", "ssm_decay_rate", "ssm_step_size", "stock_runs_fused",
            "fused_path_unsupported", "zorro_mamba2_forward", "mamba1_selection", "zorro_mamba1_forward",
+           "is_multihead_mamba1", "zorro_zamba_forward",
            "set_carried_mixer"]
 
 MAMBA = "mamba"
+#: ``hybrid`` layers: Zamba2's shared attention block (attention through the registered function, token-wise LoRA
+#: adapters) feeds a Mamba-2 layer (``mamba_decoder``); Falcon-H1's runs attention and a Mamba-2 mixer (muP
+#: multipliers) side by side; Zamba's as Zamba2's with a multi-head Mamba v1 mixer; zorro runs both parts of each.
+HYBRID = "hybrid"
 
 #: Attributes of every Mamba-2 mixer zorro runs (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer,
 #: NemotronHMamba2Mixer): in_proj -> [.. | gate | x B C | dt], conv over x B C, the scan's A_log / dt_bias / D, a
@@ -55,6 +64,11 @@ _MIXER_ATTRS = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj"
 #: over x, x_proj -> [dt_rank | B | C], dt_proj, a selective scan over a per-channel state [intermediate, N].
 _MAMBA1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "act", "intermediate_size",
                  "ssm_state_size", "time_step_rank")
+#: Attributes of Zamba's multi-head Mamba (v1) mixer (ZambaMambaMixer): in_proj -> [x | gate] interleaved per
+#: channel, conv over x, then per head of ``n_mamba_heads``: x_proj_weight -> [dt_rank | B | C], dt_proj_weight /
+#: dt_proj_bias, a selective scan over the head's channels with its own B / C.
+_ZAMBA_ATTRS = ("in_proj", "conv1d", "x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D", "out_proj",
+                "act", "n_mamba_heads", "mamba_head_dim", "time_step_rank", "ssm_state_size", "intermediate_size")
 _NO_FORWARD = object()
 _warned: set = set()
 
@@ -73,19 +87,48 @@ def _mixer_of(layer):
         mod = getattr(layer, name, None)
         if isinstance(mod, torch.nn.Module):
             return mod
-    return None
+    dec = getattr(layer, "mamba_decoder", None)  # Zamba2's hybrid layer: shared attention block, then a Mamba layer
+    return _mixer_of(dec) if isinstance(dec, torch.nn.Module) else None
+
+
+def check_hybrid_supported(model) -> int:
+    """Check every ``hybrid`` layer (``config.layer_types``) is one zorro runs exactly: Zamba2's (a shared attention
+    block whose output feeds a Mamba-2 layer) or Falcon-H1's (attention and a muP-scaled Mamba-2 mixer side by side on
+    the same input) or Zamba's (as Zamba2's, with a multi-head Mamba v1 mixer). Returns how many there are; raises
+    ``ValueError`` for any other."""
+    types_ = getattr(text_config(model), "layer_types", None) or []
+    if HYBRID not in types_:
+        return 0
+    _, layers = _layers(model)
+    n = 0
+    for i, t in enumerate(types_[: len(layers)]):
+        if t != HYBRID:
+            continue
+        layer, mixer = layers[i], _mixer_of(layers[i])
+        attn = next((getattr(layer, a) for a in ("shared_transformer", "shared_transf", "self_attn")
+                     if isinstance(getattr(layer, a, None), torch.nn.Module)), None)  # Zamba2, Zamba, Falcon-H1
+        known = mixer is not None and (is_multihead_mamba1(mixer) or not is_mamba1(mixer)
+                                       and all(hasattr(mixer, a) for a in _mixer_attrs(mixer)))
+        if not known or not isinstance(attn, torch.nn.Module):
+            raise ValueError(
+                f"model: hybrid layer {i} ({type(layer).__name__}) is not a hybrid layer zorro knows (a shared "
+                "attention block feeding a Mamba layer, as Zamba's and Zamba2's, or attention beside a Mamba-2 "
+                "mixer, as Falcon-H1's); running it over the packed row would let a response see its siblings — "
+                "refused.")
+        n += 1
+    return n
 
 
 def mamba_modules(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     """``[(layer_index, decoder layer, mixer)]`` of every ``mamba`` layer per ``config.layer_types`` (empty if
     none). Raises ``ValueError`` when such a layer has no ``mamba`` / ``mixer`` module."""
     types_ = getattr(text_config(model), "layer_types", None) or []
-    if MAMBA not in types_:
+    if MAMBA not in types_ and HYBRID not in types_:
         return []
     _, layers = _layers(model)
     out = []
     for i, t in enumerate(types_[: len(layers)]):
-        if t != MAMBA:
+        if t not in (MAMBA, HYBRID):
             continue
         mod = _mixer_of(layers[i])
         if mod is None:
@@ -95,27 +138,37 @@ def mamba_modules(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     return out
 
 
+def _mixer_attrs(mod) -> tuple:
+    """:data:`_MIXER_ATTRS` the mixer must have: Falcon-H1's without ``mamba_rms_norm`` has no norm (its output is
+    ``y * silu(gate)``); one with a muP vector needs its input multiplier."""
+    attrs = _MIXER_ATTRS
+    if getattr(mod, "mamba_rms_norm", True) is False:
+        attrs = tuple(a for a in attrs if a != "norm")
+    return (*attrs, "ssm_in_multiplier") if hasattr(mod, "mup_vector") else attrs
+
+
 def check_mamba_supported(model) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     """Check every ``mamba`` layer's mixer is a Mamba-2 or Mamba v1 mixer zorro can run; returns
     :func:`mamba_modules`. Raises ``ValueError`` naming the mixer class."""
+    check_hybrid_supported(model)
     mods = mamba_modules(model)
     for i, _, mod in mods:
         name = type(mod).__name__
-        if is_mamba1(mod):
+        if is_mamba1(mod) or is_multihead_mamba1(mod):
             continue
-        missing = [a for a in _MIXER_ATTRS if not hasattr(mod, a)]
-        if missing or hasattr(mod, "mup_vector"):
+        missing = [a for a in _mixer_attrs(mod) if not hasattr(mod, a)]
+        if missing:
             raise ValueError(
-                f"model: mamba layer {i} ({name}) is not a Mamba-2 mixer zorro knows (missing {missing or 'nothing'}"
-                f"{', has muP multipliers' if hasattr(mod, 'mup_vector') else ''}); running it over the packed row "
-                "would let a response see its siblings — refused. zorro runs the Mamba-2 mixers of Mamba2, Bamba, "
-                "Granite 4 hybrid, Nemotron-H and the Mamba (v1) mixers of Mamba, FalconMamba, Jamba.")
+                f"model: mamba layer {i} ({name}) is not a Mamba-2 mixer zorro knows (missing {missing}); running it "
+                "over the packed row would let a response see its siblings — refused. zorro runs the Mamba-2 mixers "
+                "of Mamba2, Bamba, Granite 4 hybrid, Nemotron-H, Zamba2, Falcon-H1 and the Mamba (v1) mixers of "
+                "Mamba, FalconMamba, Jamba, Zamba.")
     return mods
 
 
 _SP_REFUSAL = ("Mamba (v1) layers under Ulysses sequence parallelism are not supported by zorro (their scan's B / C "
                "are shared by all channels and not exchanged across ranks); use ulysses_sequence_parallel_size = 1 "
-               "for Mamba, FalconMamba and Jamba models.")
+               "for Mamba, FalconMamba, Jamba and Zamba models.")
 
 
 def mamba_sp_unsupported(model, sp_size: int) -> str | None:
@@ -124,7 +177,7 @@ def mamba_sp_unsupported(model, sp_size: int) -> str | None:
     if sp_size <= 1:
         return None
     for _, _, mod in mamba_modules(model):
-        if is_mamba1(mod):
+        if is_mamba1(mod) or is_multihead_mamba1(mod):
             return f"ulysses_sequence_parallel_size = {sp_size}: {_SP_REFUSAL}"
         reason = _sp_heads_unsupported(mod, sp_size)
         if reason is not None:
@@ -137,6 +190,11 @@ def _sp_heads_unsupported(mod, sp: int) -> str | None:
         return (f"ulysses_sequence_parallel_size: {sp} must divide the Mamba-2 heads (num_heads = {mod.num_heads}); "
                 "each rank runs whole heads of the scan. Choose a sequence-parallel size that divides them.")
     return None
+
+
+def is_multihead_mamba1(mod) -> bool:
+    """Zamba's multi-head Mamba (v1) mixer: the :data:`_ZAMBA_ATTRS` and ``A_log [heads, head_dim, N]``."""
+    return all(hasattr(mod, a) for a in _ZAMBA_ATTRS) and getattr(mod.A_log, "dim", lambda: 0)() == 3
 
 
 def is_mamba1(mod) -> bool:
@@ -176,7 +234,8 @@ def wrap_mamba(model) -> int:
         return 0
     for _, layer, mixer in mods:
         if not is_wrapped(mixer):
-            _swap(mixer, zorro_mamba1_forward if is_mamba1(mixer) else zorro_mamba2_forward)
+            _swap(mixer, zorro_mamba1_forward if is_mamba1(mixer) else
+                  zorro_zamba_forward if is_multihead_mamba1(mixer) else zorro_mamba2_forward)
         if not is_wrapped(layer):
             set_carried_mixer(layer, mixer)
             _swap(layer, _layer_carrier_forward)
@@ -240,13 +299,26 @@ def mamba2_projections(mod, h: torch.Tensor):
     """The token-wise input projection of a Mamba-2 mixer exactly as the model computes it.
 
     Args: h ``[1, T, hidden]`` (or ``[b, L, hidden]``). Returns ``gate [.., I]``, ``xBC [.., conv_dim]`` (the conv
-    input), ``dt [.., H]`` (before ``dt_bias`` / softplus), in the model's dtype. Mamba2 / Nemotron-H project two
-    unused ``d_mlp`` blocks first (zero wide in their configs); they are skipped as the model skips them.
+    input), ``dt [.., H]`` (before ``dt_bias`` / softplus), in the model's dtype. Falcon-H1's mixer scales its input
+    by ``ssm_in_multiplier`` and the projection by its muP vector ``mup_vector [1, 1, proj]`` first, as it does.
+    Mamba2 / Nemotron-H project two unused ``d_mlp`` blocks first (zero wide in their configs); they are skipped as
+    the model skips them.
     """
-    proj = mod.in_proj(h)
+    if hasattr(mod, "mup_vector"):  # Falcon-H1: muP multipliers on the input and on each projected block
+        proj = mod.in_proj(h * mod.ssm_in_multiplier) * mod.mup_vector
+    else:
+        proj = mod.in_proj(h)
     tail = mod.intermediate_size + mod.conv_dim + mod.num_heads
     gate, xBC, dt = proj[..., proj.shape[-1] - tail:].split([mod.intermediate_size, mod.conv_dim, mod.num_heads], -1)
     return gate, xBC, dt
+
+
+def mamba2_gated_output(mod, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated output of a Mamba-2 mixer before ``out_proj``, token-wise as the model computes it: its gated norm
+    module, or (Falcon-H1 with ``mamba_rms_norm`` False) ``y * silu(gate)``. y, gate: ``[.., I]``."""
+    if getattr(mod, "mamba_rms_norm", True) is False:
+        return y * F.silu(gate)
+    return mod.norm(y, gate)
 
 
 def ssm_decay_rate(mod, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -257,10 +329,10 @@ def ssm_decay_rate(mod, compute_dtype: torch.dtype) -> torch.Tensor:
 #: Mixers whose transformers torch path is not the Mamba-2 recurrence across its ``chunk_size``-token chunks (its
 #: output depends on where the chunk boundaries fall; within one chunk it is exact): no deduplicated forward can equal
 #: it on rows longer than one chunk. Their fused CUDA path (mamba-ssm) computes the recurrence.
-_CHUNK_DEPENDENT_TORCH_PATH = ("NemotronHMamba2Mixer",)
+_CHUNK_DEPENDENT_TORCH_PATH = ("NemotronHMamba2Mixer", "Zamba2MambaMixer")
 #: Mixers whose torch path clamps the step size from below at ``time_step_min`` (their fused path, and every other
 #: family, clamps it to ``time_step_limit``): zorro follows the path the stock model runs.
-_CLAMP_AT_TIME_STEP_MIN = ("NemotronHMamba2Mixer",)
+_CLAMP_AT_TIME_STEP_MIN = ("NemotronHMamba2Mixer", "Zamba2MambaMixer")
 
 
 def stock_runs_fused(mod, h: torch.Tensor) -> bool:
@@ -273,7 +345,10 @@ def fused_path_unsupported(mod) -> str | None:
     None. Its gated RMS norm normalises each of the ``n_groups`` groups of ``intermediate / n_groups`` channels; the
     torch path's norm module of Mamba2 / Bamba / Granite normalises all channels at once, and zorro calls that module.
     The two agree for ``n_groups = 1`` (and for Nemotron-H, whose norm module is grouped)."""
-    if mod.n_groups > 1 and getattr(mod.norm, "group_size", None) != mod.intermediate_size // mod.n_groups:
+    norm = getattr(mod, "norm", None)  # Falcon-H1 without mamba_rms_norm: none; with it, n_groups groups
+    if norm is None or getattr(norm, "n_groups", None) == mod.n_groups:
+        return None
+    if mod.n_groups > 1 and getattr(norm, "group_size", None) != mod.intermediate_size // mod.n_groups:
         return (f"model: {type(mod).__name__} with n_groups = {mod.n_groups} on CUDA with mamba-ssm: the stock fused "
                 "path normalises the scan output per group, its torch path (whose norm zorro runs) over all channels "
                 "at once, so zorro cannot equal the stock forward. Uninstall mamba-ssm (the stock model then runs its "
@@ -287,6 +362,8 @@ def ssm_step_size(mod, dt: torch.Tensor, fused: bool = False) -> torch.Tensor:
     dt = F.softplus(dt + mod.dt_bias)
     if not fused and type(mod).__name__ in _CLAMP_AT_TIME_STEP_MIN:
         return torch.clamp(dt, mod.time_step_min)
+    if mod.time_step_limit is None:  # Zamba2's default: its fused path passes no dt_limit (no clamp)
+        return dt
     lo, hi = mod.time_step_limit
     return torch.clamp(dt, lo, hi)
 
@@ -381,7 +458,7 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     y = y + D[:, None] * x  # the skip term, token-wise, as the model adds it
     if shard is not None:
         y = heads_to_sequence(y, shard)  # [L, H, P]
-    out = self.norm(y.reshape(1, n, -1), gate)
+    out = mamba2_gated_output(self, y.reshape(1, n, -1), gate)
     return self.out_proj(out.to(dtype))
 
 
@@ -482,3 +559,46 @@ def zorro_mamba1_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     y = packed_selective_scan(x, dt, -self.A_log.to(cdt).exp(), B, C, plan).to(dtype)  # [T, D]
     y = (y + x * self.D) * self.act(gate)
     return self.out_proj(y[None])
+
+
+def zorro_zamba_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                        zorro_ctx: StepContext | None = None, **kwargs) -> torch.Tensor:
+    """The wrapped forward of Zamba's multi-head Mamba (v1) mixer instance on the packed row: per head ``h`` of
+    ``n_mamba_heads`` (its ``P = intermediate / heads`` channels), ``x_proj_weight[h]`` selects ``dt_rank | B | C``,
+    ``dt = softplus(dt_proj_weight[h] t + dt_proj_bias[h])``, and the Mamba v1 scan runs over the head's channels
+    with its own ``B`` / ``C`` (:func:`~zorro_verl.recurrent.packed_selective_scan` per head); then
+    ``out_proj((y + D x) * act(gate))`` over the heads concatenated, as the model's ``slow_forward``.
+
+    Args: hidden_states ``[1, T, hidden]``. Returns ``[1, T, hidden]`` equal, token for token, to the mixer's output
+    on each ordinary row.
+    """
+    ctx = zorro_ctx or self.__dict__.get("_zorro_layer_ctx") or self.__dict__.get("_zorro_root_ctx")
+    ctx = require_context(ctx, "zorro Zamba Mamba layer")
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError("zorro Zamba Mamba layer: got a cache or an attention_mask; zorro runs training forwards on "
+                         "the packed row. Call the model with use_cache=False and without a mask.")
+    plan = ctx.plan
+    if ctx.shard is not None:
+        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
+    T = plan.T
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
+        raise ValueError(f"zorro Zamba Mamba layer: expected hidden_states [1, {T}, hidden] (one packed row), got "
+                         f"{tuple(hidden_states.shape)}.")
+    ctx.calls.recurrent += 1
+    dtype = hidden_states.dtype
+    if hidden_states.is_cuda:
+        _report_unused_kernel(ctx.calls)
+    proj = self.in_proj(hidden_states)[0]  # [T, 2I]: the model views it as [I, 2]: x and gate interleaved
+    x, gate = proj[:, 0::2], proj[:, 1::2]  # [T, I] each
+    x = self.act(packed_causal_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))  # [T, I]
+    Hm, P, R, N = self.n_mamba_heads, self.mamba_head_dim, self.time_step_rank, self.ssm_state_size
+    xh = x.reshape(T, Hm, P)
+    sel = torch.einsum("hkp,thp->thk", self.x_proj_weight, xh)  # [T, Hm, R + 2N]
+    t, B, C = torch.split(sel, [R, N, N], dim=-1)
+    dt = F.softplus(torch.einsum("hpr,thr->thp", self.dt_proj_weight, t) + self.dt_proj_bias)  # [T, Hm, P]
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    A = -self.A_log.to(cdt).exp()  # [Hm, P, N]
+    y = torch.stack([packed_selective_scan(xh[:, h], dt[:, h], A[h], B[:, h], C[:, h], plan) for h in range(Hm)],
+                    1).to(dtype)  # [T, Hm, P]
+    y = (y + xh * self.D) * self.act(gate.reshape(T, Hm, P))
+    return self.out_proj(y.reshape(1, T, Hm * P))
