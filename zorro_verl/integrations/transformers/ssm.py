@@ -526,6 +526,29 @@ def mamba1_selection(mod, x: torch.Tensor):
     return F.softplus(mod.dt_proj(t)), B, C
 
 
+def _mamba_v1_plan(mixer, hidden_states: torch.Tensor, cache_params, attention_mask, zorro_ctx, what: str):
+    """The checks every Mamba (v1) mixer wrapper makes before its packed forward, and its plan: the step context
+    (passed, or held for the call by the layer / root carrier), no cache or mask, no Ulysses shard (Mamba v1 has no
+    SP path), ``hidden_states [1, T, hidden]`` the packed row; counts the recurrent call (and, on CUDA, the unused
+    mamba-ssm kernel). ``what`` names the layer in the messages."""
+    ctx = zorro_ctx or mixer.__dict__.get("_zorro_layer_ctx") or mixer.__dict__.get("_zorro_root_ctx")
+    ctx = require_context(ctx, what)
+    if cache_params is not None or attention_mask is not None:
+        raise ValueError(f"{what}: got a cache or an attention_mask; zorro runs training forwards on the packed row. "
+                         "Call the model with use_cache=False and without a mask.")
+    plan = ctx.plan
+    if ctx.shard is not None:
+        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
+    T = plan.T
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
+        raise ValueError(f"{what}: expected hidden_states [1, {T}, hidden] (one packed row), got "
+                         f"{tuple(hidden_states.shape)}.")
+    ctx.calls.recurrent += 1
+    if hidden_states.is_cuda:
+        _report_unused_kernel(ctx.calls)
+    return plan
+
+
 def zorro_mamba1_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
                          zorro_ctx: StepContext | None = None, **kwargs) -> torch.Tensor:
     """The wrapped forward of a Mamba (v1) mixer instance on the packed row: ``out_proj((scan(x, dt, A, B, C) + D x)
@@ -536,22 +559,8 @@ def zorro_mamba1_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     on each ordinary row. The scan runs step by step in torch (transformers' torch path does too); mamba-ssm's
     ``selective_scan_fn`` is not used (counted on CUDA as for Mamba-2).
     """
-    ctx = zorro_ctx or self.__dict__.get("_zorro_layer_ctx") or self.__dict__.get("_zorro_root_ctx")
-    ctx = require_context(ctx, "zorro Mamba layer")
-    if cache_params is not None or attention_mask is not None:
-        raise ValueError("zorro Mamba layer: got a cache or an attention_mask; zorro runs training forwards on the "
-                         "packed row. Call the model with use_cache=False and without a mask.")
-    plan = ctx.plan
-    if ctx.shard is not None:
-        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
-    T = plan.T
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
-        raise ValueError(f"zorro Mamba layer: expected hidden_states [1, {T}, hidden] (one packed row), got "
-                         f"{tuple(hidden_states.shape)}.")
-    ctx.calls.recurrent += 1
+    plan = _mamba_v1_plan(self, hidden_states, cache_params, attention_mask, zorro_ctx, "zorro Mamba layer")
     dtype = hidden_states.dtype
-    if hidden_states.is_cuda:
-        _report_unused_kernel(ctx.calls)
     x, gate = self.in_proj(hidden_states)[0].chunk(2, dim=-1)  # [T, D] each
     x = self.act(packed_causal_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))  # [T, D]
     dt, B, C = mamba1_selection(self, x)
@@ -572,22 +581,8 @@ def zorro_zamba_forward(self, hidden_states: torch.Tensor, cache_params=None, at
     Args: hidden_states ``[1, T, hidden]``. Returns ``[1, T, hidden]`` equal, token for token, to the mixer's output
     on each ordinary row.
     """
-    ctx = zorro_ctx or self.__dict__.get("_zorro_layer_ctx") or self.__dict__.get("_zorro_root_ctx")
-    ctx = require_context(ctx, "zorro Zamba Mamba layer")
-    if cache_params is not None or attention_mask is not None:
-        raise ValueError("zorro Zamba Mamba layer: got a cache or an attention_mask; zorro runs training forwards on "
-                         "the packed row. Call the model with use_cache=False and without a mask.")
-    plan = ctx.plan
-    if ctx.shard is not None:
-        raise ValueError(f"ulysses_sequence_parallel_size: {_SP_REFUSAL}")
-    T = plan.T
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != T:
-        raise ValueError(f"zorro Zamba Mamba layer: expected hidden_states [1, {T}, hidden] (one packed row), got "
-                         f"{tuple(hidden_states.shape)}.")
-    ctx.calls.recurrent += 1
-    dtype = hidden_states.dtype
-    if hidden_states.is_cuda:
-        _report_unused_kernel(ctx.calls)
+    plan = _mamba_v1_plan(self, hidden_states, cache_params, attention_mask, zorro_ctx, "zorro Zamba Mamba layer")
+    T, dtype = plan.T, hidden_states.dtype
     proj = self.in_proj(hidden_states)[0]  # [T, 2I]: the model views it as [I, 2]: x and gate interleaved
     x, gate = proj[:, 0::2], proj[:, 1::2]  # [T, I] each
     x = self.act(packed_causal_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, plan))  # [T, I]
