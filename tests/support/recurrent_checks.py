@@ -11,7 +11,11 @@ from zorro_verl.integrations.transformers import install_zorro, zorro_step
 from zorro_verl.packing import build_plan
 from zorro_verl.testing import grads_of, max_rel_grad_error, ordinary_logprobs
 
-__all__ = ["one_thread", "grads", "oracle", "assert_relative_rule"]
+#: fp64: zorro vs the per-row oracle, log-probs / entropy absolute and every parameter's gradient relative
+LP_ABS_TOL = 1e-12
+GRAD_REL_TOL = 1e-12
+
+__all__ = ["one_thread", "grads", "oracle", "assert_exact_fp64", "assert_relative_rule"]
 
 
 def one_thread():
@@ -36,6 +40,21 @@ def oracle(model, batch: dict, R: int) -> tuple:
     entropy ``[B, R]`` and the gradients of :func:`grads`."""
     lp, ent = ordinary_logprobs(model, batch["input_ids"], batch["attention_mask"], R, calculate_entropy=True)
     return lp.detach(), ent.detach(), grads(model, lp, ent)
+
+
+def assert_exact_fp64(model, plan, lp_ref: torch.Tensor, ent_ref: torch.Tensor, g_ref: dict, calls=None) -> None:
+    """zorro's step on ``plan`` (fp64 ``model``, zorro installed) equals the oracle's ``lp_ref`` / ``ent_ref [B, R]``
+    within :data:`LP_ABS_TOL` and every parameter's gradient (each nonzero: every parameter matters) within
+    :data:`GRAD_REL_TOL` relative; ``calls`` is passed to ``zorro_step`` (the layer-call check)."""
+    lp, ent = zorro_step(model, plan, calculate_entropy=True, calls=calls)
+    g_z = grads(model, lp, ent)
+    assert (lp - lp_ref).abs().max().item() < LP_ABS_TOL
+    assert (ent - ent_ref).abs().max().item() < LP_ABS_TOL
+    assert set(g_z) == set(g_ref) and len(g_ref) == len(list(model.parameters()))
+    for name, ref in g_ref.items():
+        assert ref.abs().max().item() > 0, name
+        err, _ = max_rel_grad_error({name: ref}, {name: g_z[name]})
+        assert err <= GRAD_REL_TOL, (name, err)
 
 
 def assert_relative_rule(m32, m64, batch: dict, R: int) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.recurrent.test_recurrent import _batch
-from tests.support.recurrent_checks import assert_relative_rule, grads, one_thread, oracle
+from tests.support.recurrent_checks import assert_exact_fp64, assert_relative_rule, grads, one_thread, oracle
 from zorro_verl.integrations.transformers import (
     LayerCalls,
     expected_layer_calls,
@@ -41,25 +41,10 @@ from zorro_verl.testing import (
     tiny_mixer_model,
 )
 
-LP_ABS_TOL = 1e-12
-GRAD_REL_TOL = 1e-12
-
-
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 _grads, _oracle = grads, oracle
 
 
-
-def _check_fp64(model, plan, lp_ref, ent_ref, g_ref, calls=None):
-    lp, ent = zorro_step(model, plan, calculate_entropy=True, calls=calls)
-    g_z = _grads(model, lp, ent)
-    assert (lp - lp_ref).abs().max().item() < LP_ABS_TOL
-    assert (ent - ent_ref).abs().max().item() < LP_ABS_TOL
-    assert set(g_z) == set(g_ref) and len(g_ref) == len(list(model.parameters()))
-    for name, ref in g_ref.items():
-        assert ref.abs().max().item() > 0, name  # every parameter matters
-        err, _ = max_rel_grad_error({name: ref}, {name: g_z[name]})
-        assert err <= GRAD_REL_TOL, (name, err)
 
 
 CASES = {
@@ -83,7 +68,7 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"])
     assert plan.N == lp_ref.numel() and plan.T < plan.ordinary_tokens
     calls = LayerCalls()
-    _check_fp64(model, plan, lp_ref, ent_ref, g_ref, calls)
+    assert_exact_fp64(model, plan, lp_ref, ent_ref, g_ref, calls)
     attn, rec = expected_layer_calls(model)
     assert calls.recurrent == rec == 2 and calls.attention == attn == 1 and not calls.fallbacks
 
@@ -105,7 +90,7 @@ def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
     install_zorro(model)
     plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
     assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 2
-    _check_fp64(model, plan, lp_ref, ent_ref, g_ref)
+    assert_exact_fp64(model, plan, lp_ref, ent_ref, g_ref)
 
 
 @pytest.mark.parametrize("kind", ["lfm2", "olmo_hybrid", "minimax"])

@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from tests.recurrent.test_recurrent import _batch
-from tests.support.recurrent_checks import assert_relative_rule, grads, one_thread, oracle
+from tests.support.recurrent_checks import (
+    GRAD_REL_TOL,
+    LP_ABS_TOL,
+    assert_exact_fp64,
+    assert_relative_rule,
+    grads,
+    one_thread,
+    oracle,
+)
 from zorro_verl.integrations.transformers import (
     LayerCalls,
     expected_layer_calls,
@@ -42,24 +50,9 @@ from zorro_verl.testing import (
 )
 from zorro_verl.testing.fp64 import KeepFp64
 
-LP_ABS_TOL = 1e-12
-GRAD_REL_TOL = 1e-12
-
-
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 _grads, _oracle = grads, oracle
 
-
-def _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref, calls=None):
-    lp, ent = zorro_step(model, plan, calculate_entropy=True, calls=calls)
-    g_z = _grads(model, lp, ent)
-    assert (lp - lp_ref).abs().max().item() < LP_ABS_TOL
-    assert (ent - ent_ref).abs().max().item() < LP_ABS_TOL
-    assert set(g_z) == set(g_ref) and len(g_ref) == len(list(model.parameters()))
-    for name, ref in g_ref.items():
-        assert ref.abs().max().item() > 0, name  # every parameter matters
-        err, _ = max_rel_grad_error({name: ref}, {name: g_z[name]})
-        assert err <= GRAD_REL_TOL, (name, err)
 
 
 CASES = {
@@ -84,7 +77,7 @@ def test_zorro_equals_ordinary_fp64(kind, case):
     plan = build_plan(batch["input_ids"], batch["attention_mask"], R, position_ids=batch["position_ids"])
     assert plan.N == lp_ref.numel() and plan.T < plan.ordinary_tokens
     calls = LayerCalls()
-    _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref, calls)
+    assert_exact_fp64(model, plan, lp_ref, ent_ref, g_ref, calls)
     attn, rec = expected_layer_calls(model)
     assert calls.recurrent == rec == 2
     assert calls.attention == attn == (0 if kind in ("mamba2", "mamba", "falcon_mamba") else 1)
@@ -109,7 +102,7 @@ def test_prefix_tree_carries_state_down_the_trie_fp64(kind):
         install_zorro(model)
         plan = build_plan(batch["input_ids"], batch["attention_mask"], R, sharing="prefix", min_shared_len=1)
         assert plan.tree.levels == 4 and min(plan.tree.node_len.tolist()) < 3
-        _check_fp64(model, batch, R, plan, lp_ref, ent_ref, g_ref)
+        assert_exact_fp64(model, plan, lp_ref, ent_ref, g_ref)
 
 
 @pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "zamba2"])
@@ -233,7 +226,7 @@ def test_hybrid_layers_fp64(kind):
         plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
         assert plan.T < plan.ordinary_tokens
         calls = LayerCalls()
-        _check_fp64(model, batch, 7, plan, lp_ref, ent_ref, g_ref, calls)
+        assert_exact_fp64(model, plan, lp_ref, ent_ref, g_ref, calls)
     n_attn = 1 if kind == "zamba" else 2
     assert (calls.attention, calls.recurrent) == expected_layer_calls(model) == (n_attn, n_mamba)
     assert not calls.fallbacks
