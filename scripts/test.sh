@@ -30,24 +30,28 @@ timed() {
   echo "[test] $name took $(( $(date +%s) - start )) s$([[ $rc == 0 ]] || echo ", exit $rc")"
   return $rc
 }
-# in_background NAME CMD...: starts CMD as a background job; its output goes to $LOGS/NAME.log, its exit status and
-# seconds to $LOGS/NAME.done.
+# in_background NAME CMD...: starts CMD as a background job; its output goes to $LOGS/KEY.log, its exit status and
+# seconds to $LOGS/KEY.done, KEY being NAME with every character but letters, digits, '.' and '-' made '_' (a name
+# may hold '/' or spaces).
 declare -A JOBS=()
+log_key() { local k="$1"; echo "${k//[^A-Za-z0-9.-]/_}"; }
 in_background() {
-  local name="$1"
+  local name="$1" key
   shift
+  key="$(log_key "$name")"
   echo "[test] $name: started in the background"
-  ( start=$(date +%s); rc=0; "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
-    echo "$rc $(( $(date +%s) - start ))" > "$LOGS/$name.done" ) &
+  ( start=$(date +%s); rc=0; "$@" > "$LOGS/$key.log" 2>&1 || rc=$?
+    echo "$rc $(( $(date +%s) - start ))" > "$LOGS/$key.done" ) &
   JOBS[$name]=$!
 }
 # join NAME: waits for the background job NAME, prints its log and how long it took; fails when the job failed.
 join() {
-  local name="$1" rc secs
+  local name="$1" key rc secs
+  key="$(log_key "$name")"
   wait "${JOBS[$name]}" || true
-  read -r rc secs < "$LOGS/$name.done" || { rc=1; secs="?"; }
+  read -r rc secs < "$LOGS/$key.done" || { rc=1; secs="?"; }
   echo "[test] ---- $name (ran in the background) ----"
-  grep -v "^WARNING: Location 'file:" "$LOGS/$name.log" || true  # pip's notes on this machine's local indexes
+  grep -v "^WARNING: Location 'file:" "$LOGS/$key.log" || true  # pip's notes on this machine's local indexes
   echo "[test] $name took $secs s (in the background), exit $rc"
   [[ "$rc" == 0 ]]
 }
