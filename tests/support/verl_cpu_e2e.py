@@ -98,6 +98,14 @@ def _patch_process_group() -> None:
         backend = kwargs.get("backend")
         if isinstance(backend, str) and backend.replace(" ", "") == "cpu:gloo,cpu:gloo":
             kwargs["backend"] = "gloo"
+        init_method = kwargs.get("init_method")
+        if (kwargs.get("world_size") == 1 and kwargs.get("rank", 0) == 0 and "store" not in kwargs
+                and isinstance(init_method, str) and init_method.startswith("tcp://")):
+            # a one-process group (vLLM's TP=1 worker) needs no TCP rendezvous: vLLM picks its port by
+            # bind-then-close, and another process on a busy host took it between the two (EADDRINUSE killed a
+            # run); an in-process store has no port to lose
+            del kwargs["init_method"]
+            kwargs["store"] = dist.HashStore()
         return orig(*args, **kwargs)
 
     init_process_group._zorro_e2e = True
