@@ -299,8 +299,27 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
     critic = _critic_check(cfg, device)
     if critic is not None:
         out.append(critic)
+    out.append(_roles_check(cfg))
     hooks = _balance_hooks_check(cfg)
     return out + ([hooks] if hooks is not None else [])
+
+
+def _roles_check(cfg) -> Check:
+    """``zorro (reward model / teacher)``: these run in inference servers in verl 0.9.1, where zorro has no seam
+    (:mod:`zorro_verl.integrations.verl.v09.roles`); FAIL when the config asks for zorro there (the trainer would
+    raise at start), else a note saying where they run."""
+    from zorro_verl.integrations.verl.v09.roles import config_value, unsupported_roles
+
+    name = "zorro (reward model / teacher)"
+    msgs = unsupported_roles(cfg)
+    if msgs:
+        return Check(name, "FAIL", " ".join(msgs))
+    rm = bool(config_value(cfg, "reward.reward_model.enable") or config_value(cfg, "reward_model.enable"))
+    teacher = bool(config_value(cfg, "distillation.enabled"))
+    used = [w for w, on in (("a model reward model", rm), ("a distillation teacher", teacher)) if on]
+    return Check(name, "note", (f"this run has {' and '.join(used)}: " if used else "neither in this run; ")
+                 + "verl runs them in inference servers, where zorro does not apply (the student's distillation "
+                   "loss runs in the actor's zorro engine)")
 
 
 def _critic_check(cfg, device: torch.device) -> Check | None:

@@ -115,15 +115,30 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("fsdp.qat_w4a4", _FSDP, "QAT W4A4 (`fsdp_config.qat.mode=w4a4`; W4A16 runs)",
             "its activation scale is observed over each micro-batch's tokens, which deduplication changes", "start",
             _V09 + "engine", "QAT W4A4 (fsdp_config.qat.mode=w4a4)"),
+    Refusal("fsdp.topk_distillation", _FSDP, "top-k distillation (`distillation_use_topk`) with Ulysses SP, "
+            "`use_fused_kernels`, `logits_optimization=memory` or multimodal batches", "zorro's distillation path "
+            "runs the plain LM head on text batches (the loss needs the student's logits; verl's loss slices the "
+            "teacher tensors by its own SP layout)", "batch", _V09 + "engine",
+            "top-k distillation (distillation_use_topk=True) with"),
     Refusal("fsdp.position_ids", _FSDP, "position ids that do not count 0, 1, 2, ... along each row",
             "zorro recomputes positions on the packed row", "batch", _V09 + "engine",
             "position_ids that do not count 0, 1, 2, ... along each row"),
     # ---------------------------------------------------------------- both verl 0.9 engines
     Refusal("v09.pad_mode", _BOTH, "`pad_mode` other than no-padding", "the engines read the jagged layout only",
             "batch", _V09 + "batching", "pad_mode other than no_padding"),
-    Refusal("v09.distillation", _BOTH, "top-k distillation (`distillation_use_topk`, `distillation_only`), "
-            "`calculate_sum_pi_squared`", "outputs zorro does not produce", "batch", _V09 + "batching",
-            "distillation_use_topk"),
+    Refusal("v09.distillation", _BOTH, "top-k distillation (`distillation_use_topk`, `distillation_only`) in the "
+            "Megatron engine; `calculate_sum_pi_squared` in both", "outputs zorro does not produce there (the FSDP "
+            "engine produces top-k distillation's)", "batch", _V09 + "batching", "distillation_use_topk"),
+    Refusal("v09.reward_model", _BOTH, "a `zorro` key in the reward model's config (`reward.reward_model`, legacy "
+            "`reward_model`)", "verl 0.9.1 runs a model reward model in an inference server (vLLM / SGLang, one "
+            "request per rollout), not in a verl engine: no forward for zorro; raised by the trainer's constructor "
+            "and `zorro-verl doctor`", "start", _V09 + "roles",
+            "remove the zorro key from the reward model's config"),
+    Refusal("v09.distillation_teacher", _BOTH, "a `zorro` key in the distillation config (`distillation`, "
+            "`distillation.teacher_models.<key>`)", "verl 0.9.1 scores rollouts with the teacher in an inference "
+            "server (`prompt_logprobs`, one request per rollout), not in a verl engine: no forward for zorro (the "
+            "student's distillation loss runs in the actor's zorro engine); raised by the trainer's constructor and "
+            "`zorro-verl doctor`", "start", _V09 + "roles", "remove the zorro key from the distillation config"),
     Refusal("v09.force_group_size", _BOTH, "`force_group_size > 1`", "an output layout zorro does not produce",
             "batch", _V09 + "batching", "force_group_size > 1"),
     Refusal("v09.seq_mean_token_sum_norm", _BOTH, "`loss_agg_mode=seq-mean-token-sum-norm` without "

@@ -7,7 +7,8 @@ the one model step (docs/design/attention.md, model-step.md).
 * :mod:`.ssm` — Mamba-2 layers (Mamba2, Bamba, Granite 4 hybrid, Nemotron-H);
 * :mod:`.mixers` — LFM2's short gated convs and MiniMax's lightning attention;
 * :mod:`.install` — :func:`install_zorro` / :func:`uninstall_zorro` and the checked packed forward;
-* :mod:`.step` — :func:`zorro_step`, used by every caller (:func:`zorro_values` for value models);
+* :mod:`.step` — :func:`zorro_step`, used by every caller (:func:`zorro_values` for value models,
+  :func:`zorro_logits` for callers that need the head rows' whole distribution);
 * :mod:`.loading` — :func:`load_causal_lm`.
 """
 
@@ -22,7 +23,7 @@ from zorro_verl.integrations.transformers.install import (
     uninstall_zorro,
 )
 from zorro_verl.integrations.transformers.loading import load_causal_lm
-from zorro_verl.integrations.transformers.step import zorro_step, zorro_values
+from zorro_verl.integrations.transformers.step import zorro_logits, zorro_step, zorro_values
 
 __all__ = [
     "ZORRO_ATTN_NAME",
@@ -36,6 +37,7 @@ __all__ = [
     "check_layer_calls",
     "forward_packed",
     "load_causal_lm",
+    "zorro_logits",
     "zorro_step",
     "zorro_values",
 ]

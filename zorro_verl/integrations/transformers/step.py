@@ -27,7 +27,7 @@ from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.multimodal import PackedMedia
 from zorro_verl.packing.ulysses import UlyssesShard
 
-__all__ = ["zorro_step", "zorro_values", "value_head", "HeadFn", "head_fn_unsupported", "forward_owner"]
+__all__ = ["zorro_step", "zorro_logits", "zorro_values", "value_head", "HeadFn", "head_fn_unsupported", "forward_owner"]
 
 #: ``(hidden [Nh, H], head module, targets [N] int64, temperature, calculate_entropy, index [N] int64 | None) ->
 #: (log_probs [N], entropy [N] | None)``; ``index`` None: ``Nh = N``, row ``i`` predicts ``targets[i]``
@@ -130,6 +130,31 @@ def zorro_step(model, plan: ZorroPlan, *, backend: str = "sdpa",
         logp = gather_rows(logp, shard)
         ent = None if ent is None else gather_rows(ent, shard)
     return logp, ent
+
+
+def zorro_logits(model, plan: ZorroPlan, *, backend: str = "sdpa", calls: Optional[LayerCalls] = None,
+                 media: Optional[PackedMedia] = None) -> torch.Tensor:
+    """Deduplicated forward of ``plan`` returning the raw logits at every response-predicting position (the last
+    prompt token and every response token but the last), for callers that need the whole distribution there (verl's
+    top-k distillation loss reads the student's logits at the teacher's top-k ids).
+
+    The packed row runs once (each unique prompt once); the head runs at ``plan.logit_index`` only (a prefix tree:
+    once per distinct position, ``head_index``, then expanded by ``head_inverse``). No temperature is applied: the
+    caller scales the logits as its framework does. No Ulysses sharding (the caller refuses it).
+
+    Returns:
+        ``logits [N, V]`` in the model's output dtype, in the plan's output order (row ``i`` predicts
+        ``plan.target_ids[i]``).
+    """
+    check_no_per_token_noise(model)
+    ctx = StepContext(plan, backend, calls, None, media)
+    keep, index = plan.logit_index, None
+    if plan.head_index is not None:
+        keep, index = plan.head_index, plan.head_inverse
+    logits = forward_packed(model, ctx, logits_to_keep=keep).logits[0]  # [N or Nh, V]
+    if index is not None:
+        logits = logits[index.to(logits.device)]
+    return logits
 
 
 def value_head(model) -> torch.nn.Linear:

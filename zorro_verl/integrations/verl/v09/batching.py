@@ -28,6 +28,7 @@ from zorro_verl.packing.multimodal import batch_media, build_media_plan, check_s
 from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs",
+           "predict_next_index", "to_predict_next",
            "common_batch_unsupported"]
 
 logger = logging.getLogger(__name__)
@@ -124,13 +125,16 @@ def _positions_3d(pos: torch.Tensor, row: torch.Tensor, col: torch.Tensor, width
     return out
 
 
-def common_batch_unsupported(data) -> Optional[str]:
-    """Why a batch cannot run zorro in any verl 0.9 engine, or None: a padded layout, the engine's extra head outputs
-    (top-k distillation, sum of squared probabilities), forced group sizes."""
+def common_batch_unsupported(data, *, topk_distillation: bool = False) -> Optional[str]:
+    """Why a batch cannot run zorro in a verl 0.9 engine, or None: a padded layout, the engine's extra head outputs
+    (the sum of squared probabilities; top-k distillation unless ``topk_distillation``: the FSDP LM-head engine
+    produces it), forced group sizes."""
     get = tu.get_non_tensor_data
     if get(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
         return "pad_mode other than no_padding"
-    for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+    keys = ("calculate_sum_pi_squared",) if topk_distillation else (
+        "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared")
+    for key in keys:
         if get(data=data, key=key, default=False):
             return f"{key}=True"
     if get(data=data, key="force_group_size", default=1) != 1:
@@ -166,15 +170,27 @@ def predict_next_outputs(micro_batch, p: torch.Tensor, plan: ZorroPlan, log_prob
     """``log_probs [N]`` / ``entropy [N]`` (the plan's response tokens) in verl's nested predict-next layout: jagged
     like ``input_ids``, row ``b``'s slice ``[p_b - 1, p_b + r_b - 1)`` holds its response log-probs (the token at
     response column ``j`` is predicted at row position ``p_b - 1 + j``); other entries are 0 and never read."""
-    offsets = micro_batch["input_ids"].offsets()
-    idx = offsets[:-1][plan.out_row] + p[plan.out_row] - 1 + plan.out_col
-    total = int(offsets[-1])
-    out = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs.new_zeros(total).index_put((idx,), log_probs),
-                                                               offsets)}
+    idx = predict_next_index(micro_batch, p, plan)
+    out = {"log_probs": to_predict_next(micro_batch, idx, log_probs)}
     if entropy is not None:
-        out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy.new_zeros(total).index_put((idx,), entropy),
-                                                                offsets)
+        out["entropy"] = to_predict_next(micro_batch, idx, entropy)
     return out
+
+
+def predict_next_index(micro_batch, p: torch.Tensor, plan: ZorroPlan) -> torch.Tensor:
+    """``[N] int64``: for each of the plan's outputs, its entry in the jagged micro-batch's values
+    (``input_ids.values()``, and every per-token tensor verl keeps jagged like it, e.g. the teacher's top-k): row
+    ``b``'s position ``p_b - 1 + j`` predicts its response token ``j``."""
+    offsets = micro_batch["input_ids"].offsets()
+    return offsets[:-1][plan.out_row] + p[plan.out_row] - 1 + plan.out_col
+
+
+def to_predict_next(micro_batch, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values [N, ...]`` (the plan's outputs) as a nested tensor jagged like ``input_ids``, at ``idx``
+    (:func:`predict_next_index`); other entries 0 (never read: verl reads the predict-next positions only)."""
+    offsets = micro_batch["input_ids"].offsets()
+    full = values.new_zeros((int(offsets[-1]), *values.shape[1:])).index_put((idx,), values)
+    return torch.nested.nested_tensor_from_jagged(full, offsets)
 
 
 class ZorroBatchingMixin:

@@ -30,6 +30,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
@@ -43,7 +44,7 @@ from zorro_verl.integrations.transformers.hybrid import (
 from zorro_verl.integrations.transformers.lora import lora_unsupported
 from zorro_verl.integrations.transformers.mixers import mixers_sp_unsupported
 from zorro_verl.integrations.transformers.ssm import mamba_sp_unsupported
-from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported
+from zorro_verl.integrations.transformers.step import forward_owner, head_fn_unsupported, zorro_logits
 from zorro_verl.integrations.transformers.vision import is_multimodal
 from zorro_verl.integrations.verl.common import ZorroActorMixin, setup_unsupported
 from zorro_verl.integrations.verl.settings import settings_of
@@ -52,9 +53,11 @@ from zorro_verl.integrations.verl.v09.batching import (
     _standard_positions,
     common_batch_unsupported,
     micro_batch_plan,
+    predict_next_index,
     predict_next_outputs,
     row_group_ids,
     row_lengths,
+    to_predict_next,
 )
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.vlm import restore_verl_methods, run_idle_tower, use_transformers_methods
@@ -112,9 +115,14 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
 
     def _zorro_batch_unsupported(self, data):
         get = tu.get_non_tensor_data
-        reason = common_batch_unsupported(data)
+        reason = common_batch_unsupported(data, topk_distillation=True)
         if reason is not None:
             return reason
+        if get(data=data, key="distillation_use_topk", default=False) or get(data=data, key="distillation_only",
+                                                                             default=False):
+            reason = self._topk_distillation_unsupported(data)
+            if reason is not None:
+                return reason
         if (get(data=data, key="use_fused_kernels", default=False) and "temperature" in data.keys()
                 and isinstance(data["temperature"], torch.Tensor)):
             # verl's fused path asserts one float temperature per batch
@@ -134,6 +142,25 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
             return ("position_ids that do not count 0, 1, 2, ... along each row (verl's text layout): zorro recomputes "
                     "the positions on its packed row, so other positions would change results")
         return None
+
+    def _topk_distillation_unsupported(self, data):
+        """Why this engine cannot run verl's top-k distillation outputs on ``data`` exactly, or None
+        (:meth:`_topk_distillation_outputs` covers the plain head on text batches)."""
+        get = tu.get_non_tensor_data
+        what = None
+        if self.ulysses_sequence_parallel_size > 1:
+            what = "Ulysses sequence parallelism (verl's top-k loss slices the teacher tensors by its own shard layout)"
+        elif get(data=data, key="use_fused_kernels", default=False):
+            what = "use_fused_kernels=True (verl's fused FSDP head returns no student logits)"
+        elif self.zorro.logits_optimization == "memory":
+            what = "logits_optimization=memory (the loss needs the student's logits; use none or compute)"
+        elif self._zorro_multimodal(data):
+            what = "multimodal batches"
+        if what is None:
+            return None
+        return (f"top-k distillation (distillation_use_topk=True) with {what}: zorro's distillation path runs the "
+                "plain LM head on text batches without Ulysses SP; change that setting or disable zorro for the "
+                "actor")
 
     def initialize(self):
         super().initialize()
@@ -299,7 +326,12 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
         idle = nullcontext()
         if media is not None and not media.model_kwargs():
             idle = _idle_tower(self.module)  # no image here: the tower still runs (FSDP collectives, as verl)
+        topk = tu.get_non_tensor_data(data=micro_batch, key="distillation_use_topk", default=False)
         with autocast_ctx, idle:
+            if topk:  # the student's logits at the response-predicting rows feed verl's top-k loss
+                model_output = self._topk_distillation_outputs(micro_batch, plan, p, temperature, calculate_entropy,
+                                                               loss_function)
+                return self._loss_and_output(model_output, micro_batch, loss_function, forward_only)
             if use_fused:  # verl's fused linear + log-prob kernel as the head (fused.py), one float temperature
                 logp, ent = zorro_fused_step(self.module, plan, backend=self._zorro_backend, temperature=temperature,
                                              calculate_entropy=calculate_entropy, shard=shard)
@@ -311,6 +343,50 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
 
             model_output = predict_next_outputs(micro_batch, p, plan, logp, ent if calculate_entropy else None)
             return self._loss_and_output(model_output, micro_batch, loss_function, forward_only)
+
+    def _topk_distillation_outputs(self, micro_batch, plan, p, temperature, calculate_entropy: bool,
+                                   loss_function) -> dict:
+        """verl's model outputs for top-k distillation (``distillation_use_topk``), computed at the plan's
+        response-predicting rows: the student's logits ``[N, V]`` (:func:`zorro_logits`), scaled by the rows'
+        temperatures as verl does; ``log_probs`` (unless ``distillation_only``) and ``entropy`` from them with verl's
+        own functions; and verl's logits processor (the bound ``distillation_ppo_loss`` called with
+        ``student_logits``: ``distillation_losses``, ``student_mass``, ``teacher_mass``, overlap counts) on those
+        rows, given the teacher's top-k ids / log-probs at the same entries of its jagged tensors
+        (:func:`predict_next_index`). Each output goes into verl's nested layout at those entries (0 elsewhere, never
+        read: verl's distillation loss reads them through ``no_padding_2_padding``, the response's predicting
+        positions). Every output is a per-position function of that position's logits and teacher entries, so
+        computing only the read positions, and each shared prompt once, leaves them and every gradient unchanged."""
+        idx = predict_next_index(micro_batch, p, plan)
+        logits = zorro_logits(self.module, plan, backend=self._zorro_backend)  # [N, V]
+        if isinstance(temperature, torch.Tensor):
+            t = temperature.reshape(-1)
+            if t.numel() != plan.B:
+                raise ValueError(f"temperature: expected one value per row ({plan.B}), got shape "
+                                 f"{tuple(temperature.shape)}.")
+            logits = logits / t[plan.out_row.to(t.device)].clamp(min=1e-8).to(logits.dtype)[:, None]
+        elif float(temperature) != 1.0:
+            logits = logits / torch.tensor(float(temperature)).clamp(min=1e-8).to(logits.dtype)
+        out = {}
+        ec = self.engine_config
+        if calculate_entropy:  # verl's entropy options, on the kept rows
+            if ec.entropy_checkpointing:
+                ent = torch.utils.checkpoint.checkpoint(self.compute_entropy_from_logits, logits)
+            elif ec.entropy_from_logits_with_chunking:
+                ent = self.compute_entropy_from_logits(logits, chunk_size=ec.entropy_from_logits_chunk_size)
+            else:
+                ent = self.compute_entropy_from_logits(logits)
+            out["entropy"] = to_predict_next(micro_batch, idx, ent)
+        teacher = {}
+        for key in ("teacher_logprobs", "teacher_ids"):
+            rows = micro_batch[key].values()[idx.to(micro_batch[key].device)]  # [N, K]
+            teacher[key] = torch.nested.nested_tensor_from_jagged(
+                rows, torch.tensor([0, rows.shape[0]], device=rows.device))
+        for key, v in loss_function(student_logits=logits.unsqueeze(0), data=teacher).items():
+            out[key] = to_predict_next(micro_batch, idx, v.squeeze(0))
+        if not tu.get_non_tensor_data(data=micro_batch, key="distillation_only", default=False):
+            out["log_probs"] = to_predict_next(micro_batch, idx, logprobs_from_logits(
+                logits=logits, labels=plan.target_ids.to(logits.device), inplace_backward=not calculate_entropy))
+        return out
 
     def _loss_and_output(self, model_output: dict, micro_batch, loss_function, forward_only: bool):
         """verl's micro-batch result from the model outputs (nested ``[b, j_b]`` tensors in verl's layout): the loss

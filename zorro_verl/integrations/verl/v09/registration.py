@@ -31,7 +31,7 @@ import os
 from typing import Optional
 
 from zorro_verl.integrations.verl.settings import settings_of
-from zorro_verl.integrations.verl.v09 import balance, trainer_metrics
+from zorro_verl.integrations.verl.v09 import balance, roles, trainer_metrics
 
 __all__ = ["install", "is_installed", "check_engine_registered", "why_not_installed", "entry_point_skipped",
            "PLUGIN_DISABLE_ENV", "PLUGIN_MODULE"]
@@ -68,6 +68,8 @@ def install() -> None:
     wrapt.register_post_import_hook(balance.install_v0_hook, "verl.trainer.ppo.ray_trainer")
     wrapt.register_post_import_hook(balance.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
     wrapt.register_post_import_hook(trainer_metrics.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
+    wrapt.register_post_import_hook(roles.install_v0_hook, "verl.trainer.ppo.ray_trainer")
+    wrapt.register_post_import_hook(roles.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
     _installed = True
 
 
