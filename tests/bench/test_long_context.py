@@ -26,6 +26,8 @@ def test_ulysses_bytes_and_tokens_equal_the_hand_formula():
     tokens, sent = lc.rank_totals("sp", [2177, 2900], 2, DIMS, 4)
     assert tokens == 1089 + 1450
     assert sent == 12 * (1089 + 1450) * 16 * 4 * 2 * 2
+    # gradient checkpointing: the recompute in the backward exchanges once more (3 passes per layer)
+    assert lc.rank_totals("sp", [2177, 2900], 2, DIMS, 4, recompute=True) == (tokens, sent // 2 * 3)
 
 
 def _measured(counted_offset: int = 0) -> dict:
@@ -37,7 +39,7 @@ def _measured(counted_offset: int = 0) -> dict:
     zorro_mb = [10 + 3 + 5, 10 + 4 + 6]
     st_tok, st_bytes = sum(-(-t // 2) for t in stock_mb), sum(lc.ulysses_step_bytes(t, 2, DIMS, 4) for t in stock_mb)
     z_tok, z_bytes = sum(-(-t // 2) for t in zorro_mb), sum(lc.ulysses_step_bytes(t, 2, DIMS, 4) for t in zorro_mb)
-    return {"sharding": "sp", "degree": 2, "clock": "cpu", "device": "cpu", "element_size": 4,
+    return {"sharding": "sp", "degree": 2, "clock": "cpu", "device": "cpu", "element_size": 4, "recompute": False,
             "p_len": p, "r_len": r, "group": g, "logprob_max_abs_diff": 2e-7,
             "stock": {"train_ms": [40.0, 30.0, 50.0], "infer_ms": [20.0, 10.0, 30.0], "mb_tokens": stock_mb,
                       "rank_tokens": [st_tok, st_tok], "comm_bytes": [st_bytes, st_bytes]},
@@ -111,7 +113,7 @@ def cp_registered():
     def rank_tokens(t, cp):
         return 2 * -(-t // (2 * cp))
 
-    def step_bytes(t, cp, dims, es):
+    def step_bytes(t, cp, dims, es, recompute):
         return 2 * dims.layers * 2 * dims.kv_heads * rank_tokens(t, cp) * dims.head_dim * es
 
     def run(sc, settings):
@@ -119,7 +121,7 @@ def cp_registered():
         m["sharding"] = "cp"
         for side in ("stock", "zorro"):
             t = sum(rank_tokens(x, 2) for x in m[side]["mb_tokens"])
-            b = sum(step_bytes(x, 2, DIMS, 4) for x in m[side]["mb_tokens"])
+            b = sum(step_bytes(x, 2, DIMS, 4, False) for x in m[side]["mb_tokens"])
             m[side].update(rank_tokens=[t, t], comm_bytes=[b, b])
         return m
 

@@ -306,7 +306,8 @@ def _main_memory(args: argparse.Namespace, t0: float) -> int:
 def _main_long(args: argparse.Namespace, t0: float) -> int:
     """``--long``: CPU default (scenario ``2k-n8``, shape ``long-tiny``, fp32); ``--preset gpu``: the
     GPU scenarios on ``qwen3-0.6b``, bf16, CUDA; ``--long-scenario``, ``--model``, ``--dtype``, ``--device``,
-    ``--clock``, ``--backends`` (the first), ``--reps`` and ``--warmup`` override them."""
+    ``--clock``, ``--backends`` (the first), ``--grad-ckpt`` (default: on CUDA only), ``--reps`` and ``--warmup``
+    override them."""
     from zorro_verl.bench.long_context import (
         LONG_CPU_SCENARIOS,
         LONG_GPU_SCENARIOS,
@@ -337,7 +338,8 @@ def _main_long(args: argparse.Namespace, t0: float) -> int:
     rows = run_long_bench(scenarios, engine=args.long_engine, degree=args.long_degree,
                           model=args.model or ("qwen3-0.6b" if gpu else "long-tiny"), dtype=dtype, device=device,
                           reps=args.reps, warmup=args.warmup, clock=args.clock,
-                          backend=args.backends.split(",")[0].strip() if args.backends else None)
+                          backend=args.backends.split(",")[0].strip() if args.backends else None,
+                          grad_ckpt=args.grad_ckpt)
     return _finish(rows, args.json, format_long_table(rows), check_long_rows(rows, dtype),
                    f"long-context benchmark ({args.long_engine})", device, t0)
 

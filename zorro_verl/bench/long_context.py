@@ -154,15 +154,16 @@ class ShardingModel:
     """A sequence sharding's cost model.
 
     ``rank_tokens(tokens, degree) -> int``: tokens of one micro-batch's packed row (``tokens``) that each rank
-    holds; ``step_bytes(tokens, degree, dims, element_size) -> int``: bytes one rank hands to the sharding's
-    collectives for that micro-batch in a training step (forward + backward). ``collective`` names what is counted
-    (the row's column header)."""
+    holds; ``step_bytes(tokens, degree, dims, element_size, recompute) -> int``: bytes one rank hands to the
+    sharding's collectives for that micro-batch in a training step (forward + backward; ``recompute``: gradient
+    checkpointing runs each layer's forward again in the backward, its exchanges included). ``collective`` names
+    what is counted (the row's column header)."""
 
     kind: str
     title: str
     collective: str
     rank_tokens: Callable[[int, int], int]
-    step_bytes: Callable[[int, int, AttentionDims, int], int]
+    step_bytes: Callable[[int, int, AttentionDims, int, bool], int]
 
 
 def ulysses_rank_tokens(tokens: int, sp: int) -> int:
@@ -170,12 +171,13 @@ def ulysses_rank_tokens(tokens: int, sp: int) -> int:
     return -(-tokens // sp)
 
 
-def ulysses_step_bytes(tokens: int, sp: int, dims: AttentionDims, element_size: int) -> int:
-    """Ulysses: per attention layer, in the forward and again in the backward, q, k, v in and the output back:
-    ``2 layers x (2 Hq + 2 Hkv') x ceil(tokens / sp) x D x element_size`` (``Hkv'`` after the KV repeat,
-    :func:`~zorro_verl.attention.ulysses.all_to_all_bytes`)."""
+def ulysses_step_bytes(tokens: int, sp: int, dims: AttentionDims, element_size: int, recompute: bool = False) -> int:
+    """Ulysses: per attention layer, in the forward and again in the backward (and once more in the recompute of
+    gradient checkpointing), q, k, v in and the output back: ``(2 | 3) layers x (2 Hq + 2 Hkv') x ceil(tokens / sp)
+    x D x element_size`` (``Hkv'`` after the KV repeat, :func:`~zorro_verl.attention.ulysses.all_to_all_bytes`)."""
     local = ulysses_rank_tokens(tokens, sp)
-    return 2 * dims.layers * all_to_all_bytes(local, sp, dims.heads, dims.kv_heads, dims.head_dim, element_size)
+    passes = 3 if recompute else 2
+    return passes * dims.layers * all_to_all_bytes(local, sp, dims.heads, dims.kv_heads, dims.head_dim, element_size)
 
 
 #: The registered shardings by kind (``sp``: Ulysses). A context-parallel engine adds ``cp``.
@@ -196,13 +198,13 @@ def sharding_model(kind: str) -> ShardingModel:
     return SHARDINGS[kind]
 
 
-def rank_totals(kind: str, mb_tokens: Sequence[int], degree: int, dims: AttentionDims,
-                element_size: int) -> tuple[int, int]:
+def rank_totals(kind: str, mb_tokens: Sequence[int], degree: int, dims: AttentionDims, element_size: int,
+                recompute: bool = False) -> tuple[int, int]:
     """``(tokens, bytes)`` one rank holds / sends in one training step whose micro-batches' packed rows hold
-    ``mb_tokens`` tokens, by the cost model of ``kind``."""
+    ``mb_tokens`` tokens, by the cost model of ``kind`` (``recompute``: gradient checkpointing)."""
     m = sharding_model(kind)
     return (sum(m.rank_tokens(int(t), degree) for t in mb_tokens),
-            sum(m.step_bytes(int(t), degree, dims, element_size) for t in mb_tokens))
+            sum(m.step_bytes(int(t), degree, dims, element_size, recompute) for t in mb_tokens))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -290,7 +292,8 @@ def _paired(a: Sequence[float], b: Sequence[float]) -> float:
 def long_row(engine: str, sc: LongScenario, measured: dict, cfg) -> dict:
     """One row from an engine run's ``measured`` dict:
 
-    ``sharding`` (kind), ``degree``, ``element_size`` (bytes of the exchanged activations), ``clock``, ``device``,
+    ``sharding`` (kind), ``degree``, ``element_size`` (bytes of the exchanged activations), ``recompute``
+    (gradient checkpointing), ``clock``, ``device``,
     ``p_len`` / ``r_len`` / ``group`` (the rows), ``logprob_max_abs_diff``, and per side (``stock``, ``zorro``):
     ``train_ms`` / ``infer_ms`` (every timed run), ``mb_tokens`` (tokens of each micro-batch's packed row of the
     training step), ``rank_tokens`` / ``comm_bytes`` (counted on each rank, lists); zorro also ``mb_rows`` (its
@@ -303,11 +306,13 @@ def long_row(engine: str, sc: LongScenario, measured: dict, cfg) -> dict:
            "collective": model.collective, "scenario": sc.name, "G": sc.G, "n": sc.n, "B": sc.B, "P": sc.P,
            "R_min": sc.R_min, "R_max": sc.R_max, "budget": sc.budget, "clock": measured["clock"],
            "device": measured["device"], "element_size": measured["element_size"],
+           "recompute": measured["recompute"],
            "logprob_max_abs_diff": measured["logprob_max_abs_diff"], "ideal_train": fl["ideal_train"],
            "ideal_infer": fl["ideal_infer"], "flops": {k: fl[k] for k in ("stock", "zorro", "zorro_fwd_bwd")}}
     for side in ("stock", "zorro"):
         m = measured[side]
-        tokens, sent = rank_totals(kind, m["mb_tokens"], degree, dims, measured["element_size"])
+        tokens, sent = rank_totals(kind, m["mb_tokens"], degree, dims, measured["element_size"],
+                                   measured["recompute"])
         row.update({f"{side}_train_ms": statistics.median(m["train_ms"]),
                     f"{side}_infer_ms": statistics.median(m["infer_ms"]),
                     f"{side}_train_runs_ms": list(m["train_ms"]), f"{side}_infer_runs_ms": list(m["infer_ms"]),
@@ -360,15 +365,17 @@ def format_long_table(rows: list[dict]) -> str:
 def run_long_bench(scenarios: Sequence[LongScenario], *, engine: str = "verl-fsdp", degree: int = 2,
                    model: str = "long-tiny", dtype: str = "float32", device: str = "cpu", reps: int = 3,
                    warmup: int = 1, clock: Optional[str] = None, backend: Optional[str] = None,
-                   timeout_s: int = 3600, log=print) -> list[dict]:
-    """One row per scenario of ``engine`` (:data:`LONG_ENGINES`) at sharding ``degree``."""
+                   grad_ckpt: Optional[bool] = None, timeout_s: int = 3600, log=print) -> list[dict]:
+    """One row per scenario of ``engine`` (:data:`LONG_ENGINES`) at sharding ``degree``; ``grad_ckpt`` (default: on
+    CUDA only) is gradient checkpointing on both sides."""
     eng = long_engine(engine)
     sharding_model(eng.sharding)
     cuda = torch.device(device).type == "cuda"
     cfg = long_config(model)
     settings = {"degree": degree, "model": model, "dtype": dtype, "device": device, "reps": reps,
                 "warmup": warmup, "clock": clock or ("wall" if cuda else "cpu"),
-                "backend": backend or ("flash" if cuda else "sdpa"), "timeout_s": timeout_s}
+                "backend": backend or ("flash" if cuda else "sdpa"), "timeout_s": timeout_s,
+                "grad_ckpt": cuda if grad_ckpt is None else grad_ckpt}
     rows = []
     for sc in scenarios:
         sc.check(degree)

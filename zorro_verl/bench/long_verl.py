@@ -5,12 +5,12 @@ zorro engine, both under Ulysses SP, one process per rank.
 nothing of it) saves the model (random weights) as a checkpoint, writes the rows and the settings to a spec file and
 starts ``degree`` processes (``python -m zorro_verl.bench.long_verl RANK WORLD INIT_FILE SPEC OUT``; a ``file://``
 rendezvous, gloo on CPU, NCCL on CUDA, one rank per GPU). Each rank (:func:`run_rank`) builds both engines (FSDP2
-over all ranks = one SP group; fp32 on CPU, verl's bf16 mixed precision on CUDA; AdamW at lr 0, so every step runs
-on the same weights), the same jagged verl batch on every rank, dynamic micro-batches at the scenario's per-GPU
-budget, and times, run by run and interleaved, one inference pass and one training step of each (a barrier before
-each timed call). In the first (warm-up) run it counts, per training step: the bytes the rank hands to
-``torch.distributed.all_to_all`` (a wrapper), the tokens its model forward embeds (a pre-hook on the input
-embeddings), stock's micro-batches (a wrapper of verl's ``prepare_micro_batches``) and zorro's
+over all ranks = one SP group; fp32 on CPU, verl's bf16 mixed precision on CUDA; gradient checkpointing as set;
+AdamW at lr 0, so every step runs on the same weights), the same jagged verl batch on every rank, dynamic
+micro-batches at the scenario's per-GPU budget, and times, run by run and interleaved, one inference pass and one
+training step of each (a barrier before each timed call). In the first (warm-up) run it counts, per training step:
+the bytes the rank hands to ``torch.distributed.all_to_all`` (a wrapper), the tokens its model forward embeds (a
+pre-hook on the input embeddings), stock's micro-batches (a wrapper of verl's ``prepare_micro_batches``) and zorro's
 (``zorro_last_micro_batches``); and the log-probs of both.
 
 Stock's Ulysses attention is verl's own path (its all-to-all, position all-gather, varlen boundaries). On CUDA its
@@ -184,7 +184,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
                                calculate_entropy=False, use_dynamic_bsz=True, max_token_len=budget,
                                global_batch_size=len(rows))
     mask = td["response_mask"].bool()
-    common = dict(use_dynamic_bsz=True, max_token_len=budget, lr=0.0,
+    common = dict(use_dynamic_bsz=True, max_token_len=budget, lr=0.0, gradient_checkpointing=bool(spec["grad_ckpt"]),
                   engine_overrides={"ulysses_sequence_parallel_size": sp},
                   compute_dtype="bf16" if spec["dtype"] == "bfloat16" else "fp32")
     engines = {"stock": eng.build_engine(spec["ckpt"], zorro=False, attn_implementation=stock_attn, **common),
@@ -232,7 +232,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
     from zorro_verl.bench.report import device_name
 
     out = {**res, "sharding": "sp", "degree": sp, "clock": spec["clock"], "device": device_name(dev),
-           "element_size": 2 if spec["dtype"] == "bfloat16" else 4,
+           "element_size": 2 if spec["dtype"] == "bfloat16" else 4, "recompute": bool(spec["grad_ckpt"]),
            "p_len": p.tolist(), "r_len": r.tolist(), "group": row_group_ids(td, p).tolist(),
            "logprob_max_abs_diff": (log_probs["stock"].float() - log_probs["zorro"].float()).abs().max().item(),
            "logprob_max_abs": log_probs["stock"].float().abs().max().item(), "logprob_count": int(mask.sum())}
