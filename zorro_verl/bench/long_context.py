@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from zorro_verl.attention.ulysses import all_to_all_bytes
-from zorro_verl.bench.report import markdown_table
+from zorro_verl.bench.report import git_sha, markdown_table, versions
 
 __all__ = ["LongScenario", "LONG_CPU_SCENARIOS", "LONG_GPU_SCENARIOS", "LONG_SHAPES", "AttentionDims",
            "ShardingModel", "SHARDINGS", "register_sharding", "sharding_model", "ulysses_rank_tokens",
@@ -382,7 +382,8 @@ def run_long_bench(scenarios: Sequence[LongScenario], *, engine: str = "verl-fsd
         log(f"[long] {engine} {eng.sharding.upper()}={degree} {sc.name}: B={sc.B} (G={sc.G} x n={sc.n}), P={sc.P}, "
             f"R={sc.R_min}..{sc.R_max}, budget {sc.budget}/rank, model {model}, {dtype}, {device}")
         row = long_row(engine, sc, eng.run(sc, settings), cfg)
-        row.update(model=model, dtype=dtype, reps=reps, warmup=warmup, backend=settings["backend"])
+        row.update(model=model, dtype=dtype, reps=reps, warmup=warmup, backend=settings["backend"],
+                   grad_ckpt=settings["grad_ckpt"], git_sha=git_sha(), versions=versions())
         log(f"[long]   train x{row['speedup_train_paired']:.2f} (ideal {row['ideal_train']:.2f}), infer "
             f"x{row['speedup_infer_paired']:.2f} (ideal {row['ideal_infer']:.2f}), {row['collective']} bytes/rank "
             f"{row['stock_comm_bytes']:,} -> {row['zorro_comm_bytes']:,}")
