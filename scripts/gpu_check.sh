@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of zorro_verl on one CUDA GPU (made for an H200), offline, in about 9 minutes:
+# GPU checks of zorro_verl on one CUDA GPU (made for an H200), offline, in about 9 minutes (+ the long-context rows
+# where 2+ GPUs are visible):
 #   1. which backends and flash / flex kernels exist here (the registry's available_backends; flash-attn may be
 #      absent: PyTorch's built-in flash kernels are used);
 #   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex (also with sliding windows, sinks and
@@ -20,6 +21,11 @@
 #   6. attention memory (--memory --device cuda): stock flash path vs flash vs flash_copyfree at the same token
 #      budget, bf16, real kernels: bytes kept for backward, median ms of forward + backward and the allocator peak
 #      (torch.cuda.max_memory_allocated) of the step; the memory rule (flash_copyfree <= stock) is checked.
+#   7. the long-context rows (--long --preset gpu): verl 0.9's FSDP engine under Ulysses SP = 2 (one rank per GPU,
+#      NCCL), zorro vs stock at the same sharding on 16K prompts x 16 rollouts and 32K x 8 (responses 1-2K tokens),
+#      Qwen3-0.6B-shaped, bf16, flash-attention 2 for stock, gradient checkpointing on both sides: step and log-prob
+#      pass times, ideal, efficiency, tokens and all-to-all bytes per rank (counted = cost model is checked). Needs
+#      2+ GPUs, verl 0.9 and flash-attn; skipped otherwise (the CPU run, --long, covers the row's bookkeeping).
 # The tables are printed last. Results go to $OUT (the device tool's folder) or ./bench-out.
 # Needs only torch + transformers (+ pytest) on the machine; nothing is downloaded.
 set -uo pipefail
@@ -101,8 +107,21 @@ raise SystemExit(main(["--memory", "--device", "cuda", "--backends", "flash,flas
 PYEOF
 MEM_RC=${PIPESTATUS[0]}
 
+echo "== long-context rows (--long --preset gpu: verl FSDP engine, Ulysses SP = 2, 16K / 32K prompts)"
+if [ "$NGPU" -lt 2 ]; then
+    echo "skipped: SP = 2 runs one rank per GPU and $NGPU GPU(s) are visible" | tee "$OUT_DIR/gpu_long.log"
+    LONG_RC=0
+elif ! "$PY" -c "import verl, flash_attn" 2>/dev/null; then
+    echo "skipped: verl 0.9 and flash-attn are needed for the stock SP engine" | tee "$OUT_DIR/gpu_long.log"
+    LONG_RC=0
+else
+    timeout 900 "$PY" -m zorro_verl.bench --long --preset gpu --reps 3 --warmup 1 \
+        --json "$OUT_DIR/gpu_long.json" 2>&1 | tee "$OUT_DIR/gpu_long.log"
+    LONG_RC=${PIPESTATUS[0]}
+fi
+
 echo
-echo "== summary: tests rc=$TESTS_RC (Ulysses: $SP_NOTE, rc=$SP_RC), ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, memory rc=$MEM_RC (1: flash_copyfree over stock), $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
+echo "== summary: tests rc=$TESTS_RC (Ulysses: $SP_NOTE, rc=$SP_RC), ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, memory rc=$MEM_RC (1: flash_copyfree over stock), long rc=$LONG_RC (1: a count off its cost model), $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
 for f in gpu_ops gpu_bench; do
     if [ -f "$OUT_DIR/$f.json" ]; then
         echo
@@ -136,4 +155,15 @@ for line in check_memory_rule(rows):
 else
     echo "(no gpu_memory table: that run did not finish)"
 fi
-[ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TREE_RC" -eq 0 ] && [ "$MEM_RC" -eq 0 ]
+if [ -f "$OUT_DIR/gpu_long.json" ]; then
+    echo
+    "$PY" -c "
+import json, sys
+from zorro_verl.bench.long_context import check_long_rows, format_long_table
+rows = json.load(open(sys.argv[1]))
+print(format_long_table(rows))
+for line in check_long_rows(rows, 'bfloat16'):
+    print(line)" "$OUT_DIR/gpu_long.json"
+fi
+[ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TREE_RC" -eq 0 ] && [ "$MEM_RC" -eq 0 ] \
+    && [ "$LONG_RC" -eq 0 ]

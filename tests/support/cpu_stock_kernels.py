@@ -11,6 +11,9 @@ pairs flash computes. A benchmark against that would credit zorro with a CPU art
 computes what flash varlen computes: per row (segment of ``position_ids``), causal ``scaled_dot_product_attention``.
 
 Only remove-padding forwards: a padded batch (an attention mask) is refused, never approximated.
+:func:`flash_varlen_kernel` is the same computation in the form verl's Ulysses attention calls flash-attn through
+(transformers' ``_flash_attention_forward``, ``[1, T, H, D]`` tensors after the all-to-all), for the stock SP engine
+of the long-context benchmark (``zorro_verl/bench/long_verl.py``).
 
 2. :func:`blocked_logprobs` for flash-attn's cross-entropy kernel. Without flash-attn, verl's
 ``logprobs_from_logits`` falls back to ``logprobs_from_logits_v2``, which loops in Python over every token of the
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NAME", "BLOCK", "cpu_varlen_attention", "register", "blocked_logprobs", "use_blocked_logprobs"]
+__all__ = ["NAME", "BLOCK", "cpu_varlen_attention", "flash_varlen_kernel", "register", "blocked_logprobs",
+           "use_blocked_logprobs"]
 
 NAME = "cpu_varlen"
 
@@ -58,6 +62,25 @@ def cpu_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
             query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
             dropout_p=dropout if module.training else 0.0, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def flash_varlen_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, query_length,
+                        *args, position_ids=None, is_causal=True, softmax_scale=None, **kwargs) -> torch.Tensor:
+    """transformers' ``_flash_attention_forward`` as flash-attn's varlen kernel computes it, on CPU: ``query
+    [1, T, Hq, D]``, ``key``/``value [1, T, Hkv, D]``, ``position_ids [1, T] int64`` (rows start where the position
+    does not continue) -> ``[1, T, Hq, D]``, causal attention within each row (``is_causal=False``: bidirectional)."""
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1:
+        raise ValueError(f"flash_varlen_kernel: expected a remove-padding forward (batch 1, position_ids, no "
+                         f"attention mask), got batch {query.shape[0]}, attention_mask "
+                         f"{None if attention_mask is None else tuple(attention_mask.shape)}, position_ids "
+                         f"{None if position_ids is None else tuple(position_ids.shape)}.")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [1, H, T, D]
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for s, e in _segments(position_ids):
+        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=is_causal, scale=softmax_scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
 
 
 def register() -> None:

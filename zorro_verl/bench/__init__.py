@@ -2,7 +2,8 @@
 
 Run ``python -m zorro_verl.bench --quick`` (CPU, < 3 min; = ``--preset cpu-quick``), ``--preset gpu`` on a GPU,
 ``--ops`` for the op-level attention benchmark, ``--tree`` for prefix trees, ``--vlm`` for vision-language prompts and
-``--megatron`` for megatron-core's ``GPTModel``, ``--memory`` for the bytes attention keeps for backward.
+``--megatron`` for megatron-core's ``GPTModel``, ``--memory`` for the bytes attention keeps for backward, ``--long`` for
+an engine under sequence sharding (:mod:`.long_context`; the verl FSDP run in :mod:`.long_verl`).
 One job per module: :mod:`.scenarios` (batch shapes),
 :mod:`.presets` (settings and targets), :mod:`.models` (models from a config), :mod:`.flops` (the FLOP model of
 docs/design/math.md), :mod:`.timing` (clock, memory, interleaved timer), :mod:`.runner` (model-level steps),

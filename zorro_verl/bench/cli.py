@@ -67,6 +67,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --memory: a named scenario (gqa, gqa-longresp, mha) or G prompts, n responses each, "
                         "prompt / response lengths, query / kv heads, head dim; repeatable, replaces the default "
                         "three")
+    p.add_argument("--long", action="store_true",
+                   help="run the long-context benchmark (an engine at sequence sharding degree 2, zorro vs stock at "
+                        "the same sharding: times, ideal, efficiency, tokens and collective bytes per rank counted "
+                        "and checked against the cost model) instead of the model-level one; CPU: the repository "
+                        "checkout on PYTHONPATH (its CPU shims); --preset gpu: the 16K / 32K scenarios on "
+                        "qwen3-0.6b, bf16, one rank per GPU")
+    p.add_argument("--long-scenario", action="append", default=None, metavar="NAME|G,n,P,R_MIN,R_MAX,BUDGET",
+                   help="with --long: a named scenario (2k-n8, 16k-n16, 32k-n8) or G prompts of P tokens x n "
+                        "rollouts of R_MIN..R_MAX tokens, BUDGET tokens per rank and micro-batch; repeatable")
+    p.add_argument("--long-engine", default="verl-fsdp",
+                   help="with --long: the engine whose row runs (verl-fsdp: verl's FSDP engine under Ulysses SP)")
+    p.add_argument("--long-degree", type=int, default=2, help="with --long: the sharding degree (ranks)")
     p.add_argument("--ops", action="store_true",
                    help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "
                         "instead of the model-level one; backends: --backends or every available one")
@@ -291,6 +303,47 @@ def _main_memory(args: argparse.Namespace, t0: float) -> int:
                    t0)
 
 
+def _main_long(args: argparse.Namespace, t0: float) -> int:
+    """``--long``: CPU default (scenario ``2k-n8``, shape ``long-tiny``, fp32); ``--preset gpu``: the
+    GPU scenarios on ``qwen3-0.6b``, bf16, CUDA; ``--long-scenario``, ``--model``, ``--dtype``, ``--device``,
+    ``--clock``, ``--backends`` (the first), ``--grad-ckpt`` (default: on CUDA only), ``--reps`` and ``--warmup``
+    override them."""
+    from zorro_verl.bench.long_context import (
+        LONG_CPU_SCENARIOS,
+        LONG_GPU_SCENARIOS,
+        check_long_rows,
+        format_long_table,
+        parse_long_scenario,
+        run_long_bench,
+    )
+
+    bad = [flag for flag, on in (("--tree", args.tree), ("--ops", args.ops), ("--vlm", args.vlm),
+                                 ("--megatron", args.megatron), ("--memory", args.memory),
+                                 ("--scenario", args.scenario), ("--lora", args.lora), ("--plot", args.plot),
+                                 ("--plan-check", args.plan_check), ("--quick", args.quick)) if on]
+    if bad:
+        raise ValueError(f"--long: {bad} belong to the other benchmarks (scenarios of a --long run: --long-scenario).")
+    if args.preset not in (None, "gpu"):
+        raise ValueError(f"--long: --preset gpu (or none) expected, got --preset {args.preset}.")
+    gpu = args.preset == "gpu"
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {dtype!r}.")
+    device = args.device or ("cuda" if gpu else "cpu")
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < args.long_degree:
+        raise ValueError(f"--long-degree {args.long_degree} on CUDA: one rank per GPU, but "
+                         f"{torch.cuda.device_count()} GPU(s) are visible.")
+    scenarios = tuple(parse_long_scenario(t) for t in args.long_scenario) if args.long_scenario \
+        else (LONG_GPU_SCENARIOS if gpu else LONG_CPU_SCENARIOS)
+    rows = run_long_bench(scenarios, engine=args.long_engine, degree=args.long_degree,
+                          model=args.model or ("qwen3-0.6b" if gpu else "long-tiny"), dtype=dtype, device=device,
+                          reps=args.reps, warmup=args.warmup, clock=args.clock,
+                          backend=args.backends.split(",")[0].strip() if args.backends else None,
+                          grad_ckpt=args.grad_ckpt)
+    return _finish(rows, args.json, format_long_table(rows), check_long_rows(rows, dtype),
+                   f"long-context benchmark ({args.long_engine})", device, t0)
+
+
 def settings(argv: list[str]) -> Preset:
     """The settings a command line resolves to (:func:`resolve` of its parsed arguments)."""
     return resolve(_parser().parse_args(argv))
@@ -302,6 +355,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise ValueError("--vlm-scenario: a scenario of the vision-language benchmark; add --vlm.")
     if args.megatron_scenario and not args.megatron:
         raise ValueError("--megatron-scenario: a scenario of the Megatron benchmark; add --megatron.")
+    if (args.long_scenario or args.long_engine != "verl-fsdp" or args.long_degree != 2) and not args.long:
+        raise ValueError("--long-scenario / --long-engine / --long-degree: settings of the long-context benchmark; "
+                         "add --long.")
+    if args.long:
+        return _main_long(args, time.perf_counter())
     if args.memory_scenario and not args.memory:
         raise ValueError("--memory-scenario: a scenario of the attention-memory benchmark; add --memory.")
     if args.memory:
