@@ -174,11 +174,14 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("megatron.memory", _MCORE_ENGINE, "`logits_optimization: memory`",
             "megatron's head is vocabulary parallel (use `none` / `compute`)", "start", _V09 + "megatron_checks",
             "logits_optimization=memory on the Megatron engine"),
-    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models", "not wired on Megatron (the FSDP engine runs "
-            "them)", "start", _V09 + "megatron_checks", "vision-language models on the Megatron engine"),
-    Refusal("megatron.hybrid", _MCORE_ENGINE, "hybrid (linear-attention / Mamba) models",
-            "zorro's recurrent layers are wired for transformers models only", "start", _V09 + "megatron_checks",
-            "hybrid (linear-attention"),
+    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models", "Megatron-Bridge builds them as their own "
+            "modules (vision tower + a language model with 3-D mrope positions); zorro's Megatron step runs a "
+            "`GPTModel` with 1-D RoPE and has no per-unique-prompt vision tower on Megatron yet (the FSDP engine "
+            "runs VLMs)", "start", _V09 + "megatron_checks", "vision-language models on the Megatron engine"),
+    Refusal("megatron.mamba", _MCORE_ENGINE, "Mamba hybrid models (`layer_types` with `mamba`)",
+            "zorro's Megatron step runs attention and gated delta-net layers only (gated delta-net hybrids such as "
+            "Qwen3.5 run; the FSDP engine runs Mamba hybrids)", "start", _V09 + "megatron_checks",
+            "Mamba hybrid models on the Megatron engine"),
     Refusal("megatron.per_token_loss", _MCORE_ENGINE, "`calculate_per_token_loss`",
             "the MoE router's losses are normalised by the ordinary token count (the step scales them as megatron "
             "does; tested at model level only)", "model", _V09 + "megatron_engine",
