@@ -9,7 +9,8 @@
 #      GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
 #      cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo); megatron-core's
 #      GPTModel with Transformer Engine's spec and fused RoPE (zorro's per-token table) by the same rule (skipped
-#      where megatron-core or Transformer Engine is not installed on the machine);
+#      where megatron-core or Transformer Engine is not installed on the machine), and a Qwen3.5-shaped hybrid on
+#      megatron's real hybrid block spec (TE) with flash-linear-attention's gated delta rule (skipped without FLA);
 #   3. the op-level attention benchmark (--preset gpu --ops): each GPU backend's split attention vs the ordinary
 #      per-row SDPA of the same batch, bf16, Qwen3-0.6B heads (16/8 of 128), fwd and fwd_bwd;
 #   4. the model-level benchmark (--preset gpu): bf16 Qwen3-0.6B-shaped model from config, scenarios

@@ -189,11 +189,14 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("megatron.memory", _MCORE_ENGINE, "`logits_optimization: memory`",
             "megatron's head is vocabulary parallel (use `none` / `compute`)", "start", _V09 + "megatron_checks",
             "logits_optimization=memory on the Megatron engine"),
-    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models", "not wired on Megatron (the FSDP engine runs "
-            "them)", "start", _V09 + "megatron_checks", "vision-language models on the Megatron engine"),
-    Refusal("megatron.hybrid", _MCORE_ENGINE, "hybrid (linear-attention / Mamba) models",
-            "zorro's recurrent layers are wired for transformers models only", "start", _V09 + "megatron_checks",
-            "hybrid (linear-attention"),
+    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models", "Megatron-Bridge builds them as their own "
+            "modules (vision tower + a language model with 3-D mrope positions); zorro's Megatron step runs a "
+            "`GPTModel` with 1-D RoPE and has no per-unique-prompt vision tower on Megatron yet (the FSDP engine "
+            "runs VLMs)", "start", _V09 + "megatron_checks", "vision-language models on the Megatron engine"),
+    Refusal("megatron.mamba", _MCORE_ENGINE, "Mamba hybrid models (`layer_types` with `mamba`)",
+            "zorro's Megatron step runs attention and gated delta-net layers only (gated delta-net hybrids such as "
+            "Qwen3.5 run; the FSDP engine runs Mamba hybrids)", "start", _V09 + "megatron_checks",
+            "Mamba hybrid models on the Megatron engine"),
     Refusal("megatron.per_token_loss", _MCORE_ENGINE, "`calculate_per_token_loss`",
             "the MoE router's losses are normalised by the ordinary token count (the step scales them as megatron "
             "does; tested at model level only)", "model", _V09 + "megatron_engine",
@@ -242,6 +245,20 @@ REFUSALS: tuple[Refusal, ...] = (
             "deduplication changes", "model", _MEG + "step", "low-precision scaling"),
     Refusal("mcore.routing_replay", _MCORE, "`moe_enable_routing_replay`", _ORDINARY_ROUTES, "model", _MEG + "step",
             "replayed routes are set per token of the ordinary rows"),
+    Refusal("mcore.mixer", _MCORE, "sequence mixers other than self-attention, MLA and megatron's "
+            "`GatedDeltaNet`", "they would mix the packed row's segments", "model", _MEG + "step",
+            "a sequence mixer zorro"),
+    Refusal("mcore.gdn_install", _MCORE, "gated delta-nets that are not zorro's (`ZorroGatedDeltaNet`)",
+            "their recurrence would run across the packed row's segments", "model", _MEG + "step",
+            "a gated delta-net without zorro's packed"),
+    Refusal("mcore.gdn_inference", _MCORE, "a gated delta-net called with an inference context",
+            "zorro runs training / log-prob forwards without a cache", "call", _MEG + "gdn",
+            "zorro gated delta-net: got an inference context"),
+    Refusal("mcore.gdn_context_parallel", _MCORE, "context parallelism in a gated delta-net",
+            "no context-parallel exchange yet", "call", _MEG + "gdn", "zorro gated delta-net: context_parallel_size"),
+    Refusal("mcore.gdn_shape", _MCORE, "a gated delta-net input that is not the packed row",
+            "the plan describes the packed row only", "call", _MEG + "gdn",
+            "zorro gated delta-net: expected the packed row"),
     Refusal("mcore.mla_install", _MCORE, "MLA layers that are not zorro's (`ZorroMLA`)",
             "their RoPE would run by packed index", "model", _MEG + "step", "without zorro's RoPE positions"),
     Refusal("mcore.mla_rope_fusion", _MCORE, "MLA with `apply_rope_fusion`", "megatron's fused MLA RoPE kernels "

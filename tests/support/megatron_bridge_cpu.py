@@ -106,9 +106,13 @@ def _local_spec_providers() -> None:
     """B1: every provider the bridge makes builds megatron's local modules: the bridge's own ``local_layer_spec``
     (one spec for every layer), or, where the bridge gives a whole decoder block (``get_gpt_decoder_block_spec``:
     DeepSeek's first dense layers, its multi-latent attention), that block built without Transformer Engine (MLA's
-    core attention: P9)."""
+    core attention: P9); a hybrid block (Qwen3.5's gated delta-nets, which megatron builds on TE only) the CPU
+    stand-in of tests/support/megatron_gdn.py (G1, G2)."""
     from megatron.bridge import AutoBridge
     from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec,
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     original = AutoBridge.to_megatron_provider
@@ -116,7 +120,12 @@ def _local_spec_providers() -> None:
     def to_megatron_provider(self, *args, **kwargs):
         provider = original(self, *args, **kwargs)
         spec = provider.transformer_layer_spec
-        if isinstance(spec, partial) and spec.func is get_gpt_decoder_block_spec:
+        if spec is get_transformer_block_with_experimental_attention_variant_spec:  # hybrid (Qwen3.5): G1 / G2
+            from tests.support import megatron_gdn
+
+            megatron_gdn.install_bridge_standins()
+            provider.transformer_layer_spec = megatron_gdn.cpu_hybrid_block_spec
+        elif isinstance(spec, partial) and spec.func is get_gpt_decoder_block_spec:
             kw = {k: v for k, v in spec.keywords.items() if k != "use_transformer_engine"}
             provider.transformer_layer_spec = partial(_local_block_spec, **kw)
         else:

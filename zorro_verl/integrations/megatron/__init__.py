@@ -1,6 +1,7 @@
 """Zorro on megatron-core's ``GPTModel`` (docs/design/megatron.md): the split attention as the layers' core
-attention, the plan carried by a ``PackedSeqParams`` subclass, per-token RoPE positions and the LM head at the
-response-predicting rows. Imports megatron-core (``.venv-megatron``: ``scripts/setup_megatron_env.sh``)."""
+attention (hybrid models: the gated delta-nets' packed recurrence), the plan carried by a ``PackedSeqParams``
+subclass, per-token RoPE positions and the LM head at the response-predicting rows. Imports megatron-core
+(``.venv-megatron``: ``scripts/setup_megatron_env.sh``)."""
 
 from zorro_verl.integrations.megatron.attention import (
     ZorroCoreAttention,
@@ -12,6 +13,7 @@ from zorro_verl.integrations.megatron.attention import (
     zorro_layer_spec,
     zorro_mla_attention,
 )
+from zorro_verl.integrations.megatron.gdn import ZorroGatedDeltaNet, zorro_gated_delta_net
 from zorro_verl.integrations.megatron.step import (
     find_gpt_model,
     has_output_processor,
@@ -23,4 +25,5 @@ from zorro_verl.integrations.megatron.step import (
 
 __all__ = ["ZorroCoreAttention", "ZorroPackedSeqParams", "install_zorro_megatron", "zorro_attention_modules",
            "zorro_core_attention", "zorro_layer_spec", "zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs",
-           "padded_length", "find_gpt_model", "has_output_processor", "ZorroMLA", "zorro_mla_attention"]
+           "padded_length", "find_gpt_model", "has_output_processor", "ZorroMLA", "zorro_mla_attention",
+           "ZorroGatedDeltaNet", "zorro_gated_delta_net"]

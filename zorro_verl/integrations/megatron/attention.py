@@ -25,68 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from zorro_verl.attention import attend
-from zorro_verl.packing import ZorroPlan
+from zorro_verl.integrations.megatron.gdn import GatedDeltaNet, ZorroGatedDeltaNet, zorro_gated_delta_net
+from zorro_verl.integrations.megatron.params import ZORRO_QKV_FORMAT, ZorroPackedSeqParams
 
 __all__ = ["ZorroPackedSeqParams", "ZorroCoreAttention", "zorro_core_attention", "zorro_layer_spec",
            "install_zorro_megatron", "zorro_attention_modules", "ZORRO_QKV_FORMAT", "ZorroMLA", "zorro_mla_attention",
            "PositionedRope"]
-
-#: Megatron reads ``qkv_format == "thd"`` to switch to per-segment (packed) handling; any other value makes it treat
-#: the packed row as one sequence, which is what zorro wants (the plan carries the structure).
-ZORRO_QKV_FORMAT = "sbhd"
-
-
-class LayerCallCounter:
-    """How many core-attention calls took the zorro path in one forward (checked by the step: a layer that did not
-    reach zorro would have attended over the whole packed row, silently wrong). Opaque on purpose: it is shared by
-    reference however the params object is copied."""
-
-    __slots__ = ("count",)
-
-    def __init__(self):
-        self.count = 0
-
-
-@dataclasses.dataclass
-class ZorroPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` that carries a zorro plan through ``GPTModel.forward`` to every core attention.
-
-    Build it with :meth:`for_plan`. ``qkv_format`` must stay ``"sbhd"`` and ``max_seqlen_q`` / ``max_seqlen_kv`` must
-    be at least the largest position + 1 (``plan.max_row_len``): megatron sizes its RoPE table from them.
-
-    Fields beyond megatron's: ``plan`` (the micro-batch's :class:`~zorro_verl.packing.ZorroPlan`), ``backend`` (a
-    registered attention backend name), ``padded_len`` (tokens of the row the model runs: ``plan.T`` plus padding to
-    a multiple of the tensor-parallel size under sequence parallelism; pad tokens attend to nothing and output 0),
-    ``calls`` (the step's :class:`LayerCallCounter`), ``position_ids`` (``[padded_len] int64``, each token's position
-    in its ordinary row, 0 on pad tokens: multi-latent attention's RoPE, :class:`ZorroMLA`).
-    """
-
-    plan: Optional[ZorroPlan] = None
-    backend: str = "sdpa"
-    padded_len: int = 0
-    calls: Optional[LayerCallCounter] = None
-    position_ids: Optional[torch.Tensor] = None
-
-    @classmethod
-    def for_plan(cls, plan: ZorroPlan, backend: str, padded_len: int) -> "ZorroPackedSeqParams":
-        if padded_len < plan.T:
-            raise ValueError(f"padded_len: expected >= plan.T ({plan.T}), got {padded_len}.")
-        pos = plan.position_ids
-        if padded_len > plan.T:  # pad tokens at position 0 (they attend to nothing and are never read)
-            pos = torch.cat([pos, pos.new_zeros(padded_len - plan.T)])
-        return cls(qkv_format=ZORRO_QKV_FORMAT, max_seqlen_q=plan.max_row_len, max_seqlen_kv=plan.max_row_len,
-                   plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter(), position_ids=pos)
-
 
 class ZorroCoreAttention:
     """Mixin placed in front of a megatron core-attention class (see :func:`zorro_core_attention`).
@@ -259,8 +211,14 @@ def zorro_core_attention(cls: type) -> type:
 def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a GPT layer spec (``get_gpt_layer_local_spec()`` / TE spec, a ``ModuleSpec`` of a
     ``TransformerLayer``) whose self-attention core attention is the zorro subclass of the one it names (and a
-    multi-latent attention the :class:`ZorroMLA` subclass of its class). The
+    multi-latent attention the :class:`ZorroMLA` subclass of its class; a gated delta-net layer's mixer the
+    :class:`~zorro_verl.integrations.megatron.gdn.ZorroGatedDeltaNet` subclass of its class). The
     original spec is not modified. ``ValueError`` when the spec has no self-attention core attention to wrap."""
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    if GatedDeltaNet is not None and isinstance(getattr(attn, "module", None), type) \
+            and issubclass(attn.module, GatedDeltaNet):  # a hybrid model's gated delta-net layer
+        new_attn = dataclasses.replace(attn, module=zorro_gated_delta_net(attn.module))
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
     try:
         attn = spec.submodules.self_attention
         core = attn.submodules.core_attention
@@ -282,12 +240,16 @@ def zorro_layer_spec(spec: ModuleSpec) -> ModuleSpec:
 
 def install_zorro_megatron(model: torch.nn.Module) -> int:
     """Make every ``SelfAttention`` / ``MultiLatentAttention`` ``.core_attention`` of an already built model a zorro
-    core attention, and every MLA layer a :class:`ZorroMLA` (class swaps of each instance: parameters, buffers and
-    state-dict names unchanged; calls without a zorro plan behave as before). Returns how many were installed
-    (idempotent); ``ValueError`` when the model has none."""
+    core attention, every MLA layer a :class:`ZorroMLA` and every gated delta-net a
+    :class:`~zorro_verl.integrations.megatron.gdn.ZorroGatedDeltaNet` (class swaps of each instance: parameters,
+    buffers and state-dict names unchanged; calls without a zorro plan behave as before). Returns how many were
+    installed (idempotent); ``ValueError`` when the model has none."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, (SelfAttention, MultiLatentAttention)):
+        if GatedDeltaNet is not None and isinstance(mod, GatedDeltaNet):  # hybrid models' gated delta-nets
+            mod.__class__ = zorro_gated_delta_net(type(mod))
+            n += 1
+        elif isinstance(mod, (SelfAttention, MultiLatentAttention)):
             if isinstance(mod, MultiLatentAttention) and not isinstance(mod, ZorroMLA):
                 mod.__class__ = zorro_mla_attention(type(mod))
             core = mod.core_attention
@@ -306,5 +268,7 @@ def install_zorro_megatron(model: torch.nn.Module) -> int:
 
 
 def zorro_attention_modules(model: torch.nn.Module) -> list:
-    """The zorro core attentions of ``model`` (this pipeline stage's layers), in module order."""
-    return [m for m in model.modules() if isinstance(m, ZorroCoreAttention)]
+    """The zorro sequence mixers of ``model`` (this pipeline stage's layers), in module order: core attentions and
+    gated delta-nets (:class:`~zorro_verl.integrations.megatron.gdn.ZorroGatedDeltaNet`), each called once per
+    layer and step."""
+    return [m for m in model.modules() if isinstance(m, (ZorroCoreAttention, ZorroGatedDeltaNet))]

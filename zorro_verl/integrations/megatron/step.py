@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
 from zorro_verl.integrations.megatron.attention import (
@@ -41,6 +43,7 @@ from zorro_verl.integrations.megatron.attention import (
     ZorroPackedSeqParams,
     zorro_attention_modules,
 )
+from zorro_verl.integrations.megatron.gdn import GatedDeltaNet, ZorroGatedDeltaNet
 from zorro_verl.integrations.megatron.moe import (
     TokenWeightedRouters,
     check_moe_statistics,
@@ -116,6 +119,7 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
     if n_layers == 0:
         raise ValueError("model: no zorro core attention found. Build the model with zorro_layer_spec(spec) or call "
                          "install_zorro_megatron(model) first.")
+    _check_mixers(gpt, installed=n_layers is not None)
     if gpt.position_embedding_type != "rope":
         raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
                          "(yarn / mrope / learned positions are not wired yet).")
@@ -142,6 +146,27 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
                          "routes, checked equal across the group by zorro_verl.packing.routes.packed_routes). Set "
                          "moe_enable_routing_replay=False (verl: router_replay.mode=disabled) or run without zorro.")
     return check_moe_statistics(gpt)
+
+
+def _check_mixers(gpt: GPTModel, installed: bool) -> None:
+    """Every layer's sequence mixer is one zorro runs on the packed row: self-attention, multi-latent attention or a
+    gated delta-net (with ``installed``, the gated delta-nets zorro's: an ordinary one would run its recurrence
+    across the packed row's segments, uncounted by the step's layer-call check)."""
+    known = (SelfAttention, MultiLatentAttention, IdentityOp) + ((GatedDeltaNet,) if GatedDeltaNet else ())
+    for i, layer in enumerate(getattr(getattr(gpt, "decoder", None), "layers", None) or ()):
+        mixer = getattr(layer, "self_attention", None)
+        if mixer is None:
+            continue
+        if not isinstance(mixer, known):
+            raise ValueError(f"decoder.layers[{i}].self_attention: a {type(mixer).__name__}, a sequence mixer zorro "
+                             "does not run on the packed row (zorro runs self-attention, multi-latent attention "
+                             "and megatron's GatedDeltaNet); it would mix the packed row's segments. Run this model "
+                             "without zorro.")
+        if installed and GatedDeltaNet is not None and isinstance(mixer, GatedDeltaNet) \
+                and not isinstance(mixer, ZorroGatedDeltaNet):
+            raise ValueError(f"decoder.layers[{i}].self_attention: a gated delta-net without zorro's packed "
+                             "recurrence; build the model with zorro_layer_spec(spec) or call "
+                             "install_zorro_megatron(model).")
 
 
 def _check_mla(gpt: GPTModel, cfg, installed: bool) -> None:

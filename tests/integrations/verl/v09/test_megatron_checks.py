@@ -34,11 +34,20 @@ def test_verl_defaults_pass():
     ({}, {"mtp": {"enable": True}}, "model.mtp.enable=False"),
     ({}, {"lora": {"rank": 8, "dropout": 0.1}}, "model.lora.dropout=0"),
     ({}, {"hf_config": SimpleNamespace(vision_config={})}, "vision-language"),
-    ({}, {"hf_config": SimpleNamespace(layer_types=["linear_attention", "full_attention"])}, "hybrid"),
+    ({}, {"hf_config": SimpleNamespace(vision_config={})}, "3-D mrope positions"),
+    ({}, {"hf_config": SimpleNamespace(layer_types=["mamba", "attention"])}, "Mamba hybrid"),
 ])
 def test_refusals_name_the_setting(engine, model, says):
     reason = megatron_setup_unsupported({**DEFAULT_ENGINE, **engine}, {**DEFAULT_MODEL, **model})
     assert reason is not None and says in reason, reason
+
+
+def test_gated_delta_net_hybrids_run():
+    """Qwen3.5 / Qwen3-Next ("linear_attention" layers: megatron's GatedDeltaNet) are no start-time refusal: exact at
+    the model level and through the engine (tests/integrations/megatron/test_gdn.py, test_engine_hybrid.py); any
+    other sequence mixer is refused once the model is built."""
+    hf = SimpleNamespace(model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"])
+    assert megatron_setup_unsupported(DEFAULT_ENGINE, {**DEFAULT_MODEL, "hf_config": hf}) is None
 
 
 def test_megatron_bridge_lora_runs():

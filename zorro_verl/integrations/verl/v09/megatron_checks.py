@@ -9,8 +9,10 @@ __all__ = ["megatron_setup_unsupported"]
 
 #: hf_config attributes of model families zorro's Megatron path does not run yet, with the reason.
 _HF_REFUSALS = (
-    ("vision_config", "vision-language models on the Megatron engine (zorro runs VLMs in the FSDP engine)"),
-    ("linear_attention", "hybrid (linear-attention) models on the Megatron engine"),
+    ("vision_config", "vision-language models on the Megatron engine: Megatron-Bridge builds them as their own "
+                      "modules (Qwen25VLModel / Qwen3VLModel: a vision tower beside a language model with 3-D mrope "
+                      "positions), and zorro's Megatron step runs a GPTModel with 1-D RoPE positions and has no "
+                      "vision tower run once per unique prompt yet; run VLMs with zorro in the FSDP engine"),
 )
 
 
@@ -59,7 +61,10 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
         for attr, reason in _HF_REFUSALS:
             if getattr(hf, attr, None) is not None:
                 return reason
+        # gated delta-net hybrids (Qwen3.5, Qwen3-Next: "linear_attention" layers) run; the built model's mixers are
+        # checked at initialize (zorro_verl.integrations.megatron.step: any other sequence mixer is refused there)
         layer_types = getattr(hf, "layer_types", None) or ()
-        if any("linear" in str(t) or "mamba" in str(t) for t in layer_types):
-            return "hybrid (linear-attention / Mamba) models on the Megatron engine"
+        if any("mamba" in str(t) for t in layer_types):
+            return ("Mamba hybrid models on the Megatron engine (zorro's Megatron step runs attention and gated "
+                    "delta-net layers only; zorro runs Mamba hybrids in the FSDP engine)")
     return None
