@@ -239,3 +239,34 @@ def test_documented_megatron_overrides_only_block():
     assert "model_engine=megatron" in overrides and len(overrides) == 5
     checks = _megatron_checks(overrides, "ppo_trainer")
     assert checks["zorro (actor)"].status == "ok" and checks["zorro (ref)"].status == "ok"
+
+
+def test_megatron_critic_line_and_documented_critic_overrides():
+    """The Megatron preset's critic (``critic.megatron.zorro`` follows the actor's switch) and docs/verl-megatron.md's
+    critic overrides-only lines on verl's own ppo_trainer: the doctor's critic line reads the critic's megatron node
+    (its parallel layout, builder and the Megatron engine's start-time refusals)."""
+    import re
+
+    from tests.support import REPO_ROOT
+
+    gae = ["algorithm.adv_estimator=gae"]
+    c = _megatron_checks(gae)["zorro (critic)"]
+    assert c.status == "ok" and "strategy megatron" in c.detail and "megatron TP 1" in c.detail, c
+    assert "built by Megatron-Bridge" in c.detail, c
+    off = _megatron_checks(gae + ["actor_rollout_ref.actor.megatron.zorro.enable=false"])["zorro (critic)"]
+    assert off.status == "note" and "stock critic" in off.detail, off
+    cp = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2"])["zorro (critic)"]
+    assert cp.status == "FAIL" and "context parallelism" in cp.detail, cp
+    warn = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2",
+                                   "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])["zorro (critic)"]
+    assert warn.status == "note", warn
+    text = (REPO_ROOT / "docs" / "verl-megatron.md").read_text()
+    block = re.search(r"<!-- zorro-megatron-critic-overrides -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "docs/verl-megatron.md lost its critic overrides block"
+    overrides = [tok for tok in block.group(1).split() if "=" in tok and not tok.startswith("--")]
+    assert len(overrides) == 4
+    checks = _megatron_checks(overrides, "ppo_trainer")
+    assert checks["zorro (critic)"].status == "ok" and "strategy megatron" in checks["zorro (critic)"].detail
+    assert "megatron-core" in checks
+    # without the critic's zorro node, verl's Megatron critic is the stock one
+    assert _megatron_checks(overrides[:2], "ppo_trainer")["zorro (critic)"].status == "note"

@@ -237,7 +237,8 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
     except Exception as e:  # noqa: BLE001 - any Hydra error is the user's config problem; report it
         return [Check("config", "FAIL", f"{config_name} does not compose with {overrides}: {e}")]
     out = []
-    megatron = any(_role_engine(cfg, role)[0] == "megatron" for role in ("actor", "ref"))
+    megatron = any(_role_engine(cfg, role)[0] == "megatron" for role in ("actor", "ref")) \
+        or (cfg.get("critic") or {}).get("strategy") == "megatron"
     if megatron:
         out += [_megatron_core_check(), _megatron_bridge_check(cfg)]
     for role in ("actor", "ref"):
@@ -325,7 +326,8 @@ def _roles_check(cfg) -> Check:
 def _critic_check(cfg, device: torch.device) -> Check | None:
     """The critic's zorro state (``zorro (critic)``): whether the run has a critic (verl's rule: ``critic.enable``,
     else ``algorithm.adv_estimator == gae``), and with one, whether its engine config enables zorro and zorro can run
-    it (strategy fsdp / fsdp2, the keys, the backend, SP, its value loss settings). None without a ``critic`` node."""
+    it (strategy fsdp / fsdp2 or megatron, the keys, the backend, Ulysses SP or the Megatron engine's start-time
+    refusals and parallel sizes, its value loss settings). None without a ``critic`` node."""
     from zorro_verl.integrations.verl.common import setup_unsupported
     from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
     from zorro_verl.integrations.verl.v09.losses import loss_unsupported
@@ -348,26 +350,37 @@ def _critic_check(cfg, device: torch.device) -> Check | None:
     if not s.enable:
         return Check(name, "note", f"disabled (critic.{key}.zorro.enable=false or unset): verl's stock critic runs")
     problems = []
-    if strategy not in ("fsdp", "fsdp2"):
+    supported = strategy in ("fsdp", "fsdp2", "megatron")
+    if not supported:
         problems.append(f"critic.strategy={strategy!r}: zorro's value-model (critic) engine runs on strategy fsdp / "
-                        f"fsdp2 only; set critic.{key}.zorro.enable=false or critic.strategy=fsdp2")
+                        f"fsdp2 and megatron; set critic.{key}.zorro.enable=false or critic.strategy=fsdp2")
     try:
         backend = resolve_attention_backend(s.attention_backend, device.type)
     except ValueError as e:
         problems.append(str(e))
         backend = "?"
     node = critic.get(key, {}) or {}
-    sp = int(node.get("ulysses_sequence_parallel_size", None) or critic.get("ulysses_sequence_parallel_size", 1) or 1)
-    reason = setup_unsupported(sp, ulysses_supported=True) or loss_unsupported(
-        functools.partial(_no_loss, config=critic), None if cfg.trainer.get("use_v1", True)
-        else {"response_mask": torch.zeros(1, 1)})
+    loss = loss_unsupported(functools.partial(_no_loss, config=critic), None if cfg.trainer.get("use_v1", True)
+                            else {"response_mask": torch.zeros(1, 1)})
+    if strategy == "megatron":
+        # the Megatron engine's start-time refusals on the critic's own engine and model nodes (logits_optimization
+        # does not apply to the value head)
+        reason = _megatron_unsupported(cfg, critic, node, s, model=critic.get("model")) or loss
+        tp = int(node.get("tensor_model_parallel_size", 1) or 1)
+        parallel = (f"megatron TP {tp} (sequence parallel {bool(node.get('sequence_parallel', False)) and tp > 1}), "
+                    f"PP {node.get('pipeline_model_parallel_size', 1)}, built by "
+                    f"{'mbridge' if node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
+    else:
+        sp = int(node.get("ulysses_sequence_parallel_size", None) or critic.get("ulysses_sequence_parallel_size", 1)
+                 or 1)
+        reason = setup_unsupported(sp, ulysses_supported=True) or loss
+        parallel = f"ulysses SP {sp}"
     if reason is not None:
         problems.append(reason)
     if problems:
-        return Check(name, "FAIL" if s.on_unsupported == "raise" or strategy not in ("fsdp", "fsdp2") else "note",
-                     "; ".join(problems))
+        return Check(name, "FAIL" if s.on_unsupported == "raise" or not supported else "note", "; ".join(problems))
     return Check(name, "ok", f"enabled: backend {s.attention_backend} -> {backend}, on_unsupported "
-                             f"{s.on_unsupported}, strategy {strategy}, ulysses SP {sp}")
+                             f"{s.on_unsupported}, strategy {strategy}, {parallel}")
 
 
 def _zorro_enabled_elsewhere(cfg, role: str, key: str):
@@ -382,19 +395,22 @@ def _zorro_enabled_elsewhere(cfg, role: str, key: str):
         return None
 
 
-def _megatron_unsupported(cfg, role_node, engine_node, settings):
+def _megatron_unsupported(cfg, role_node, engine_node, settings, model=None):
     """What the zorro Megatron engine refuses at start that a composed config shows (the model's own refusals —
-    VLM, MLA, hybrid, MoE auxiliary losses — need its hf_config / the built model and are not checked here)."""
+    VLM, MLA, hybrid, MoE auxiliary losses — need its hf_config / the built model and are not checked here).
+    ``model``: the role's model node (default the actor's; the critic passes ``critic.model``, and its value head
+    takes no ``logits_optimization``)."""
     from omegaconf import OmegaConf
 
     from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
 
-    model = cfg.actor_rollout_ref.model
+    critic = model is not None
+    model = cfg.actor_rollout_ref.model if model is None else model
     engine = (OmegaConf.to_container(engine_node, resolve=True) if OmegaConf.is_config(engine_node)
               else dict(engine_node))
     # verl's worker copies the role's use_fused_kernels into the engine config (EngineConfig.use_fused_kernels)
     engine["use_fused_kernels"] = bool(role_node.get("use_fused_kernels", model.get("use_fused_kernels", False)))
-    return megatron_setup_unsupported(engine, model, settings.logits_optimization)
+    return megatron_setup_unsupported(engine, model, "none" if critic else settings.logits_optimization)
 
 
 def _balance_hooks_check(cfg) -> Check | None:

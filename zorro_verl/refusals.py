@@ -160,9 +160,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("v09.strategy", _BOTH, "zorro enabled with an actor / ref strategy other than `fsdp` / `fsdp2` / "
             "`megatron`", "no zorro engine for it; always raises at engine construction", "start",
             _V09 + "registration", "the zorro engines support"),
-    Refusal("v09.critic_megatron", _BOTH, "a Megatron critic (value-model engine, `critic.strategy=megatron`) "
-            "config that enables zorro", "zorro's value-head engine is FSDP-only; always raises at engine "
-            "construction", "start", _V09 + "registration", "zorro's value-model (critic) engine runs on strategy"),
+    Refusal("v09.critic_strategy", _BOTH, "a critic (value-model engine) config that enables zorro on a strategy "
+            "other than `fsdp` / `fsdp2` / `megatron` (or `megatron` where megatron-core does not import)",
+            "zorro's value-head engines are FSDP's and Megatron's; always raises at engine construction", "start",
+            _V09 + "registration", "zorro's value-model (critic) engine runs on strategy"),
     Refusal("v09.critic_position_ids", _FSDP, "position ids that do not count 0, 1, 2, ... along each row, in "
             "the critic", "zorro recomputes positions on its packed row", "batch", _V09 + "value_engine",
             "position_ids that do not count 0, 1, 2, ... along each row"),
@@ -213,6 +214,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "zorro recomputes positions on the packed row; checked before the ranks agree", "batch",
             _V09 + "megatron_engine", "position_ids that do not count 0, 1, 2, ... along each row"),
     # ---------------------------------------------------------------- megatron-core GPTModel step
+    Refusal("mcore.value_head", _MCORE, "a value model (the Megatron critic) whose `output_layer` is not a "
+            "per-token `Linear(H, 1)`", "zorro's value step runs verl's value head (`LinearForLastLayer`) at every "
+            "packed row", "model", _MEG + "step", "whose output_layer is a per-token value head"),
     Refusal("mcore.dropout", _MCORE, "`hidden_dropout > 0`, `attention_dropout > 0` in training",
             "a deduplicated prompt token would draw one dropout mask instead of one per copy (eval mode runs)",
             "model", _MEG + "step", "a deduplicated prompt token would draw one dropout mask"),

@@ -208,13 +208,16 @@ def _mask_hook(module, args, kwargs):
 def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, remove_padding: bool = True,
                  micro_batch: int = 2, max_tokens: int = 48, engine_kwargs: dict | None = None,
                  model_kwargs: dict | None = None, dtype: str = "float32", transformer_overrides: dict | None = None,
-                 bridge: str = "megatron-bridge"):
+                 bridge: str = "megatron-bridge", model_type: str = "language_model", engine_cls=None):
     """verl's Megatron LM engine for ``ckpt``, ``dtype`` (fp32 by default; ``bfloat16``: megatron's Float16Module),
     built through ``bridge`` (``megatron-bridge``: verl's default, ``vanilla_mbridge=False``; ``mbridge``: the
     legacy one), initialised: the class verl's ``EngineRegistry`` resolves for
     ``megatron`` (zorro's, which is the stock engine unless ``zorro`` enables it). ``zorro``: the zorro mapping (None:
     a stock ``McoreEngineConfig``); ``engine_kwargs`` / ``model_kwargs``: more engine / model config keys;
     ``transformer_overrides``: more ``override_transformer_config`` keys.
+    ``model_type="value_model"``: the critic's engine (zorro's ``ZorroMegatronEngineWithValueHead``): the model's
+    ``output_layer`` a fresh value head (verl's value-model hook). ``engine_cls``: build this class instead of the
+    registry's (e.g. verl's own ``MegatronEngineWithValueHead`` as the stock reference).
     Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline, expert or expert
     tensor parallel size change."""
     from megatron.core import parallel_state as mpu
@@ -242,7 +245,7 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
                                                 or mpu.get_expert_tensor_parallel_world_size() != etp):
         mpu.destroy_model_parallel()
     model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=remove_padding,
-                                 **(model_kwargs or {}))
+                                 model_type=model_type, **(model_kwargs or {}))
     object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # V7
     kw = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
               use_mbridge=True, vanilla_mbridge=BRIDGES[bridge], use_distributed_optimizer=False,
@@ -266,7 +269,7 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     object.__setattr__(engine_config, "dtype", dtype)  # V2 (fp32: verl asserts bf16 / fp16)
     # SGD: the parameters after one step differ by lr x the gradients' difference (Adam's first step is ~lr x sign)
     optim = McoreOptimizerConfig(optimizer="sgd", lr=1e-3, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
-    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    cls = engine_cls or EngineRegistry.get_engine_cls(model_type, "megatron")
     engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim,
                  checkpoint_config=CheckpointConfig())
     engine.initialize()

@@ -21,6 +21,10 @@ One step:
 5. every zorro core attention of the stage must have run exactly once (else ``ValueError``: a layer bypassed zorro);
 6. MoE routers: their statistics over the micro-batch's tokens (load-balancing and z losses, expert-bias counts)
    count each packed token by the ordinary tokens it stands for, for the call (:mod:`.moe`).
+
+A value model (verl's Megatron critic: the head a per-token ``Linear(H, 1)``) runs steps 1, 2, 5 and 6 alike; its
+head runs at every packed row as megatron's own call does, and the values of the response-predicting rows are picked
+(:func:`zorro_gpt_values`).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ from zorro_verl.logprob import (
 )
 from zorro_verl.packing import ZorroPlan
 
-__all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "padded_length", "find_gpt_model",
-           "has_output_processor", "check_zorro_gpt", "stochastic_unsupported"]
+__all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "zorro_gpt_values", "padded_length",
+           "find_gpt_model", "has_output_processor", "check_zorro_gpt", "check_value_head", "stochastic_unsupported"]
 
 
 def has_output_processor() -> bool:
@@ -273,18 +277,42 @@ def padded_length(model: torch.nn.Module, plan: ZorroPlan) -> int:
     return plan.T if not cfg.sequence_parallel else -(-plan.T // tp) * tp
 
 
-def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa") -> torch.Tensor:
+def check_value_head(model: torch.nn.Module) -> None:
+    """``ValueError`` unless the ``GPTModel`` in ``model`` (its last pipeline stage; other stages have no head) ends
+    in a per-token value head as verl's Megatron critic builds it: ``output_layer`` a ``torch.nn.Linear`` with one
+    output (Megatron-Bridge's / mbridge's ``LinearForLastLayer``, ``Linear(H, 1)`` whose forward casts to fp32 and,
+    under sequence parallelism, all-gathers its ``[T/tp, 1, 1]`` output)."""
+    gpt = find_gpt_model(model)
+    if not gpt.post_process:
+        return
+    head = getattr(gpt, "output_layer", None)
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        found = (type(head).__name__ if not isinstance(head, torch.nn.Linear)
+                 else f"{type(head).__name__}(out_features={head.out_features})")
+        raise ValueError(f"value model: expected a GPTModel whose output_layer is a per-token value head (a "
+                         f"torch.nn.Linear with out_features=1, as verl's Megatron critic builds it: "
+                         f"LinearForLastLayer), got output_layer={found}. Build the critic with verl's value-model "
+                         "hook (model_type=value_model) or disable zorro for the critic.")
+
+
+def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa",
+                      value_head: bool = False) -> torch.Tensor:
     """Run this pipeline stage of a zorro ``GPTModel`` on ``plan`` (inside megatron's pipeline schedule, a stage
     after the first receives its input through ``set_input_tensor`` as usual).
 
     Returns the stage's output: on the last stage the head's logits at the response-predicting rows
     ``[Nh, 1, V/tp]`` (``Nh = N``, or the distinct rows of a prefix tree), for :func:`zorro_gpt_logprobs`; on other
     stages the hidden states ``[Tp(/tp under SP), 1, H]`` that the schedule sends on (``Tp``: :func:`padded_length`).
-    Every TP rank and every stage (every model chunk under virtual pipeline stages) calls with the same plan. A model
-    in training mode with per-token random ops is refused (:func:`stochastic_unsupported`)."""
+    ``value_head``: the model is a value model (:func:`check_value_head`, verl's Megatron critic); its last stage
+    returns the values at the response-predicting rows ``[Nh, 1, 1]`` (fp32, as the head casts) for
+    :func:`zorro_gpt_values`. Every TP rank and every stage (every model chunk under virtual pipeline stages) calls
+    with the same plan. A model in training mode with per-token random ops is refused
+    (:func:`stochastic_unsupported`)."""
     gpt = find_gpt_model(model)
     layers = zorro_attention_modules(gpt)
     moe_stats = _check_model(gpt, len(layers))
+    if value_head:
+        check_value_head(gpt)
     reason = stochastic_unsupported(gpt.config) if gpt.training else None
     if reason is not None:
         raise ValueError(f"zorro: {reason}.")
@@ -304,24 +332,54 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
         w = w if not pad else torch.cat([w, w.new_zeros(pad)])
         routers = TokenWeightedRouters(moe_routers(gpt), w, plan.ordinary_tokens, bool(gpt.config.sequence_parallel))
 
-    if has_output_processor():
+    if value_head:
+        # The value head runs at every packed row, as megatron's own head call ([Tp, H] x [H, 1]: negligible), then
+        # the kept rows are picked: under sequence parallelism the head then sees exactly the stock call's inputs
+        # (each rank its sequence shard, the output all-gathered by the head, the weight's gradient the rank's
+        # shard's part, summed over TP by megatron's finalize_model_grads as for every sequence-parallel weight)
+        def head(hidden_states, output_layer, output_weight, scale_logits, runtime_gather_output=None, **_):
+            values = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)[0]
+            return scale_logits(values)[keep]  # [Tp, 1, 1] -> [Nh, 1, 1]
+
+        rows = contextlib.nullcontext()
+    else:
         def head(hidden_states, output_layer, output_weight, scale_logits, **_):  # hidden_states [Tp(/tp), 1, H]
             return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
+        rows = _RowsOutputLayer(gpt, keep)
+    if has_output_processor():
         with _model_rope(gpt, pos), routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
                         output_processor=head)
     else:
         # megatron-core < 0.19: no output_processor; the model's own head call runs on the kept rows (its output,
-        # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back)
-        with _model_rope(gpt, pos), _RowsOutputLayer(gpt, keep), routers:
+        # [1, Nh, V/tp] after megatron's [s b h] -> [b s h] transpose, is turned back); a value head on every row
+        # ([1, Tp, 1]), whose kept rows are picked after
+        with _model_rope(gpt, pos), rows, routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp)
         if gpt.post_process:
             out = out.transpose(0, 1)
+            if value_head:
+                out = out[keep]
     if zp.calls.count != len(layers):
         raise ValueError(f"zorro core attention: expected {len(layers)} calls (one per layer of this stage), got "
                          f"{zp.calls.count}; a layer bypassed zorro and attended over the whole packed row.")
     return out
+
+
+def zorro_gpt_values(model: torch.nn.Module, plan: ZorroPlan, values: torch.Tensor) -> torch.Tensor:
+    """The values of the plan's response-predicting positions (the last prompt token and every response token but
+    the last: where verl reads a critic's values) from the last stage's output of
+    ``zorro_gpt_forward(..., value_head=True)``, ``values [Nh, 1, 1]`` -> ``[N]``, original row order (a prefix
+    tree's shared rows expanded per output), identical on every TP rank; ``plan.to_padded`` gives ``[B, R]``."""
+    gpt = find_gpt_model(model)
+    keep = plan.logit_index if plan.head_index is None else plan.head_index
+    if not gpt.post_process or values.dim() != 3 or values.shape != (keep.numel(), 1, 1):
+        raise ValueError(f"values: expected the last stage's value-head output [{keep.numel()}, 1, 1], got "
+                         f"{tuple(values.shape)}. Pass what zorro_gpt_forward(..., value_head=True) returned on the "
+                         "last pipeline stage.")
+    out = values[:, 0, 0]
+    return out if plan.head_inverse is None else out[plan.head_inverse]
 
 
 def zorro_gpt_logprobs(model: torch.nn.Module, plan: ZorroPlan, logits: torch.Tensor, *, temperature: float = 1.0,

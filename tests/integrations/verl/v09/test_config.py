@@ -228,7 +228,8 @@ def test_other_strategies_refuse_zorro():
 def test_critic_config_builds_the_zorro_value_engine(tiny_ckpt):
     """A critic (value-model engine) whose engine config (`critic.fsdp`) enables zorro builds zorro's value-head
     engine: the plugin registered it for value_model on fsdp / fsdp2 (every device key, plus cpu); a plain critic
-    config builds the same class with zorro off (verl's stock forward). Other value-model backends (Megatron's) refuse
+    config builds the same class with zorro off (verl's stock forward). Other value-model backends (here Megatron's, as
+    where megatron-core does not import; with it, zorro's Megatron value engine: test_value_engine.py) refuse
     a zorro-enabled config at construction, naming the key to remove."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.utils.config import omega_conf_to_dataclass

@@ -80,6 +80,8 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
     #: Marks the engines verl must build when zorro is enabled (checked by the config at start).
     zorro_engine = True
     zorro_fix_hint = MEGATRON_FIX_HINT
+    #: The model ends in a value head (the critic's engine, :mod:`.megatron_value_engine`), not the LM head.
+    _zorro_value_model = False
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, **kwargs):
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, **kwargs)
@@ -130,7 +132,8 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
                 or "routed_experts" in data.keys():
             return ("router replay data in the batch (routed_experts / enable_routing_replay): routes recorded per "
                     "token of the ordinary rows are not handed to the packed row's routers yet")
-        if "temperature" in data.keys() and isinstance(data["temperature"], torch.Tensor):
+        if not self._zorro_value_model and "temperature" in data.keys() \
+                and isinstance(data["temperature"], torch.Tensor):
             t = data["temperature"].reshape(-1)
             if t.numel() > 1 and not bool((t == t[0]).all()):
                 return "per-sample temperatures on the Megatron engine (zorro's Megatron head takes one float)"
@@ -230,10 +233,15 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         memo[3] += 1
         if plans is not None and memo[3] == len(self.module):  # the stage's last chunk has run it
             plans.pop(id(mb), None)
-        out = zorro_gpt_forward(model, plan, backend=self._zorro_backend)
+        out = zorro_gpt_forward(model, plan, backend=self._zorro_backend, value_head=self._zorro_value_model)
         loss_func = partial(postprocess_micro_batch_func, data=batch)
         if not find_gpt_model(model).post_process:
             return out, loss_func
+        return self._zorro_model_output(model, batch, plan, p, out), loss_func
+
+    def _zorro_model_output(self, model, batch, plan, p, out):
+        """The last stage's model output for verl's ``postprocess_micro_batch_func`` from the head output ``out`` of
+        :func:`zorro_gpt_forward`: nested predict-next ``log_probs`` (and ``entropy``)."""
         temperature = batch["temperature"]
         if isinstance(temperature, torch.Tensor):  # one value (checked per batch)
             temperature = temperature.reshape(-1)[0]
@@ -242,5 +250,5 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
                                        calculate_entropy=calculate_entropy,
                                        logits_optimization=self.zorro.logits_optimization,
                                        chunk_size=self.logits_chunk_size)
-        return predict_next_outputs(batch, p, plan, logp, ent if calculate_entropy else None), loss_func
+        return predict_next_outputs(batch, p, plan, logp, ent if calculate_entropy else None)
 

@@ -12,8 +12,10 @@
   Every other language-model backend (``fsdp_turbo`` reads the same ``fsdp_config``) is wrapped so that it refuses a
   zorro-enabled config instead of silently running the stock forward; verl's ``FSDPEngineWithValueHead`` (the
   critic, ``value_model``) is swapped for
-  :class:`~zorro_verl.integrations.verl.v09.value_engine.ZorroFSDPEngineWithValueHead` the same way, and every other
-  value-model backend (Megatron's) refuses a zorro-enabled config;
+  :class:`~zorro_verl.integrations.verl.v09.value_engine.ZorroFSDPEngineWithValueHead` the same way, and, where
+  verl's Megatron engine imported, ``MegatronEngineWithValueHead`` for
+  :class:`~zorro_verl.integrations.verl.v09.megatron_value_engine.ZorroMegatronEngineWithValueHead`; every other
+  value-model backend refuses a zorro-enabled config;
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
   (:mod:`.balance`, switchable by config), and the V1 trainer reports the zorro metrics of its log-prob passes
   (:mod:`.trainer_metrics`).
@@ -79,7 +81,9 @@ def is_installed() -> bool:
 
 #: The zorro engine modules whose classes the hook registers, with their class names.
 _ENGINE_MODULES = {"zorro_verl.integrations.verl.v09.engine": "ZorroFSDPEngineWithLMHead",
-                   "zorro_verl.integrations.verl.v09.value_engine": "ZorroFSDPEngineWithValueHead"}
+                   "zorro_verl.integrations.verl.v09.value_engine": "ZorroFSDPEngineWithValueHead",
+                   "zorro_verl.integrations.verl.v09.megatron_engine": "ZorroMegatronEngineWithLMHead",
+                   "zorro_verl.integrations.verl.v09.megatron_value_engine": "ZorroMegatronEngineWithValueHead"}
 _pending: list = []
 
 
@@ -128,20 +132,25 @@ def _register_engine(engine_package) -> None:
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
                 slots[key] = _guarded(cls, backend)
-    # the critic: verl's FSDP value-head engine -> zorro's (every device key, plus cpu); any other value-model
-    # backend (Megatron's) refuses a zorro-enabled config
+    # the critic: verl's FSDP and Megatron value-head engines -> zorro's (every device key, plus cpu); any other
+    # value-model backend refuses a zorro-enabled config
     from zorro_verl.integrations.verl.v09.value_engine import ZorroFSDPEngineWithValueHead
 
     values = engine_package.EngineRegistry._engines.setdefault("value_model", {})
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead as stock_value  # not re-exported
-    for backend in _BACKENDS:
+    value_swaps = {backend: (stock_value, ZorroFSDPEngineWithValueHead) for backend in _BACKENDS}
+    if getattr(engine_package, "MegatronEngineWithValueHead", None) is not None:
+        from zorro_verl.integrations.verl.v09.megatron_value_engine import ZorroMegatronEngineWithValueHead
+
+        value_swaps["megatron"] = (engine_package.MegatronEngineWithValueHead, ZorroMegatronEngineWithValueHead)
+    for backend, (stock, zorro) in value_swaps.items():
         slots = values.setdefault(backend, {})
         for key, cls in list(slots.items()):
-            if cls is stock_value:
-                slots[key] = ZorroFSDPEngineWithValueHead
-        slots.setdefault("cpu", ZorroFSDPEngineWithValueHead)
+            if cls is stock:
+                slots[key] = zorro
+        slots.setdefault("cpu", zorro)
     for backend, slots in values.items():
-        if backend in _BACKENDS:
+        if backend in value_swaps:
             continue
         for key, cls in list(slots.items()):
             if not getattr(cls, "_zorro_guard", False):
@@ -164,9 +173,10 @@ def _guarded(cls, backend: str):
 
 
 def _value_model_guarded(cls, backend: str):
-    """A subclass of value-model (critic) engine ``cls`` of a backend without a zorro value engine (``megatron``)
-    whose constructor raises when its engine config enables zorro: the critic would silently run verl's stock forward
-    with a config that asks for zorro. Configs that do not enable zorro build the stock engine unchanged."""
+    """A subclass of value-model (critic) engine ``cls`` of a backend without a zorro value engine (e.g.
+    ``torchtitan``, or ``megatron`` where megatron-core does not import) whose constructor raises when its engine
+    config enables zorro: the critic would silently run verl's stock forward with a config that asks for zorro.
+    Configs that do not enable zorro build the stock engine unchanged."""
 
     def __init__(self, *args, **kwargs):
         engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
@@ -174,9 +184,10 @@ def _value_model_guarded(cls, backend: str):
             raise ValueError(
                 f"critic.{backend}.zorro: expected no zorro node (or enable=false) in the critic's engine config for "
                 f"strategy {backend!r}, got enable=true. zorro's value-model (critic) engine runs on strategy fsdp / "
-                f"fsdp2 only; this backend's value-model engine ({cls.__qualname__}) would run verl's stock forward. "
-                f"Use critic.strategy=fsdp2 with critic.fsdp.zorro, or remove critic.{backend}.zorro (and its "
-                f"_target_) or set critic.{backend}.zorro.enable=false.")
+                f"fsdp2 and megatron only; this backend's value-model engine ({cls.__qualname__}) would run verl's "
+                f"stock forward. Use critic.strategy=fsdp2 with critic.fsdp.zorro (or megatron with "
+                f"critic.megatron.zorro), or remove critic.{backend}.zorro (and its _target_) or set "
+                f"critic.{backend}.zorro.enable=false.")
         cls.__init__(self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "_zorro_guard": True, "__module__": cls.__module__,
@@ -247,13 +258,14 @@ def check_engine_registered(strategy: str = "fsdp") -> None:
                 "fsdp2 on a device verl registers FSDP engines for (cuda, npu; cpu is added by zorro): check "
                 "actor_rollout_ref.actor.strategy, the VERL_ENGINE_DEVICE environment variable and that "
                 "verl.workers.engine imported cleanly, or disable zorro (fsdp_config.zorro.enable=false).") from e
-        if strategy == "fsdp":  # the critic's engine (value_model) too: the same config class enables it
-            value_cls = EngineRegistry._engines.get("value_model", {}).get(backend, {}).get(_engine_device())
-            if value_cls is not None and not getattr(value_cls, "zorro_engine", False):
-                raise RuntimeError(
-                    f"zorro is enabled in the config but verl builds {value_cls.__module__}.{value_cls.__qualname__} "
-                    f"as the value-model (critic) engine for strategy {backend!r}, not zorro's (another plugin "
-                    "replaced it?). Remove the conflicting plugin or disable zorro (critic.fsdp.zorro.enable=false).")
+        # the critic's engine (value_model) too: the same config class enables it
+        value_cls = EngineRegistry._engines.get("value_model", {}).get(backend, {}).get(_engine_device())
+        if value_cls is not None and not getattr(value_cls, "zorro_engine", False):
+            raise RuntimeError(
+                f"zorro is enabled in the config but verl builds {value_cls.__module__}.{value_cls.__qualname__} "
+                f"as the value-model (critic) engine for strategy {backend!r}, not zorro's (another plugin "
+                f"replaced it?). Remove the conflicting plugin or disable zorro (critic.{strategy}.zorro.enable="
+                "false).")
         if not getattr(cls, "zorro_engine", False):  # the zorro engines and their subclasses
             raise RuntimeError(
                 f"zorro is enabled in the config but verl builds {cls.__module__}.{cls.__qualname__} for strategy "
