@@ -34,6 +34,17 @@ def _cp_grads(model) -> dict:
     return g
 
 
+def _counting_gather(real_gather, moved: list, group):
+    """``dist.all_gather`` recording the bytes this rank receives on ``group``."""
+
+    def gather(parts, x, group_=None, **kw):
+        if group_ is group:
+            moved.append(x.numel() * x.element_size() * (len(parts) - 1))
+        return real_gather(parts, x, group=group_, **kw)
+
+    return lambda parts, x, group=None, **kw: gather(parts, x, group, **kw)
+
+
 def run_rank(rank: int, world: int, init_file: str, tp: int) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -66,15 +77,8 @@ def run_rank(rank: int, world: int, init_file: str, tp: int) -> dict:
         assert zcp.config.context_parallel_size == 2
         zcp.load_state_dict(state)
         ids, am, R = M.make_batch(shared_prefix=sharing == "prefix")
-        moved = []
-        real_gather = dist.all_gather
-
-        def counting_gather(parts, x, group=None, **kw):
-            if group is parallel_state.get_context_parallel_group():
-                moved.append(x.numel() * x.element_size() * (len(parts) - 1))
-            return real_gather(parts, x, group=group, **kw)
-
-        dist.all_gather = counting_gather
+        moved, real_gather = [], dist.all_gather
+        dist.all_gather = _counting_gather(real_gather, moved, parallel_state.get_context_parallel_group())
         try:
             lp, ent, plan = M.zorro_outputs(zcp, ids, am, R, sharing=sharing)
         finally:

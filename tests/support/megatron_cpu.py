@@ -188,8 +188,8 @@ def cuda_as_cpu():
 def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1, tensor: int | None = None,
                   expert: int = 1, context: int = 1) -> None:
     """gloo over a ``file://`` rendezvous, megatron's model-parallel groups (PP = ``pipeline``, TP = ``tensor``,
-    by default the rest; EP = ``expert``, carved out of the data-parallel ranks; CP = ``context``), the CPU shims. Called again with
-    other sizes it rebuilds the groups in the same process group."""
+    by default the rest; EP = ``expert``, carved out of the data-parallel ranks; CP = ``context``), the CPU shims.
+    Called again with other sizes it rebuilds the groups in the same process group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
