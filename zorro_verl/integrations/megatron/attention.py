@@ -348,6 +348,10 @@ def install_zorro_megatron(model: torch.nn.Module) -> int:
                 scale = mod.softmax_scale if isinstance(mod, MultiLatentAttention) else mod.config.softmax_scale
                 core._zorro_scale = float(scale) if scale is not None else 1.0 / math.sqrt(mod.config.kv_channels)
                 core._zorro_attn_mask_type = getattr(mod, "attn_mask_type", None)
+                # megatron's local attention under CP (built past its CP assertion, e.g. by a CPU stand-in): only
+                # zorro calls, which carry their own CP exchange, may run
+                core._zorro_cp_only = (getattr(mod.config, "context_parallel_size", 1) > 1
+                                       and _local_attention(type(core)))
             n += 1
     if n == 0:
         raise ValueError("model: expected megatron SelfAttention / MultiLatentAttention layers, found none in "
