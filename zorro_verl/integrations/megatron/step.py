@@ -304,7 +304,8 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
         pad = Tp - plan.T
         ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
         keep = plan.logit_index if plan.head_index is None else plan.head_index
-    zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp, cp=shard)
+    zp = (ZorroPackedSeqParams.for_plan(plan, backend, Tp) if shard is None
+          else ZorroPackedSeqParams.for_plan(plan, backend, Tp, cp=shard))
     pos = zp.position_ids  # [Tp], 0 on the pad tokens
     # MoE statistics over the micro-batch's tokens (load-balancing / z losses, expert-bias counts): each packed token
     # counts as the ordinary tokens it stands for (pad tokens: 0)
