@@ -9,8 +9,10 @@
 #      GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
 #      cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo); megatron-core's
 #      GPTModel with Transformer Engine's spec and fused RoPE (zorro's per-token table) by the same rule (skipped
-#      where megatron-core or Transformer Engine is not installed on the machine), and a Qwen3.5-shaped hybrid on
-#      megatron's real hybrid block spec (TE) with flash-linear-attention's gated delta rule (skipped without FLA);
+#      where megatron-core or Transformer Engine is not installed on the machine), a Qwen3.5-shaped hybrid on
+#      megatron's real hybrid block spec (TE) with flash-linear-attention's gated delta rule (skipped without FLA),
+#      and zorro's context parallelism vs stock CP (verl's THD zigzag, Transformer Engine's CP attention) at CP = 2
+#      by the same rule (needs 2 GPUs);
 #   3. the op-level attention benchmark (--preset gpu --ops): each GPU backend's split attention vs the ordinary
 #      per-row SDPA of the same batch, bf16, Qwen3-0.6B heads (16/8 of 128), fwd and fwd_bwd;
 #   4. the model-level benchmark (--preset gpu): bf16 Qwen3-0.6B-shaped model from config, scenarios
@@ -66,7 +68,7 @@ print(','.join(b for b in available_backends(torch.device('cuda')) if b not in (
 echo "backends that will run: $BACKENDS"
 
 echo "== GPU tests"
-timeout 150 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py tests/integrations/megatron/test_gpu.py tests/integrations/megatron/test_gpu_engine.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+timeout 150 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py tests/integrations/megatron/test_gpu.py tests/integrations/megatron/test_gpu_engine.py tests/integrations/megatron/test_gpu_context_parallel.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")

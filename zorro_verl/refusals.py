@@ -175,8 +175,9 @@ REFUSALS: tuple[Refusal, ...] = (
             _V09 + "balance", "group balance does not support keep_minibatch balancing"),
     # ---------------------------------------------------------------- verl 0.9 Megatron engine
     Refusal("megatron.context_parallel", _MCORE_ENGINE, "context parallelism (`context_parallel_size > 1`, "
-            "`dynamic_context_parallel`)", "zorro's attention has no context-parallel exchange on Megatron yet",
-            "start", _V09 + "megatron_checks", "zorro's attention has no context-"),
+            "`dynamic_context_parallel`) in the engine", "zorro's CP attention runs in the GPTModel step; the "
+            "engine at CP > 1 (Megatron-Bridge's per-token loss regime) is not wired to it yet", "start",
+            _V09 + "megatron_checks", "the verl engine at CP > 1 is not wired to it yet"),
     Refusal("megatron.router_replay", _MCORE_ENGINE, "router replay (`router_replay.mode != disabled`)",
             _ORDINARY_ROUTES, "start", _V09 + "megatron_checks", "router replay (router_replay.mode="),
     Refusal("megatron.router_replay_data", _MCORE_ENGINE, "batches with router-replay data (`routed_experts`, "
@@ -233,8 +234,21 @@ REFUSALS: tuple[Refusal, ...] = (
             _MEG + "attention", "attention biases are not supported"),
     Refusal("mcore.keywords", _MCORE, "unknown core-attention keywords", "they may change the attention's math",
             "call", _MEG + "attention", "expected none beyond megatron's"),
-    Refusal("mcore.context_parallel", _MCORE, "context parallelism", "no context-parallel exchange yet", "call",
-            _MEG + "attention", "Context parallelism is not supported yet"),
+    Refusal("mcore.context_parallel_shard", _MCORE, "a model whose `context_parallel_size` differs from the "
+            "plan's CP shard", "each rank must run its own share of the packed row", "call", _MEG + "attention",
+            "the zorro params a CP shard of"),
+    Refusal("mcore.context_parallel_local", _MCORE, "non-zorro calls of megatron's local attention under context "
+            "parallelism", "it has no CP exchange (zorro calls carry their own)", "call", _MEG + "attention",
+            "which has no context-parallel exchange: only zorro calls"),
+    Refusal("mcore.context_parallel_mla", _MCORE, "context parallelism with multi-latent attention",
+            "MLA positions its RoPE inside its projections; not wired to the CP layout", "model", _MEG + "step",
+            "expected 1 with zorro on multi_latent_attention"),
+    Refusal("mcore.context_parallel_moe", _MCORE, "context parallelism with MoE router statistics on",
+            "the per-token multiplicities are not wired to the CP layout", "call", _MEG + "step",
+            "multiplicities are not wired to the CP layout yet"),
+    Refusal("mcore.context_parallel_backend", _MCORE, "attention backends other than `sdpa` / `eager` under "
+            "context parallelism", "the CP attention all-gathers K/V and runs one dense masked call per rank",
+            "call", "zorro_verl.attention.context_parallel", "under context parallelism, got"),
     Refusal("mcore.softmax_type", _MCORE, "`softmax_type` other than vanilla (sinks)", "not wired on Megatron",
             "call", _MEG + "attention", "softmax_type: expected 'vanilla' with zorro"),
     Refusal("mcore.window", _MCORE, "sliding windows (`window_size`)", "not wired on Megatron", "call",

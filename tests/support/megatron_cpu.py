@@ -186,10 +186,10 @@ def cuda_as_cpu():
 
 
 def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1, tensor: int | None = None,
-                  expert: int = 1) -> None:
+                  expert: int = 1, context: int = 1) -> None:
     """gloo over a ``file://`` rendezvous, megatron's model-parallel groups (PP = ``pipeline``, TP = ``tensor``,
-    by default the rest; EP = ``expert``, carved out of the data-parallel ranks), the CPU shims. Called again with
-    other sizes it rebuilds the groups in the same process group."""
+    by default the rest; EP = ``expert``, carved out of the data-parallel ranks; CP = ``context``), the CPU shims.
+    Called again with other sizes it rebuilds the groups in the same process group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -199,12 +199,15 @@ def init_megatron(rank: int, world: int, init_file: str, pipeline: int = 1, tens
     ps = parallel_state
     if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_world_size(),
                                                ps.get_tensor_model_parallel_world_size(),
-                                               ps.get_expert_model_parallel_world_size()) != (pipeline, tensor, expert):
+                                               ps.get_expert_model_parallel_world_size(),
+                                               ps.get_context_parallel_world_size()) != (pipeline, tensor, expert,
+                                                                                         context):
         parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor,
                                                  pipeline_model_parallel_size=pipeline,
-                                                 expert_model_parallel_size=expert)
+                                                 expert_model_parallel_size=expert,
+                                                 context_parallel_size=context)
     _cpu_shims(sequence_parallel_norms=True)
 
 
@@ -240,6 +243,7 @@ def build_gpt(*, zorro: bool, sequence_parallel: bool = False, parallel_output: 
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=False,  # True would round fp64 scores to fp32
         pipeline_dtype=torch.float64, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_model_parallel_size=pipeline, **_RECOMPUTE[recompute],
         **({**_MOE, **(moe_overrides or {})} if moe else {}), **mla_kw)
     if config_hook is not None:

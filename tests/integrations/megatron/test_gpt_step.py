@@ -182,6 +182,24 @@ def test_refusals(megatron_tp1):
         core(q, kv, kv, torch.ones(1, 1, plan.T, plan.T, dtype=torch.bool), packed_seq_params=zp)
     with pytest.raises(ValueError, match="query"):
         core(q[:-1], kv[:-1], kv[:-1], None, packed_seq_params=zp)
+    # context parallelism: a CP shard handed to a model without CP (and the reverse) is refused; MLA under CP too
+    from zorro_verl.packing.context_parallel import cp_shard
+
+    shard = cp_shard(plan, 2, 0)
+    zp_cp = ZorroPackedSeqParams.for_plan(plan, "sdpa", shard.local_len, cp=shard)
+    L = shard.local_len
+    with pytest.raises(ValueError, match="the zorro params a CP shard of"):
+        core(q[:L], kv[:L], kv[:L], None, packed_seq_params=zp_cp)
+    zorro.config.context_parallel_size = 2
+    try:
+        with pytest.raises(ValueError, match="the zorro params a CP shard of"):
+            core(q, kv, kv, None, packed_seq_params=zp)
+        zorro.config.multi_latent_attention = True
+        with pytest.raises(ValueError, match="expected 1 with zorro on multi_latent_attention"):
+            zorro_gpt_step(zorro, plan)
+    finally:
+        zorro.config.context_parallel_size = 1
+        zorro.config.multi_latent_attention = False
 
 
 def test_two_ranks_tp_sp_pp(tmp_path):

@@ -199,7 +199,9 @@ def test_refusals(moe_pair):
              ({"moe_router_force_load_balancing": True}, None, "moe_router_force_load_balancing"),
              ({"moe_input_jitter_eps": 0.01}, None, "moe_input_jitter_eps"),
              ({"recompute_granularity": "full"}, None, "recompute_granularity"),
-             ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, None, "recompute_granularity")]
+             ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, None, "recompute_granularity"),
+             # the statistics on under context parallelism: multiplicities not wired to the CP layout
+             ({"context_parallel_size": 2}, None, "multiplicities are not wired to the CP layout")]
     for changes, routing_type, what in cases:
         saved = {k: getattr(cfg, k) for k in changes}
         types = [r.routing_type for r in routers]

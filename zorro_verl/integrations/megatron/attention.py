@@ -23,6 +23,7 @@ projections: its layers become :class:`ZorroMLA` (the same two ways), which posi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -33,6 +34,7 @@ from megatron.core.transformer.multi_latent_attention import MultiLatentAttentio
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from zorro_verl.attention import attend
+from zorro_verl.attention.context_parallel import cp_attend
 from zorro_verl.integrations.megatron.gdn import GatedDeltaNet, ZorroGatedDeltaNet, zorro_gated_delta_net
 from zorro_verl.integrations.megatron.params import ZORRO_QKV_FORMAT, ZorroPackedSeqParams
 
@@ -50,7 +52,20 @@ class ZorroCoreAttention:
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        config = kwargs.get("config", args[0] if args else None)
+        self._zorro_cp_only = False
+        if getattr(config, "context_parallel_size", 1) > 1 and _local_attention(type(self)):
+            # megatron's local DotProductAttention asserts context_parallel_size == 1 (it has no CP exchange); zorro
+            # calls carry their own (cp_attend), so the local class is built on a CP = 1 copy of the config and
+            # every non-zorro call is refused (it would attend within this rank's tokens only)
+            cfg1 = copy.copy(config)
+            cfg1.context_parallel_size = 1
+            args, kwargs = ((cfg1, *args[1:]), kwargs) if args else (args, {**kwargs, "config": cfg1})
+            super().__init__(*args, **kwargs)
+            self.config = config
+            self._zorro_cp_only = True
+        else:
+            super().__init__(*args, **kwargs)
         # The wrapped classes fold apply_query_key_layer_scaling into their own scale and undo it in the softmax;
         # zorro needs the plain softmax scale: the one the layer passes, or megatron's default 1/sqrt(kv_channels).
         scale = kwargs.get("softmax_scale")
@@ -60,12 +75,22 @@ class ZorroCoreAttention:
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         if not isinstance(packed_seq_params, ZorroPackedSeqParams):
+            if self._zorro_cp_only:
+                raise ValueError(f"context_parallel_size: got {self.config.context_parallel_size} on megatron's local "
+                                 "DotProductAttention, which has no context-parallel exchange: only zorro calls "
+                                 "(a ZorroPackedSeqParams with a CP shard) run here. Use Transformer Engine's "
+                                 "attention for ordinary CP calls, or context_parallel_size=1.")
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
         self._zorro_refusals(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params,
                              kwargs)
         zp = packed_seq_params
         plan, T = zp.plan, zp.plan.T
+        if zp.cp is not None:  # this rank's L tokens (pads included: cp_attend outputs 0 there)
+            q, k, v = ((x[:, 0] if x.dim() == 4 else x).permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            out = cp_attend(plan, zp.backend, zp.cp, q, k, v, self._zorro_scale)  # [1, L, Hq_l, Dv]
+            zp.calls.count += 1
+            return out[0].reshape(zp.padded_len, 1, -1)
         # [Tp, 1, H, D] (or MLA's [Tp, H, D]) -> [1, H, T, D]: the backends' layout; the padding rows (sequence
         # parallelism) are left out
         q, k, v = ((x[:T, 0] if x.dim() == 4 else x[:T]).permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
@@ -109,9 +134,12 @@ class ZorroCoreAttention:
         if kwargs:
             raise ValueError(f"core attention keywords: expected none beyond megatron's, got {sorted(kwargs)}; "
                              "zorro does not know what they change.")
-        if getattr(cfg, "context_parallel_size", 1) != 1:
-            raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}. "
-                             "Context parallelism is not supported yet; set context_parallel_size=1.")
+        cp = getattr(cfg, "context_parallel_size", 1)
+        if cp != (zp.cp.cp_size if zp.cp is not None else 1):
+            raise ValueError(f"context_parallel_size: the model has {cp}, the zorro params a CP shard of "
+                             f"{zp.cp.cp_size if zp.cp is not None else 'none (1)'}; build the params with "
+                             "ZorroPackedSeqParams.for_plan(plan, backend, shard.local_len, cp=shard) for the "
+                             "model's CP group (zorro_gpt_forward does).")
         if self.training and getattr(cfg, "attention_dropout", 0.0):
             raise ValueError(f"attention_dropout: expected 0 with zorro in training, got {cfg.attention_dropout}. "
                              "Set attention_dropout=0 (RL training runs without dropout).")
@@ -123,6 +151,13 @@ class ZorroCoreAttention:
                              "not wired to zorro's megatron attention yet).")
 
 
+def _local_attention(cls: type) -> bool:
+    """Whether ``cls`` derives from megatron's local ``DotProductAttention`` (which refuses CP at build)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return issubclass(cls, DotProductAttention)
+
+
 class PositionedRope:
     """For one forward: ``rotary_pos_emb(...)`` returns the RoPE table indexed by per-token positions
     ``[Tp] int64`` -> ``[Tp, 1, 1, D]`` (an instance attribute over the class's ``forward``, removed on exit).
@@ -130,8 +165,10 @@ class PositionedRope:
     squeezes the batch dimension when ``packed_seq_params`` is given). A ``(table, mscale)`` pair (YaRN) keeps its
     ``mscale``."""
 
-    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor, tokens_first: bool = False):
+    def __init__(self, rope: torch.nn.Module, positions: torch.Tensor, tokens_first: bool = False,
+                 whole_table: bool = False):
         self.rope, self.positions, self.tokens_first = rope, positions, tokens_first
+        self.whole_table = whole_table
 
     def __enter__(self):
         had = "forward" in vars(self.rope)
@@ -139,13 +176,15 @@ class PositionedRope:
             raise ValueError("rotary_pos_emb.forward: already replaced on this instance (a zorro step inside "
                              "another?); run one zorro step at a time.")
         table_of = type(self.rope).forward.__get__(self.rope)
-        positions, tokens_first = self.positions, self.tokens_first
+        positions, tokens_first, whole = self.positions, self.tokens_first, self.whole_table
 
         def at_positions(table):  # [S, 1, 1, D] -> [Tp, 1, 1, D] or [Tp, 1, D]
             table = table[positions]
             return table[:, 0] if tokens_first else table
 
         def forward(max_seq_len, *args, **kwargs):
+            if whole:  # context parallelism: the table of every position (megatron would keep its CP rank's zigzag
+                kwargs["packed_seq"] = True  # slice of it unless the sequence is packed); zorro's positions index it
             out = table_of(max_seq_len, *args, **kwargs)
             return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
 
@@ -260,6 +299,10 @@ def install_zorro_megatron(model: torch.nn.Module) -> int:
                 scale = mod.softmax_scale if isinstance(mod, MultiLatentAttention) else mod.config.softmax_scale
                 core._zorro_scale = float(scale) if scale is not None else 1.0 / math.sqrt(mod.config.kv_channels)
                 core._zorro_attn_mask_type = getattr(mod, "attn_mask_type", None)
+                # megatron's local attention under CP (built past its CP assertion, e.g. by a CPU stand-in): only
+                # zorro calls, which carry their own CP exchange, may run
+                core._zorro_cp_only = (getattr(mod.config, "context_parallel_size", 1) > 1
+                                       and _local_attention(type(core)))
             n += 1
     if n == 0:
         raise ValueError("model: expected megatron SelfAttention / MultiLatentAttention layers, found none in "

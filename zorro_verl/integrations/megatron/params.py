@@ -10,6 +10,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.context_parallel import CPShard
 
 __all__ = ["ZorroPackedSeqParams", "LayerCallCounter", "ZORRO_QKV_FORMAT"]
 
@@ -40,7 +41,9 @@ class ZorroPackedSeqParams(PackedSeqParams):
     registered attention backend name), ``padded_len`` (tokens of the row the model runs: ``plan.T`` plus padding to
     a multiple of the tensor-parallel size under sequence parallelism; pad tokens attend to nothing and output 0),
     ``calls`` (the step's :class:`LayerCallCounter`), ``position_ids`` (``[padded_len] int64``, each token's position
-    in its ordinary row, 0 on pad tokens: multi-latent attention's RoPE, :class:`ZorroMLA`).
+    in its ordinary row, 0 on pad tokens: multi-latent attention's RoPE, :class:`ZorroMLA`), ``cp`` (under context
+    parallelism: this rank's :class:`~zorro_verl.packing.context_parallel.CPShard`; the model then runs the shard's
+    ``L = padded_len`` tokens and the core attention all-gathers keys / values over the CP group).
     """
 
     plan: Optional[ZorroPlan] = None
@@ -48,9 +51,17 @@ class ZorroPackedSeqParams(PackedSeqParams):
     padded_len: int = 0
     calls: Optional[LayerCallCounter] = None
     position_ids: Optional[torch.Tensor] = None
+    cp: Optional[CPShard] = None
 
     @classmethod
-    def for_plan(cls, plan: ZorroPlan, backend: str, padded_len: int) -> "ZorroPackedSeqParams":
+    def for_plan(cls, plan: ZorroPlan, backend: str, padded_len: int,
+                 cp: Optional[CPShard] = None) -> "ZorroPackedSeqParams":
+        if cp is not None:
+            if padded_len != cp.local_len:
+                raise ValueError(f"padded_len: expected the CP shard's length {cp.local_len}, got {padded_len}.")
+            return cls(qkv_format=ZORRO_QKV_FORMAT, max_seqlen_q=plan.max_row_len, max_seqlen_kv=plan.max_row_len,
+                       plan=plan, backend=backend, padded_len=padded_len, calls=LayerCallCounter(),
+                       position_ids=cp.position_ids, cp=cp)
         if padded_len < plan.T:
             raise ValueError(f"padded_len: expected >= plan.T ({plan.T}), got {padded_len}.")
         pos = plan.position_ids

@@ -41,6 +41,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
+from zorro_verl.attention.context_parallel import gather_cp_rows
 from zorro_verl.integrations.megatron.attention import (
     PositionedRope,
     ZorroMLA,
@@ -63,6 +64,7 @@ from zorro_verl.logprob import (
     logits_logprobs,
 )
 from zorro_verl.packing import ZorroPlan
+from zorro_verl.packing.context_parallel import CPShard, cp_shard
 
 __all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "zorro_gpt_values", "padded_length",
            "find_gpt_model", "has_output_processor", "check_zorro_gpt", "check_value_head", "stochastic_unsupported"]
@@ -135,8 +137,10 @@ def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
                          "is not its neighbour (sibling responses follow one prompt) and the MTP loss counts "
                          "prompt tokens once. Set mtp_num_layers=None (verl: model.mtp.enable=False) or run without "
                          "zorro.")
-    if getattr(cfg, "context_parallel_size", 1) != 1:
-        raise ValueError(f"context_parallel_size: expected 1 with zorro, got {cfg.context_parallel_size}.")
+    if getattr(cfg, "context_parallel_size", 1) != 1 and getattr(cfg, "multi_latent_attention", False):
+        raise ValueError(f"context_parallel_size: expected 1 with zorro on multi_latent_attention, got "
+                         f"{cfg.context_parallel_size} (MLA positions its RoPE inside its projections; not wired to "
+                         "zorro's CP layout yet). Set context_parallel_size=1.")
     for name in ("fp8", "fp4"):
         if getattr(cfg, name, None):
             raise ValueError(f"{name}: expected None with zorro, got {getattr(cfg, name)!r}: low-precision scaling "
@@ -201,13 +205,30 @@ def _check_mla(gpt: GPTModel, cfg, installed: bool) -> None:
                              f"{name}=False.")
 
 
+def _cp_shard(gpt: GPTModel, plan: ZorroPlan) -> Optional[CPShard]:
+    """This rank's :class:`~zorro_verl.packing.context_parallel.CPShard` of ``plan`` under context parallelism
+    (memoised on the plan: every stage and the loss read the same one), else None. Under sequence parallelism the
+    slice length is a multiple of the TP size."""
+    cfg = gpt.config
+    cp = getattr(cfg, "context_parallel_size", 1)
+    if cp == 1:
+        return None
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_context_parallel_rank()
+    multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    return plan.memo.get(("megatron_cp", cp, rank, multiple), lambda: cp_shard(
+        plan, cp, rank, group=parallel_state.get_context_parallel_group(), multiple=multiple))
+
+
 def _model_rope(gpt: GPTModel, positions: torch.Tensor):
     """The model's RoPE table at the plan's positions for one forward (:class:`PositionedRope`); under multi-latent
     attention the model has none: each zorro MLA layer positions its own table inside its projections
     (:class:`~zorro_verl.integrations.megatron.attention.ZorroMLA`), also when megatron recomputes them."""
     if getattr(gpt.config, "multi_latent_attention", False):
         return contextlib.nullcontext()
-    return PositionedRope(gpt.rotary_pos_emb, positions)
+    return PositionedRope(gpt.rotary_pos_emb, positions,
+                          whole_table=getattr(gpt.config, "context_parallel_size", 1) > 1)
 
 
 def _head_rows(hidden_states: torch.Tensor, output_layer, output_weight, keep: torch.Tensor, call) -> torch.Tensor:
@@ -272,7 +293,11 @@ def _check_head_args(temperature, logits_optimization: str, temperature_op: str)
 def padded_length(model: torch.nn.Module, plan: ZorroPlan) -> int:
     """Tokens of the row the model runs for ``plan``: ``plan.T``, rounded up to a multiple of the tensor-parallel
     size under sequence parallelism (the pipeline schedule's ``seq_length`` for a zorro micro-batch)."""
-    cfg = find_gpt_model(model).config
+    gpt = find_gpt_model(model)
+    cfg = gpt.config
+    shard = _cp_shard(gpt, plan)
+    if shard is not None:  # context parallelism: this rank's slice (a multiple of TP under SP)
+        return shard.local_len
     tp = cfg.tensor_model_parallel_size
     return plan.T if not cfg.sequence_parallel else -(-plan.T // tp) * tp
 
@@ -319,10 +344,21 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     # sequence parallelism scatters the row over the TP ranks: its length must divide; the pad tokens form no
     # segment of the plan (the core attention outputs 0 there) and are never read by the head
     Tp = padded_length(gpt, plan)
-    pad = Tp - plan.T
-    ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
-    keep = plan.logit_index if plan.head_index is None else plan.head_index
-    zp = ZorroPackedSeqParams.for_plan(plan, backend, Tp)
+    shard = _cp_shard(gpt, plan)
+    if shard is not None:  # context parallelism: this rank's zigzag share of the packed row
+        if moe_stats:
+            raise ValueError(f"context_parallel_size: got {gpt.config.context_parallel_size} with MoE router "
+                             f"statistics on ({sorted(moe_stats)}); zorro's per-token multiplicities are not wired "
+                             "to the CP layout yet. Turn the statistics off (verl's "
+                             "moe_router_load_balancing_type='none') or set context_parallel_size=1.")
+        pad, ids = 0, shard.input_ids
+        keep = shard.logit_index if shard.head_index is None else shard.head_index
+    else:
+        pad = Tp - plan.T
+        ids = plan.input_ids if not pad else torch.cat([plan.input_ids, plan.input_ids.new_zeros(pad)])
+        keep = plan.logit_index if plan.head_index is None else plan.head_index
+    zp = (ZorroPackedSeqParams.for_plan(plan, backend, Tp) if shard is None
+          else ZorroPackedSeqParams.for_plan(plan, backend, Tp, cp=shard))
     pos = zp.position_ids  # [Tp], 0 on the pad tokens
     # MoE statistics over the micro-batch's tokens (load-balancing / z losses, expert-bias counts): each packed token
     # counts as the ordinary tokens it stands for (pad tokens: 0)
@@ -391,23 +427,30 @@ def zorro_gpt_logprobs(model: torch.nn.Module, plan: ZorroPlan, logits: torch.Te
     order, identical on every TP rank (arguments as :func:`zorro_gpt_step`)."""
     mode, op = _check_head_args(temperature, logits_optimization, temperature_op)
     gpt = find_gpt_model(model)
-    keep = plan.logit_index if plan.head_index is None else plan.head_index
+    shard = _cp_shard(gpt, plan)
+    src = plan if shard is None else shard  # under CP: this rank's head rows, gathered back to [N] below
+    keep = src.logit_index if src.head_index is None else src.head_index
     if logits.dim() != 3 or logits.shape[:2] != (keep.numel(), 1):
         raise ValueError(f"logits: expected the last stage's head output [{keep.numel()}, 1, V/tp], got "
                          f"{tuple(logits.shape)}. Pass what zorro_gpt_forward returned on the last pipeline stage.")
-    index = plan.head_inverse
+    index = src.head_inverse
     if gpt.config.tensor_model_parallel_size == 1:
-        return logits_logprobs(logits[:, 0], plan.target_ids, temperature=float(temperature),
-                               calculate_entropy=calculate_entropy, logits_optimization=mode, chunk_size=chunk_size,
-                               index=index, temperature_op=op)
-    # the rank's vocabulary slice; a prefix tree's shared rows are expanded per output here (autograd sums them back)
-    logits = logits[:, 0] if index is None else logits[index, 0]
-    group = gpt.output_layer.tp_group
-    return vocab_parallel_logprobs(logits, plan.target_ids, group=group,
-                                   vocab_start=dist.get_rank(group) * logits.shape[1], temperature=float(temperature),
-                                   calculate_entropy=calculate_entropy,
-                                   chunk_size=max(1, min(chunk_size, -(-logits.shape[0] // LEAN_BLOCKS))),
-                                   temperature_op=op)
+        lp, ent = logits_logprobs(logits[:, 0], src.target_ids, temperature=float(temperature),
+                                  calculate_entropy=calculate_entropy, logits_optimization=mode,
+                                  chunk_size=chunk_size, index=index, temperature_op=op)
+    else:
+        # the rank's vocabulary slice; a prefix tree's shared rows are expanded per output here (autograd sums
+        # them back)
+        logits = logits[:, 0] if index is None else logits[index, 0]
+        group = gpt.output_layer.tp_group
+        lp, ent = vocab_parallel_logprobs(logits, src.target_ids, group=group,
+                                          vocab_start=dist.get_rank(group) * logits.shape[1],
+                                          temperature=float(temperature), calculate_entropy=calculate_entropy,
+                                          chunk_size=max(1, min(chunk_size, -(-logits.shape[0] // LEAN_BLOCKS))),
+                                          temperature_op=op)
+    if shard is None:
+        return lp, ent
+    return gather_cp_rows(lp, shard), (gather_cp_rows(ent, shard) if ent is not None else None)
 
 
 def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa", temperature: float = 1.0,

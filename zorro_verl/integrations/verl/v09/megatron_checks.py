@@ -29,8 +29,9 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
     cp = int(get(engine_config, "context_parallel_size", 1) or 1)
     if cp > 1 or get(engine_config, "dynamic_context_parallel", False):
         return (f"context parallelism (context_parallel_size={cp}, dynamic_context_parallel="
-                f"{bool(get(engine_config, 'dynamic_context_parallel', False))}): zorro's attention has no context-"
-                "parallel exchange on Megatron yet; set context_parallel_size=1")
+                f"{bool(get(engine_config, 'dynamic_context_parallel', False))}): zorro's context-parallel attention "
+                "runs in its GPTModel step (zorro_gpt_forward), but the verl engine at CP > 1 is not wired to it yet "
+                "(Megatron-Bridge turns on megatron's per-token loss regime there); set context_parallel_size=1")
     router = get(engine_config, "router_replay", None)
     mode = get(router, "mode", "disabled") if router is not None else "disabled"
     if mode != "disabled":
