@@ -94,9 +94,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("fsdp.ulysses_batches_differ", _FSDP, "SP ranks holding different batches",
             "every SP rank builds the plan the exchanges rely on; always raises (a wiring error)", "batch",
             _V09 + "engine", "hold different batches"),
-    Refusal("fsdp.vlm_ulysses", _FSDP, "vision-language models under Ulysses SP > 1",
-            "verl slices a VLM's sequence after the vision tower; zorro's shard layout does not", "start",
-            _COMMON, "vision-language models under Ulysses sequence parallel > 1"),
     Refusal("fsdp.vlm_fused", _FSDP, "multimodal batches with `use_fused_kernels`",
             "zorro's fused head path does not pass the images to the model", "batch",
             _V09 + "engine", "multimodal batches with use_fused_kernels=True"),
@@ -541,9 +538,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("step.media_keys", _STEP, "multimodal inputs other than images / videos of the Qwen2-VL family",
             "not handled by zorro's media packing", "call", "zorro_verl.packing.multimodal",
             "are not supported by zorro (it handles"),
-    Refusal("step.media_ulysses", _STEP, "media under Ulysses sequence parallelism", "verl slices a VLM's sequence "
-            "after the vision tower; zorro's shard layout does not", "call", _HF + "context",
-            "multimodal batches under Ulysses sequence parallelism are not supported by zorro"),
 )
 
 #: Messages the drift check finds that are not refusals of a setting: ``(module, phrase) -> why exempt``.

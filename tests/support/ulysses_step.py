@@ -5,8 +5,8 @@ whole packed row on one rank, no verl involved.
 Run as ``python -m tests.support.ulysses_step RANK WORLD INIT_FILE DEVICE SUITE OUT_JSON`` (``DEVICE``: ``cpu`` =
 fp64 over gloo with the ``sdpa`` backend; ``cuda`` = bf16 over NCCL with the ``flash`` backend, plus an fp64 ``sdpa``
 oracle for the relative rule; ``SUITE``: ``all``, ``base`` (the prompt-plan cases below), ``trees`` (two
-prefix-tree cases of :func:`_tree_and_hybrid_cases`, CPU only) or ``ssm`` (Mamba-2 models, :func:`_ssm_cases`, CPU
-only)). Models: tiny Qwen3s with 4 query / 2 KV
+prefix-tree cases of :func:`_tree_and_hybrid_cases`, CPU only), ``ssm`` (Mamba-2 models, :func:`_ssm_cases`, CPU
+only) or ``vlm`` (vision-language models, :func:`_vlm_cases`, CPU only)). Models: tiny Qwen3s with 4 query / 2 KV
 heads and with 2 query / 1 KV head (fewer KV heads than SP ranks when ``WORLD = 2``), on CPU also tiny gpt-oss
 (sliding windows, attention sinks) and Gemma 2 (windows, soft-capping); the batch has 3 shuffled prompts, a 1-token
 and an empty response and an odd packed length. Loss ``sum(w1 * log_probs) + sum(w2 * entropy)`` with fixed random
@@ -207,6 +207,140 @@ def _ssm_cases(rank: int, world: int, step, errors) -> dict:
     return out
 
 
+def vlm_rows(text_prompt: tuple = (5,)) -> list:
+    """A VLM batch of :func:`_vlm_cases` (:class:`~zorro_verl.testing.vlm.VlmRow` s, siblings interleaved): prompts
+    A (a 2x3-token image), B (A's tokens, another image of the same size), D (two images, one of them A's) and T
+    (``text_prompt``, text); responses with no image, a tool image (4 tokens) in two rows of A's group and one of T's,
+    an empty and a 1-token response. Packed rows at SP = 2 (checked by the test): ``(5,)`` with the prompt plan 84
+    tokens, ``(5, 6)`` with a prefix tree 81 (odd: padded), each with the two slices meeting inside an image."""
+    import torch
+
+    from zorro_verl.testing.vlm import agent_row, image
+
+    a, b, c, tool = image(1, 2, 3), image(2, 2, 3), image(3), image(4)
+    prompts = [[[1, 2], a, [3, 4]], [[1, 2], b, [3, 4]], [[1], a, [8], c, [9]], [list(text_prompt)]]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for k in range(3):
+        for i, p in enumerate(prompts):
+            resp = torch.randint(10, 100, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+            if (i, k) in ((0, 1), (0, 2), (3, 0)):  # a tool image inside the response
+                rows.append(agent_row(p, [resp[:1], tool, resp[1:] + [11]]))
+            else:
+                rows.append(agent_row(p, [resp]))
+    rows[2].response = []  # an empty response (prompt D)
+    rows[5].response = [42]  # a 1-token response (prompt B)
+    return rows
+
+
+def _vlm_cases(rank: int, world: int, errors) -> dict:
+    """CPU fp64 vision-language cases: Qwen2.5-VL (windowed vision attention), Qwen3-VL (deepstack features sliced
+    with the row) and Qwen3.5 (gated delta-net; with the oracle's re-chunking error, the hybrid rule) with the prompt
+    plan, Qwen3-VL also with a prefix tree,
+    on :func:`vlm_rows` (images in prompts and responses). Each: ``zorro_step`` with media and a shard (every rank the
+    whole padded row up to the merged embeddings, the language model its slice) vs the same plan without SP, and vs
+    each row alone through the model's own forward; the images the vision tower encoded per rank."""
+    import copy
+    import functools
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from zorro_verl.integrations.transformers import install_zorro, zorro_step
+    from zorro_verl.integrations.transformers.hybrid import linear_attention_modules
+    from zorro_verl.integrations.transformers.vision import media_tokens, rope_positions
+    from zorro_verl.packing.multimodal import build_media_plan
+    from zorro_verl.packing.ulysses import ulysses_shard
+    from zorro_verl.recurrent import chunk_gated_delta_rule_ref
+    from zorro_verl.testing.vlm import IMAGE, tiny_vlm_model, vlm_batch
+
+    temperature = 0.7
+
+    def oracle(model, rows, R, w1, w2):
+        """Each row alone (its media, its positions from get_rope_index): log-probs / entropy ``[B, R]`` and the
+        gradient of the weighted sum."""
+        model.zero_grad(set_to_none=True)
+        lp = torch.zeros(len(rows), R, dtype=torch.float64)
+        ent = torch.zeros_like(lp)
+        total = 0.0
+        for b, r in enumerate(rows):
+            ids = torch.tensor([r.prompt + r.response])
+            media = r.media or {}
+            pos = rope_positions(model, ids, None, [media])
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, **media).logits[0] / temperature
+            p, n = len(r.prompt), len(r.response)
+            logp = torch.log_softmax(logits[p - 1:p + n - 1], -1)
+            row_lp = logp.gather(-1, ids[0, p:p + n, None])[:, 0]
+            row_ent = -(logp.exp() * logp).sum(-1)
+            total = total + (row_lp * w1[b, :n]).sum() + (row_ent * w2[b, :n]).sum()
+            lp[b, :n], ent[b, :n] = row_lp.detach(), row_ent.detach()
+        total.backward()
+        return {"logp": lp, "ent": ent,
+                "grads": {n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None}}
+
+    def step(model, plan, media, shard, w1, w2):
+        model.zero_grad(set_to_none=True)
+        logp, ent = zorro_step(model, plan, backend="sdpa", temperature=temperature, calculate_entropy=True,
+                               media=media, shard=shard)
+        ((logp * plan.from_padded(w1)).sum() + (ent * plan.from_padded(w2)).sum()).backward()
+        grads = {n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None}
+        if shard is not None:  # the SP group's partial gradients add up to sp x the gradient (see module doc)
+            for g in grads.values():
+                dist.all_reduce(g)
+                g /= world
+        return {"logp": plan.to_padded(logp.detach()), "ent": plan.to_padded(ent.detach()), "grads": grads}
+
+    out = {}
+    for name, kind, sharing in (("vlm_qwen2_5_vl", "qwen2_5_vl", "prompt"), ("vlm_qwen3_vl", "qwen3_vl", "prompt"),
+                                ("vlm_tree_qwen3_vl", "qwen3_vl", "prefix"), ("vlm_qwen3_5", "qwen3_5", "prompt")):
+        t0 = time.perf_counter()
+        rows = vlm_rows((5,) if sharing == "prompt" else (5, 6))
+        batch = vlm_batch(rows)
+        R = batch["responses"].shape[1]
+        ref_model = tiny_vlm_model(kind, seed=1)
+        model = copy.deepcopy(ref_model)
+        install_zorro(model)
+        pos = rope_positions(model, batch["input_ids"], batch["attention_mask"], batch["media"])
+        plan, media = build_media_plan(batch["input_ids"], batch["attention_mask"], R, batch["media"],
+                                       media_tokens(model), pos, sharing=sharing,
+                                       **({"min_shared_len": 1} if sharing == "prefix" else {}))
+        shard = ulysses_shard(plan, world, rank, dist.group.WORLD)
+        gen = torch.Generator().manual_seed(3)
+        w1, w2 = (torch.randn(len(rows), R, generator=gen, dtype=torch.float64) for _ in range(2))
+        orc = oracle(ref_model, rows, R, w1, w2)
+        encoded = []
+        model.model.visual.register_forward_hook(
+            lambda m, args, kwargs, o, seen=encoded: seen.append(int(kwargs.get("grid_thw", args[-1]).shape[0])),
+            with_kwargs=True)
+        ref = step(model, plan, media, None, w1, w2)
+        encoded.clear()
+        got = step(model, plan, media, shard, w1, w2)
+        mask = torch.zeros(len(rows), R, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            mask[b, :len(r.response)] = True
+        L = shard.local_len
+        ids = plan.input_ids.tolist()
+        e_oracle = errors({**orc, "logp": orc["logp"][mask], "ent": orc["ent"][mask]},
+                          {**got, "logp": got["logp"][mask], "ent": got["ent"][mask]})
+        def per_param(ref, other):
+            return max(((other["grads"][k] - g).abs().max() / g.abs().max()).item() for k, g in ref["grads"].items())
+
+        e_oracle["grad_per_param"] = per_param(orc, got)
+        if kind == "qwen3_5":  # the hybrid rule: the oracle's own sensitivity to the delta rule's chunking
+            for _, mod in linear_attention_modules(ref_model):
+                mod.chunk_gated_delta_rule = functools.partial(chunk_gated_delta_rule_ref, chunk_size=4)
+            e_oracle["rechunk_per_param"] = per_param(orc, oracle(ref_model, rows, R, w1, w2))
+        out[name] = {"T": plan.T, "N": plan.N, "rows_per_rank": list(shard.row_counts), "tree": plan.tree is not None,
+                     "items": media.items, "row_items": media.row_items, "response_items": media.response_items,
+                     "encoded": sum(encoded),
+                     "vision_grads": sum(1 for k in orc["grads"] if ".visual." in k),
+                     "boundaries_in_image": sum(1 for s in range(1, world) if ids[s * L - 1] == IMAGE == ids[s * L]),
+                     "none": {"sp_vs_ref": errors(ref, got), "sp_vs_oracle": e_oracle},
+                     "seconds": time.perf_counter() - t0}
+    return out
+
+
 def run_rank(rank: int, world: int, init_file: str, device: str, suite: str = "all") -> dict:
     os.environ.update(OMP_NUM_THREADS="1")
     import torch
@@ -246,6 +380,8 @@ def run_rank(rank: int, world: int, init_file: str, device: str, suite: str = "a
 
     if suite == "ssm":
         res.update(_ssm_cases(rank, world, step, _errors))
+    if suite == "vlm":
+        res.update(_vlm_cases(rank, world, _errors))
     if suite in ("all", "trees"):
         # SP = 4 ("trees") runs the two cases whose exchange differs from SP = 2: the tree with KV heads repeated
         # (2 < 4) and the hybrid tree with the delta-net's key heads repeated (2 < 4)

@@ -95,3 +95,39 @@ def test_sp_step_bf16_relative_rule(tmp_path):
                 print(f"SP={world} {case} {mode}: bf16 error vs fp64, no SP {ref}, SP {got}")
                 assert got["log_probs"] <= 2 * ref["log_probs"] and got["entropy"] <= 2 * ref["entropy"]
                 assert got["grads"] <= 3 * ref["grads"]
+
+
+VLM_CASES = ("vlm_qwen2_5_vl", "vlm_qwen3_vl", "vlm_tree_qwen3_vl", "vlm_qwen3_5")
+#: Per-parameter gradient bound against each row alone (test_vision.py's; Qwen3.5: max(1e-12, 4x the oracle's own
+#: re-chunking error), the hybrid rule of the cases above).
+VLM_GRAD_TOL = 1e-10
+
+
+def test_sp2_vision_language_fp64(tmp_path):
+    """Vision-language models under SP = 2 (tests/support/ulysses_step.py ``_vlm_cases``): Qwen2.5-VL, Qwen3-VL
+    (deepstack features cut with the row), Qwen3.5 (gated delta-net) and a Qwen3-VL prefix tree, images in prompts and
+    responses, the slices meeting inside an image, a padded (odd) row. Every rank encodes the packed row's unique
+    images (fewer than the ordinary rows') and the language model runs its slice: SP vs the same plan without SP
+    relative (Frobenius) <= 1e-12; vs each row alone log-probs / entropy <= 1e-12 abs, gradients (the vision
+    tower's too) per parameter <= 1e-10 (Qwen3.5: <= max(1e-12, 4x the oracle's re-chunking error))."""
+    from tests.support.multi_rank import run_ranks
+
+    results = run_ranks("tests.support.ulysses_step", 2, ["cpu", "vlm"], tmp_path, HANG_TIMEOUT_S)
+    assert any(r[c]["T"] % 2 for r in results for c in VLM_CASES)  # a padded row
+    for r in results:
+        for case in VLM_CASES:
+            c = r[case]
+            assert c["boundaries_in_image"] == 1, (case, c["T"])  # rank 1's slice starts inside an image
+            assert min(c["rows_per_rank"]) > 0 and sum(c["rows_per_rank"]) == c["N"]
+            assert c["tree"] == ("tree" in case) and c["response_items"] > 0 and c["vision_grads"] > 0
+            # each rank encodes the packed row's unique images once (the ordinary rows hold each 3 times)
+            assert c["encoded"] == c["items"] < c["row_items"], (case, c)
+            err, orc = c["none"]["sp_vs_ref"], c["none"]["sp_vs_oracle"]
+            assert max(err["log_probs"], err["entropy"], err["grads"]) <= FP64_TOL, (case, err)
+            assert max(orc["log_probs_max_abs"], orc["entropy_max_abs"]) <= ORACLE_ABS_TOL, (case, orc)
+            bound = VLM_GRAD_TOL if "rechunk_per_param" not in orc else max(1e-12, 4 * orc["rechunk_per_param"])
+            assert orc["grad_per_param"] <= bound, (case, orc, bound)
+            print(f"{case} rank {results.index(r)} (T={c['T']}, images {c['encoded']} / {c['row_items']}): SP vs no "
+                  f"SP {max(err['log_probs'], err['entropy'], err['grads']):.1e}; vs each row abs "
+                  f"{max(orc['log_probs_max_abs'], orc['entropy_max_abs']):.1e}, grad per param "
+                  f"{orc['grad_per_param']:.1e} (bound {bound:.1e}); {c['seconds']:.0f} s")

@@ -375,3 +375,30 @@ def test_standalone_actor_refuses_media_it_cannot_take():
     tb = vlm_batch(text)
     got = actor.forward({k: tb[k] for k in ("input_ids", "attention_mask", "responses")}).logprobs.detach()
     assert (got - torch.cat(ref)).abs().max().item() <= LP_ABS_TOL
+
+
+def test_sequence_parallel_slice_of_the_language_models_inputs():
+    """``vision._slice_text_inputs`` (the SP hook's cut, run end to end in test_ulysses_step.py): the rank's slice of
+    the embeddings and 3-D positions, and of Qwen3-VL's deepstack features exactly the visual positions it holds;
+    a call on anything but the whole padded row, or a model without a language model beside its tower, raises."""
+    from types import SimpleNamespace
+
+    from zorro_verl.integrations.transformers.vision import _slice_text_inputs, sliced_language_model
+    from zorro_verl.testing import tiny_model
+
+    T_pad, H = 8, 3
+    emb = torch.arange(T_pad * H, dtype=torch.float64).view(1, T_pad, H)
+    pos = torch.arange(3 * T_pad).view(3, 1, T_pad)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)  # 5 visual positions, 2 before the cut at 3
+    deep = [torch.arange(5 * H, dtype=torch.float64).view(5, H) + 100 * k for k in range(2)]
+    got = _slice_text_inputs({"inputs_embeds": emb, "position_ids": pos, "visual_pos_masks": mask,
+                              "deepstack_visual_embeds": deep, "other": 1}, 3, 6, T_pad)
+    assert torch.equal(got["inputs_embeds"], emb[:, 3:6]) and torch.equal(got["position_ids"], pos[..., 3:6])
+    assert torch.equal(got["visual_pos_masks"], mask[:, 3:6]) and got["other"] == 1
+    assert [d.tolist() for d in got["deepstack_visual_embeds"]] == [d[2:4].tolist() for d in deep]  # rows 3 and 5
+    with pytest.raises(ValueError, match=r"expected the whole padded row \[1, 9, H\]"):
+        _slice_text_inputs({"inputs_embeds": emb}, 0, 4, 9)
+    shard = SimpleNamespace(start=0, local_len=4, padded_len=8)
+    with pytest.raises(ValueError, match="no `language_model` beside its vision tower"):
+        with sliced_language_model(tiny_model("qwen3", dtype=torch.float64, seed=0), shard):
+            pass

@@ -11,6 +11,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import torch
+
 from zorro_verl.attention import get_backend
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.multimodal import PackedMedia
@@ -72,20 +74,24 @@ class StepContext:
         if media is not None and not isinstance(media, PackedMedia):
             raise TypeError(f"media: expected a PackedMedia (zorro_verl.packing.multimodal.build_media_plan) or None, "
                             f"got {type(media).__name__}.")
-        if media is not None and shard is not None:
-            raise ValueError("media: multimodal batches under Ulysses sequence parallelism are not supported by zorro; "
-                             "use ulysses_sequence_parallel_size = 1 for vision-language models.")
         get_backend(backend)  # ValueError naming the registered backends
         self.plan, self.backend, self.calls = plan, backend, calls if calls is not None else LayerCalls()
         self.shard, self.media = shard, media
 
     def model_inputs(self) -> tuple:
         """``(input_ids [1, L], position_ids [1, L])`` the model runs on: the packed row (``L = T``), or this rank's
-        slice of it under sequence parallelism; with ``media``, ``position_ids`` is its ``[3, 1, T]`` 3-D
-        positions."""
-        src = self.plan if self.shard is None else self.shard
+        slice of it under sequence parallelism. With ``media``, ``position_ids`` is the ``[3, 1, T]`` 3-D positions;
+        under sequence parallelism with ``media`` every rank gets the whole right-padded row, ``[1, T_pad]`` and
+        ``[3, 1, T_pad]`` (pad: id 0, position 0): the model encodes the media and merges their features into the
+        whole row's embeddings, and :func:`~zorro_verl.integrations.transformers.vision.sliced_language_model` hands
+        the language model this rank's slice of them."""
         if self.media is not None:
-            return src.input_ids[None], self.media.position_ids
+            if self.shard is None:
+                return self.plan.input_ids[None], self.media.position_ids
+            pad = self.shard.padded_len - self.plan.T
+            return (torch.nn.functional.pad(self.plan.input_ids, (0, pad))[None],
+                    torch.nn.functional.pad(self.media.position_ids, (0, pad)))
+        src = self.plan if self.shard is None else self.shard
         return src.input_ids[None], src.position_ids[None]
 
     def media_inputs(self) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from contextlib import nullcontext
 
 import torch
 
@@ -257,10 +258,14 @@ def forward_packed(model, ctx: StepContext, **model_kwargs):
     if ctx.media is not None and not vision.is_multimodal(model):
         raise ValueError("media: this model has no vision tower (config.vision_config); multimodal inputs need a "
                          "vision-language model.")
+    # under SP a multimodal call runs the whole row up to the merged embeddings, the language model its slice
+    sliced = (vision.sliced_language_model(model, ctx.shard) if ctx.media is not None and ctx.shard is not None
+              else nullcontext())
     token = ACTIVE.set(ctx)  # reaches attention layers whose decoder layer drops **kwargs (StableLM)
     try:
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx,
-                    use_cache=False, **ctx.media_inputs(), **model_kwargs)
+        with sliced:
+            out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, zorro_ctx=ctx,
+                        use_cache=False, **ctx.media_inputs(), **model_kwargs)
     # this call passes no mask and zorro registers no mask function: a mask reaching attention is the model's own
     except ModelMaskError as e:
         raise ValueError(

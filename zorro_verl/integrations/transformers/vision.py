@@ -6,11 +6,18 @@ attends within each image, bidirectionally) and runs inside the model's own forw
 each unique prompt's images once (:mod:`zorro_verl.packing.multimodal`). The model receives the packed row's 3-D
 rotary positions explicitly, so it never recomputes them from the packed row (where prompts and responses of
 different rows follow one another).
+
+Under Ulysses sequence parallelism every rank of the SP group runs the vision tower on the packed row's media (each
+unique prompt's once) and merges the features into the embeddings of the whole padded row, as verl's stock engine
+does for its rows; :func:`sliced_language_model` then hands the language model the rank's slice of the merged
+embeddings, of the 3-D positions and (Qwen3-VL) of the deepstack features. The tower's gradient on each rank comes from
+the features its slice holds; FSDP's reduction sums the ranks' parts.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -18,7 +25,7 @@ import torch
 from zorro_verl.packing.multimodal import MEDIA_FIELDS, MediaTokens, check_media_placeholders
 
 __all__ = ["is_multimodal", "sub_attention", "zorro_attention_request", "media_tokens", "rope_positions",
-           "token_types"]
+           "token_types", "language_model", "sliced_language_model"]
 
 
 def _config(model):
@@ -121,3 +128,57 @@ def _seconds_per_grid(media: list) -> torch.Tensor:
                              f"video_grid_thw's rows), got {ts.numel()}.")
         out.append(ts)
     return torch.cat(out)
+
+
+def language_model(model):
+    """The language model of a vision-language ``model`` (the ``language_model`` of the module that owns ``visual``;
+    possibly FSDP-wrapped): the module the merged embeddings go into. ``ValueError`` when there is none."""
+    for sub in model.modules():
+        if hasattr(sub, "visual") and isinstance(getattr(sub, "language_model", None), torch.nn.Module):
+            return sub.language_model
+    raise ValueError(f"model: {type(model).__name__} has no `language_model` beside its vision tower (`visual`); "
+                     "zorro runs the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) under sequence "
+                     "parallelism.")
+
+
+def _slice_text_inputs(kwargs: dict, start: int, stop: int, padded_len: int) -> dict:
+    """The language model's keyword arguments for the slice ``[start, stop)`` of the padded row: ``inputs_embeds
+    [1, T_pad, H]`` -> ``[1, L, H]``, ``position_ids [3, 1, T_pad]`` -> ``[3, 1, L]``, and (Qwen3-VL's deepstack)
+    ``visual_pos_masks [1, T_pad] bool`` -> ``[1, L]`` with each of ``deepstack_visual_embeds [n_visual, H]`` cut to
+    the visual positions the slice holds (two host syncs: the visual counts before and inside the slice)."""
+    emb = kwargs.get("inputs_embeds")
+    if emb is None or emb.shape[1] != padded_len:
+        raise ValueError(f"sequence parallel media: the language model got inputs_embeds of shape "
+                         f"{None if emb is None else tuple(emb.shape)}, expected the whole padded row "
+                         f"[1, {padded_len}, H] (its model merges the media into the embeddings and then calls it).")
+    out = dict(kwargs)
+    out["inputs_embeds"] = emb[:, start:stop]
+    pos = kwargs.get("position_ids")
+    if pos is not None:
+        out["position_ids"] = pos[..., start:stop]
+    mask = kwargs.get("visual_pos_masks")
+    if mask is not None:
+        deep = kwargs.get("deepstack_visual_embeds")
+        if deep is not None:
+            before, inside = (int(n) for n in torch.stack([mask[:, :start].sum(), mask[:, start:stop].sum()]).tolist())
+            out["deepstack_visual_embeds"] = [d[before:before + inside] for d in deep]
+        out["visual_pos_masks"] = mask[:, start:stop]
+    return out
+
+
+@contextmanager
+def sliced_language_model(model, shard):
+    """Within the block, ``model``'s language model runs on this sequence-parallel rank's slice of its inputs
+    (``shard``: :class:`~zorro_verl.packing.ulysses.UlyssesShard`; :func:`_slice_text_inputs`): a forward pre-hook,
+    removed on exit. The model is called on the whole padded row (ids ``[1, T_pad]``, 3-D positions
+    ``[3, 1, T_pad]``), so its own code encodes the media and scatters the features at their placeholders first."""
+    start, stop = shard.start, shard.start + shard.local_len
+
+    def hook(module, args, kwargs):
+        return args, _slice_text_inputs(kwargs, start, stop, shard.padded_len)
+
+    handle = language_model(model).register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

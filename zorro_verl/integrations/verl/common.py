@@ -33,7 +33,7 @@ def setup_unsupported(ulysses_sp: int = 1, hf_config=None, *, ulysses_supported:
     """Why a run with these settings cannot use zorro's deduplicated forward (both verl generations; also read by
     ``zorro-verl doctor`` from a composed config), or None: Ulysses sequence parallelism where the actor does not
     run it (``ulysses_supported``: the 0.9 engine does, the 0.7 legacy actor does not), vision-language models where
-    the actor does not run them (``vlm_supported``: the 0.9 engine, without Ulysses) (LoRA runs; its one refusal,
+    the actor does not run them (``vlm_supported``: the 0.9 engine, also under Ulysses) (LoRA runs; its one refusal,
     adapter dropout, needs the built model: ``lora_unsupported``.)"""
     if ulysses_sp > 1 and not ulysses_supported:
         return ("Ulysses sequence parallel > 1 in the verl 0.7 legacy actor (set ulysses_sequence_parallel_size=1, "
@@ -42,9 +42,6 @@ def setup_unsupported(ulysses_sp: int = 1, hf_config=None, *, ulysses_supported:
         if not vlm_supported:
             return ("vision-language models in this actor (3-D position ids / multimodal inputs: it does not hand "
                     "images and 3-D positions to zorro's packed forward; zorro runs VLMs in verl 0.9's engine)")
-        if ulysses_sp > 1:
-            return ("vision-language models under Ulysses sequence parallel > 1 (verl slices a VLM's sequence after "
-                    "the vision tower; zorro does not: set ulysses_sequence_parallel_size=1)")
     return None
 
 

@@ -44,13 +44,12 @@ RTOL = 1e-5
 VLM_FAMILY = "qwen2_5_vl"
 #: Pairs zorro refuses (each with the key of its zorro_verl/refusals.py record): one case each, which must raise it.
 REFUSED = {
-    (("model", "vlm"), ("sp", 2)): "fsdp.vlm_ulysses",
     (("model", "vlm"), ("fused", True)): "fsdp.vlm_fused",
 }
 #: Pairs no case may hold: real impossibilities (a combination verl itself cannot run). None.
 FORBIDDEN = ()
-#: Upper bound of the matrix's size (cases that run + refusal cases).
-MAX_CASES = 16
+#: The matrix's size (cases that run + refusal cases): the generated array has 12 + 1 (each VLM x SP = 2 pair runs).
+MAX_CASES = 13
 
 ROWS, REFUSAL_ROWS = pairwise(FACTORS, FORBIDDEN, list(REFUSED))
 _REFUSAL_KEY = {frozenset(pair): key for pair, key in REFUSED.items()}
