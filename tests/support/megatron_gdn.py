@@ -256,25 +256,31 @@ HYBRID = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_gro
 ROTARY_PERCENT = 0.5
 
 
-def build_hybrid_gpt(*, zorro: bool, seed: int = 0, vocab: int = 96, config: dict | None = None):
-    """A tiny fp64 Qwen3.5-shaped ``GPTModel`` (:data:`HYBRID`) on :func:`cpu_hybrid_block_spec`, TP = 1. Every
+def build_hybrid_gpt(*, zorro: bool, seed: int = 0, vocab: int = 96, config: dict | None = None,
+                     sequence_parallel: bool = False, parallel_output: bool = False):
+    """A tiny fp64 Qwen3.5-shaped ``GPTModel`` (:data:`HYBRID`) on :func:`cpu_hybrid_block_spec`, at the TP size of
+    megatron's model-parallel groups (``sequence_parallel`` when TP > 1; ``parallel_output``: the head's logits
+    left vocabulary-parallel). Every
     1-D parameter (norms, ``A_log``, ``dt_bias``) is drawn at random from ``seed`` so each one moves the outputs;
     ``zorro``: the mixers made zorro's by :func:`~zorro_verl.integrations.megatron.install_zorro_megatron`;
     ``config``: more ``TransformerConfig`` fields (activation recomputation)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.parallel_state import get_tensor_model_parallel_world_size
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     install_fla_standins()
+    tp = get_tensor_model_parallel_world_size()
     cfg = TransformerConfig(
         **HYBRID, use_cpu_initialization=True, gradient_accumulation_fusion=False, params_dtype=torch.float64,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=False, pipeline_dtype=torch.float64, transformer_impl="local", **(config or {}))
+        attention_softmax_in_fp32=False, pipeline_dtype=torch.float64, transformer_impl="local",
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1, **(config or {}))
     torch.manual_seed(seed)
     model = GPTModel(config=cfg, transformer_layer_spec=cpu_hybrid_block_spec(cfg), vocab_size=vocab,
                      max_sequence_length=64, position_embedding_type="rope", rotary_percent=ROTARY_PERCENT,
-                     share_embeddings_and_output_weights=False, parallel_output=False).to(torch.float64)
+                     share_embeddings_and_output_weights=False, parallel_output=parallel_output).to(torch.float64)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, p in model.named_parameters():

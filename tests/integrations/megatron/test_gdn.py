@@ -7,7 +7,8 @@ stand-in FLA kernels. The reference runs megatron's ``GatedDeltaNet`` and ``DotP
 rows ``[prompt | response | pad]`` as one batch (each row's recurrence from a zero state; right padding cannot reach
 an earlier token). zorro runs each prompt once and every response from its prompt's final recurrent state and conv
 context. Compared: log-probs and entropy of every response token (1e-12 absolute) and every parameter's gradient of
-the test loss (1e-12 relative to the parameter's largest entry), prompt and prefix sharing.
+the test loss (1e-12 relative to the parameter's largest entry), prompt and prefix sharing. TP = 1 in-process;
+TP = 2 and TP = 2 + sequence parallelism in a 2-process gloo group (tests/support/megatron_gdn_ranks.py).
 """
 
 from __future__ import annotations
@@ -141,3 +142,25 @@ def test_hybrid_plain_gdn_refused(hybrid):
             zorro_gpt_step(zorro, build_plan(ids, am, R))
     finally:
         mixer.__class__ = cls
+
+
+def test_hybrid_two_ranks_tp_sp(tmp_path):
+    """TP = 2 (each rank 2 of the 4 gated delta-net value heads, 2 of the 4 attention heads) and TP = 2 + sequence
+    parallelism (the row padded to even length: the pad token's mixer output is zero), prompt and prefix plans, in a
+    2-process gloo group (tests/support/megatron_gdn_ranks.py): each rank's log-probs / entropy and every gradient
+    shard against megatron's ordinary forward."""
+    import os
+
+    from tests.support.multi_rank import run_ranks
+
+    results = run_ranks("tests.support.megatron_gdn_ranks", 2, [], tmp_path, timeout_s=int(os.environ.get(
+        "ZORRO_MEGATRON_RANK_TIMEOUT", "600")))
+    for rank, per_case in enumerate(results):
+        assert set(per_case) == {"tp2", "tp2_sp", "tp2_sp_prefix"}
+        for case, res in per_case.items():
+            print(f"zorro vs megatron, hybrid fp64, {case} rank {rank}: {res}")
+            assert res["ranks_equal"] and res["v_heads_local"] == 2 and res["n"] == 15, (rank, case, res)
+            assert res["sp"] == ("_sp" in case) and res["prefix_tree"] == case.endswith("prefix"), (rank, case)
+            assert res["T"] < res["ordinary_tokens"], (rank, case, res)
+            assert res["logprob"] <= TOL and res["entropy"] <= TOL and res["grad_rel"] <= TOL, (rank, case, res)
+    assert results[0]["tp2_sp"]["T"] % 2 == 1  # the packed row needed a pad token under SP
