@@ -8,7 +8,9 @@ with prefix sharing").
 What runs: verl 0.9.1's real FSDP2 engine on CPU (1-rank gloo, the test CPU platform from tests/support, fp32), the
 ``quick`` model shape of the benchmarks (Qwen3: hidden 256, 4 layers, GQA 4/2, vocabulary 4096, untied head), and the
 step verl's SFT trainer runs per batch: ``train_batch`` with verl's ``sft_loss`` on the batch its ``fit`` loop builds
-(verl's ``SFTTensorCollator`` in ``no_padding`` mode, dynamic micro-batches of ``--token-budget`` tokens), including
+(verl's ``SFTTensorCollator`` in ``no_padding`` mode, dynamic micro-batches of ``--token-budget`` tokens, 1024 by
+default: without flash-attn verl's packed micro-batch runs transformers' sdpa with a dense block-diagonal mask over
+the micro-batch, quadratic in its tokens, so a large budget would inflate the stock time), including
 the optimizer step. The data (:func:`zorro_verl.testing.sft_conversations`): ``--conversations`` conversations of
 ``--turns`` (user, assistant) turns behind one ``--system``-token system prompt, each cut after every assistant turn
 (one sample per turn: sample ``i`` repeats turns ``< i``), the loss over every assistant token.
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--system", type=int, default=256, help="system prompt tokens")
     p.add_argument("--user", type=int, default=32, help="tokens per user turn")
     p.add_argument("--assistant", type=int, default=64, help="tokens per assistant turn")
-    p.add_argument("--token-budget", type=int, default=4096, help="max_token_len_per_gpu (dynamic micro-batches)")
+    p.add_argument("--token-budget", type=int, default=1024, help="max_token_len_per_gpu (dynamic micro-batches)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
