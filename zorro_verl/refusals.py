@@ -120,6 +120,16 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("fsdp.position_ids", _FSDP, "position ids that do not count 0, 1, 2, ... along each row",
             "zorro recomputes positions on the packed row", "batch", _V09 + "engine",
             "position_ids that do not count 0, 1, 2, ... along each row"),
+    Refusal("fsdp.sft_first_token_loss", _FSDP, "verl's SFT trainer: a sample whose first token is in the "
+            "`loss_mask`", "nothing predicts it; verl's `sft_loss` rolls the flattened mask, so that bit lands on the "
+            "previous sample's last position, a term that depends on which samples share a micro-batch", "batch",
+            _V09 + "batching", "an SFT row whose first token is in the loss_mask"),
+    Refusal("fsdp.sft_padded", _FSDP, "verl's SFT trainer with `data.pad_mode` other than `no_padding`",
+            "the engine reads the jagged layout only", "batch", _V09 + "batching",
+            "an SFT batch whose input_ids / loss_mask are not jagged"),
+    Refusal("fsdp.sft_mask_lengths", _FSDP, "an SFT batch whose `loss_mask` rows differ in length from its "
+            "`input_ids` rows", "not verl's SFT layout (one loss-mask entry per token)", "batch", _V09 + "batching",
+            "an SFT batch whose loss_mask rows differ in length from its input_ids rows"),
     # ---------------------------------------------------------------- both verl 0.9 engines
     Refusal("v09.pad_mode", _BOTH, "`pad_mode` other than no-padding", "the engines read the jagged layout only",
             "batch", _V09 + "batching", "pad_mode other than no_padding"),

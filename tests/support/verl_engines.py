@@ -24,7 +24,7 @@ __all__ = ["STRATEGIES", "STEPS_OPTIM", "use_cpu_value_model_loader", "value_ckp
            "value_loss_fn", "value_step_errors", "assert_value_steps_match", "lora_adapter", "lora_model",
            "build_engine", "head_unit_policy", "make_engine_batch", "ppo_loss_fn", "infer", "output_values",
            "response_values", "engine_grads", "run_steps", "step_errors", "assert_steps_match", "rank_batches",
-           "ray_engine_worker_class", "padded_stock_vs_zorro", "assert_matches_stock"]
+           "ray_engine_worker_class", "padded_stock_vs_zorro", "assert_matches_stock", "sft_batch", "sft_loss_fn"]
 
 
 def build_engine(ckpt: str, *, zorro: bool, use_dynamic_bsz: bool = False, micro_batch_size: int = 2,
@@ -264,6 +264,30 @@ def ppo_loss_fn(loss_agg_mode: str = "token-mean", *, use_kl_loss: bool = False,
                           kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
                           loss_scale_factor=loss_scale_factor, policy_loss=PolicyLossConfig(**(policy_loss or {})))
     return partial(ppo_loss, config=cfg)
+
+
+def sft_batch(samples, *, dynamic: bool, micro: int = 3, max_tok: int = 80):
+    """The TensorDict verl's SFT trainer hands ``TrainingWorker.train_batch`` (``fit``: the collated batch, its
+    ``meta_info``, ``global_token_num``, and the worker's default keys)."""
+    from tensordict.tensorclass import NonTensorData
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
+
+    data = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
+    meta = {"use_remove_padding": True, "use_dynamic_bsz": dynamic, "max_token_len_per_gpu": max_tok,
+            "micro_batch_size_per_gpu": micro, "temperature": 1.0, "global_batch_size": len(samples),
+            "pad_mode": DatasetPadMode.NO_PADDING, "pad_token_id": 0}
+    td = tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
+    seqlens = td["input_ids"].offsets().diff().tolist()
+    tu.assign_non_tensor(td, update_lr_scheduler=True, global_token_num=NonTensorData(seqlens),
+                         use_fused_kernels=False, return_model_output=True)
+    return td
+
+
+def sft_loss_fn():
+    from verl.workers.utils.losses import sft_loss
+
+    return partial(sft_loss, config=None)  # as verl's SFT trainer binds it
 
 
 def infer(engine, td):

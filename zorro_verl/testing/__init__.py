@@ -3,7 +3,7 @@ inside the functions that build models).
 
 * :mod:`~zorro_verl.testing.batches` — :func:`create_dummy_batch`, GRPO-shaped batches in verl's layout;
   :func:`batch_from_rows` from explicit rows, and agentic shapes (:func:`shared_system_rows`,
-  :func:`multi_turn_rows`).
+  :func:`multi_turn_rows`), multi-turn SFT samples (:func:`sft_conversations`).
 * :mod:`~zorro_verl.testing.models` — tiny models built offline from a config (:func:`tiny_model`,
   :func:`tiny_hybrid_model`, :func:`tiny_ssm_model`, :func:`tiny_mixer_model`, :func:`tiny_window_model`,
   :func:`tiny_llama4_model` and their configs).
@@ -15,7 +15,13 @@ inside the functions that build models).
 * :mod:`~zorro_verl.testing.compare` — gradient collection and error measures.
 """
 
-from zorro_verl.testing.batches import batch_from_rows, create_dummy_batch, multi_turn_rows, shared_system_rows
+from zorro_verl.testing.batches import (
+    batch_from_rows,
+    create_dummy_batch,
+    multi_turn_rows,
+    sft_conversations,
+    shared_system_rows,
+)
 from zorro_verl.testing.compare import grad_rel_error, grads_of, max_rel_grad_error
 from zorro_verl.testing.fp64 import exact_fp64_hybrid, exact_fp64_llama4, exact_fp64_norms, exact_fp64_ssm
 from zorro_verl.testing.models import (
@@ -45,6 +51,7 @@ __all__ = [
     "batch_from_rows",
     "shared_system_rows",
     "multi_turn_rows",
+    "sft_conversations",
     "tiny_config",
     "tiny_model",
     "tiny_value_model",

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["create_dummy_batch", "batch_from_rows", "shared_system_rows", "multi_turn_rows"]
+__all__ = ["create_dummy_batch", "batch_from_rows", "shared_system_rows", "multi_turn_rows", "sft_conversations"]
 
 
 def create_dummy_batch(
@@ -159,3 +159,28 @@ def multi_turn_rows(turns: int, first_prompt_len: int, turn_len: int, observatio
             masks.append([1] * len(answer) + [0] * len(obs))
             context = context + answer + obs
     return rows, masks
+
+
+def sft_conversations(conversations: int, turns: int, *, system_len: int, user_len: int, assistant_len: int,
+                      vocab_size: int = 1000, seed: int = 0) -> list:
+    """Multi-turn SFT samples as verl's multi-turn SFT dataset yields them (``pad_mode: no_padding``): per sample
+    ``{"input_ids": [L] int64, "loss_mask": [L] int64, "position_ids": [L] int64}``, the loss mask 1 on assistant
+    tokens only. ``conversations`` conversations of ``turns`` (user, assistant) turns behind one shared system prompt;
+    each conversation is emitted as ``turns`` samples, sample ``i`` ending after assistant turn ``i`` (the earlier
+    turns repeated, with their own assistant tokens in the loss: the usual way multi-turn chats are cut into SFT
+    samples). Lengths vary by +-1 token per turn. Feed a list of them to verl's ``SFTTensorCollator``."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randint(1, vocab_size, (max(1, n + int(torch.randint(-1, 2, (1,), generator=gen))),),  # noqa: E731
+                                  generator=gen)
+    system = rnd(system_len)
+    samples = []
+    for _ in range(conversations):
+        ids, mask = [system], [torch.zeros_like(system)]
+        for _ in range(turns):
+            user, answer = rnd(user_len), rnd(assistant_len)
+            ids += [user, answer]
+            mask += [torch.zeros_like(user), torch.ones_like(answer)]
+            row = torch.cat(ids)
+            samples.append({"input_ids": row, "loss_mask": torch.cat(mask),
+                            "position_ids": torch.arange(row.numel())})
+    return samples

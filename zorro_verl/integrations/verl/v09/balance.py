@@ -35,6 +35,7 @@ from zorro_verl.packing.microbatch import DPBalance, balance_groups_across_ranks
 from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["group_balance", "tree_balance", "v1_tree_costs", "install_v0_hook", "install_v1_hook",
+           "install_one_step_off_hook", "BALANCE_STEPS_AHEAD_ATTR",
            "verl_minibatch_ids", "trainer_minibatch_slots",
            "trainer_zorro_settings", "v1_group_of_key",
            "v1_session_of_key"]
@@ -290,7 +291,12 @@ def trainer_minibatch_slots(trainer, batch_size: int) -> list[tuple]:
     cfg = trainer.config
     n = int(cfg.actor_rollout_ref.rollout.get("n", 1) or 1)
     consumers = []  # (role, worker group, its mesh, its config node)
-    if int(cfg.get("trainer", {}).get("critic_warmup", 0) or 0) <= int(getattr(trainer, "global_steps", 0) or 0):
+    # A trainer that balances the next step's batch while this step trains (OneStepOffRayTrainer: its rollout task
+    # may finish before or after global_steps advances) sets BALANCE_STEPS_AHEAD_ATTR = 1: the actor's slots are
+    # kept whenever the actor may update the batch (a superset of the constraints: verl's mini-batches still hold).
+    ahead = int(getattr(trainer, BALANCE_STEPS_AHEAD_ATTR, 0) or 0)
+    step = int(getattr(trainer, "global_steps", 0) or 0) + ahead
+    if int(cfg.get("trainer", {}).get("critic_warmup", 0) or 0) <= step:
         consumers.append(("actor", trainer.actor_rollout_wg, "actor", cfg.actor_rollout_ref.actor))
     if getattr(trainer, "use_critic", False):
         consumers.append(("critic", trainer.critic_wg, critic_mesh_name(), cfg.critic))
@@ -301,6 +307,20 @@ def trainer_minibatch_slots(trainer, batch_size: int) -> list[tuple]:
                                  bool(node.get("shuffle", False)))
         slots = [s + (role,) + i for s, i in zip(slots, ids)]
     return slots
+
+
+#: Class attribute of a trainer whose ``_balance_batch`` runs up to this many steps before the step that trains the
+#: batch (:func:`trainer_minibatch_slots`); set by :func:`install_one_step_off_hook`.
+BALANCE_STEPS_AHEAD_ATTR = "zorro_balance_steps_ahead"
+
+
+def install_one_step_off_hook(module) -> None:
+    """Post-import hook of ``verl.experimental.one_step_off_policy.ray_trainer``. ``OneStepOffRayTrainer`` (a
+    ``SeparateRayPPOTrainer``, a ``RayPPOTrainer``) inherits the wrapped ``_balance_batch`` (:func:`install_v0_hook`)
+    and calls it in ``_async_gen_next_batch``, the rollout of step ``k + 1`` that runs while step ``k`` trains; so
+    its ``global_steps`` at balancing is ``k`` or ``k + 1``. Marks the class one step ahead
+    (:data:`BALANCE_STEPS_AHEAD_ATTR`), which matters with ``critic_warmup > 0`` only."""
+    setattr(module.OneStepOffRayTrainer, BALANCE_STEPS_AHEAD_ATTR, 1)
 
 
 def _log_whole_groups_once() -> None:

@@ -29,7 +29,7 @@ from zorro_verl.packing.tree import tree_row_costs
 
 __all__ = ["ZorroBatchingMixin", "row_lengths", "row_group_ids", "micro_batch_plan", "predict_next_outputs",
            "predict_next_index", "to_predict_next",
-           "common_batch_unsupported"]
+           "common_batch_unsupported", "is_sft_batch", "sft_unsupported", "sft_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,65 @@ def common_batch_unsupported(data, *, topk_distillation: bool = False) -> Option
     if get(data=data, key="force_group_size", default=1) != 1:
         return "force_group_size > 1"
     return None
+
+
+def is_sft_batch(data) -> bool:
+    """Whether ``data`` is verl's SFT batch (``verl.trainer.sft_trainer``, ``pad_mode: no_padding``): jagged
+    ``input_ids`` with a ``loss_mask`` over the assistant tokens and no prompt/response split (no ``prompts`` /
+    ``responses`` fields, which every RL batch carries)."""
+    keys = data.keys()
+    return "loss_mask" in keys and "prompts" not in keys and "responses" not in keys
+
+
+def sft_unsupported(data) -> Optional[str]:
+    """Why the SFT batch ``data`` (:func:`is_sft_batch`) cannot run zorro, or None.
+
+    * ``input_ids`` / ``loss_mask`` not jagged, or of other row lengths: not verl's ``no_padding`` layout;
+    * a row whose **first** token is in the loss mask: nothing predicts it, and verl's ``sft_loss`` rolls the
+      flattened mask, so that bit lands on the previous row's last position (the micro-batch's last row for its first
+      row), a term that depends on which rows share a micro-batch, which zorro changes."""
+    ids, mask = data["input_ids"], data["loss_mask"]
+    if not (ids.is_nested and mask.is_nested):
+        return ("an SFT batch whose input_ids / loss_mask are not jagged (data.pad_mode other than no_padding; zorro "
+                "reads the no_padding layout: set data.pad_mode=no_padding)")
+    off = ids.offsets()
+    if not torch.equal(mask.offsets().to(off.device), off):
+        return ("an SFT batch whose loss_mask rows differ in length from its input_ids rows (not verl's SFT layout: "
+                "one loss_mask entry per token)")
+    lens = off.diff()
+    if bool((mask.values().to(off.device)[off[:-1][lens > 0]] != 0).any()):
+        return ("an SFT row whose first token is in the loss_mask (nothing predicts it; verl's sft_loss rolls the "
+                "flattened mask, so that bit lands on the previous row's last position, a term that depends on which "
+                "rows share a micro-batch): mask the first token of every sample (verl's multi-turn SFT dataset "
+                "does: it is a system / user token)")
+    return None
+
+
+def sft_split(data) -> None:
+    """Give an SFT batch (:func:`is_sft_batch`, checked by :func:`sft_unsupported`) the prompt/response split zorro
+    runs on, in place: nested ``prompts [B, j]`` and ``responses [B, j]`` (int64, jagged like ``input_ids``).
+
+    verl's ``sft_loss`` reads the nested predict-next log-probs at every position ``t`` whose rolled ``loss_mask``
+    (``loss_mask[t + 1]``) is set. Row ``b``'s "prompt" is its tokens before the first loss token ``f_b`` (at least
+    one token), its "response" the rest (later user turns included: their log-probs are computed, their loss mask is
+    0), so zorro computes log-probs at ``[f_b - 1, L_b - 1)``, every position the loss reads, and 0 elsewhere, where
+    the rolled mask is 0. A row without loss tokens is all prompt (a 0-token response)."""
+    ids, mask = data["input_ids"], data["loss_mask"]
+    off = ids.offsets()
+    lens = off.diff()
+    m = mask.values().to(off.device) != 0
+    B = lens.numel()
+    row = torch.repeat_interleave(torch.arange(B, device=off.device), lens)
+    pos = torch.arange(m.numel(), device=off.device) - off[:-1][row]
+    first = torch.full((B,), torch.iinfo(torch.long).max, dtype=torch.long, device=off.device)
+    first = first.scatter_reduce(0, row[m], pos[m], reduce="amin")
+    p = torch.minimum(first, lens)  # rows without loss tokens: all prompt
+    vals = ids.values()
+    in_prompt = pos < p[row]
+    zero = off.new_zeros(1)
+    data["prompts"] = torch.nested.nested_tensor_from_jagged(vals[in_prompt], torch.cat([zero, p.cumsum(0)]))
+    data["responses"] = torch.nested.nested_tensor_from_jagged(vals[~in_prompt],
+                                                               torch.cat([zero, (lens - p).cumsum(0)]))
 
 
 def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None):
@@ -287,7 +346,8 @@ class ZorroBatchingMixin:
         trainer's balance hook (:mod:`.markers`): the trainer process did not install zorro's hooks, so verl's length
         balancing scattered each prompt's rollouts over the DP ranks; else 0.0. Counted in
         ``zorro/balance_hooks_missing``."""
-        if not self.zorro.group_balance or tu.get_non_tensor_data(data=data, key=BALANCE_MARKER_KEY, default=False):
+        if (not self.zorro.group_balance or is_sft_batch(data)  # the SFT trainer has no balancing step to hook
+                or tu.get_non_tensor_data(data=data, key=BALANCE_MARKER_KEY, default=False)):
             return 0.0
         if "balance_hooks_missing" not in self._zorro_warned:
             self._zorro_warned.add("balance_hooks_missing")

@@ -52,12 +52,15 @@ from zorro_verl.integrations.verl.v09.batching import (
     ZorroBatchingMixin,
     _standard_positions,
     common_batch_unsupported,
+    is_sft_batch,
     micro_batch_plan,
     predict_next_index,
     predict_next_outputs,
     row_group_ids,
     row_lengths,
     to_predict_next,
+    sft_split,
+    sft_unsupported,
 )
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.vlm import restore_verl_methods, run_idle_tower, use_transformers_methods
@@ -123,6 +126,11 @@ class ZorroFSDPEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, FSDPEngineW
             reason = self._topk_distillation_unsupported(data)
             if reason is not None:
                 return reason
+        if is_sft_batch(data):  # verl's SFT trainer: split each row at its first loss token (batching.sft_split)
+            reason = sft_unsupported(data)
+            if reason is not None:
+                return reason
+            sft_split(data)
         if (get(data=data, key="use_fused_kernels", default=False) and "temperature" in data.keys()
                 and isinstance(data["temperature"], torch.Tensor)):
             # verl's fused path asserts one float temperature per batch

@@ -18,7 +18,9 @@
   value-model backend refuses a zorro-enabled config;
 * when the trainers are imported, their ``_balance_batch`` goes through zorro's group-aware balancing
   (:mod:`.balance`, switchable by config), and the V1 trainer reports the zorro metrics of its log-prob passes
-  (:mod:`.trainer_metrics`).
+  (:mod:`.trainer_metrics`). verl's experimental ``OneStepOffRayTrainer`` and ``FullyAsyncTrainer`` subclass
+  ``RayPPOTrainer`` without overriding ``_balance_batch`` and inherit the wrapped one; one-step-off is marked as
+  balancing one step ahead (:func:`~.balance.install_one_step_off_hook`).
 
 Besides the ``verl.plugins`` entry point (skipped when ``VERL_USE_EXTERNAL_PLUGINS`` excludes it), the preset loads
 the plugin through ``actor_rollout_ref.model.external_lib``, which verl imports unconditionally wherever it builds
@@ -69,6 +71,10 @@ def install() -> None:
     wrapt.register_post_import_hook(_register_engine, "verl.workers.engine")
     wrapt.register_post_import_hook(balance.install_v0_hook, "verl.trainer.ppo.ray_trainer")
     wrapt.register_post_import_hook(balance.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
+    # the experimental trainers subclass RayPPOTrainer and inherit its wrapped _balance_batch; one-step-off balances
+    # the next step's batch while a step trains
+    wrapt.register_post_import_hook(balance.install_one_step_off_hook,
+                                    "verl.experimental.one_step_off_policy.ray_trainer")
     wrapt.register_post_import_hook(trainer_metrics.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
     wrapt.register_post_import_hook(roles.install_v0_hook, "verl.trainer.ppo.ray_trainer")
     wrapt.register_post_import_hook(roles.install_v1_hook, "verl.trainer.ppo.v1.trainer_base")
