@@ -58,9 +58,9 @@ from zorro_verl.integrations.verl.v09.batching import (
     predict_next_outputs,
     row_group_ids,
     row_lengths,
-    to_predict_next,
     sft_split,
     sft_unsupported,
+    to_predict_next,
 )
 from zorro_verl.integrations.verl.v09.fused import zorro_fused_step
 from zorro_verl.integrations.verl.v09.vlm import restore_verl_methods, run_idle_tower, use_transformers_methods
