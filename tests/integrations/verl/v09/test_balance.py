@@ -347,19 +347,19 @@ def test_v1_real_trainer_critic_passes_stamp_and_route_metrics(monkeypatch):
         kv_batch_put=lambda keys, partition_id, fields: stored.update(fields=fields))
     monkeypatch.setattr(tb, "tq", fake_tq)
     monkeypatch.setattr(tb, "response_from_nested", lambda x, mask: x)
-    monkeypatch.setattr(tb, "ray", types.SimpleNamespace(get=lambda futures: futures))
-    worker_metrics = {"zorro/dedup_ratio": [2.0, 4.0], "zorro/computed_tokens": [100.0, 100.0],
-                      "zorro/prompt_tokens_saved": [100.0, 300.0], "zorro/fallback_batches": [0.0, 0.0], "mfu": 0.3}
+    import ray
 
-    class Future:  # verl's DataProtoFuture: futures to wait on, get() collects the ranks' outputs
-        futures = []
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # the stand-in's futures are the ranks' outputs themselves
 
+    class Future:  # verl's DataProtoFuture: one future per rank; its get() refuses transfer-queue metadata
         def __init__(self, batch):
-            self.batch = batch
+            rank = [KVBatchMeta(partition_id="train", keys=batch.keys, tags=batch.tags, extra_info={"metrics": {
+                "zorro/dedup_ratio": d, "zorro/computed_tokens": 100.0, "zorro/prompt_tokens_saved": saved,
+                "zorro/fallback_batches": 0.0, "mfu": 0.3}}) for d, saved in ((2.0, 100.0), (4.0, 300.0))]
+            self.futures = [*rank, None]  # a rank without outputs
 
         def get(self):
-            return KVBatchMeta(partition_id="train", keys=self.batch.keys, tags=self.batch.tags,
-                               extra_info={"metrics": worker_metrics})
+            raise AssertionError("DataProtoFuture.get: not a DataProto or TensorDict")
 
     def infer_batch(batch):
         seen["values"] = dict(batch.extra_info)
@@ -381,6 +381,7 @@ def test_v1_real_trainer_critic_passes_stamp_and_route_metrics(monkeypatch):
     assert seen["values"][BALANCE_MARKER_KEY]
     assert metrics["zorro/values/dedup_ratio"] == pytest.approx(3.0)
     assert metrics["zorro/values/fallback_batches"] == 0.0
+    assert metrics["zorro/values/computed_tokens"] == pytest.approx(100.0)
     assert metrics["zorro/effective_mfu/values"] == pytest.approx(0.3 * 100 / 300)
     assert me.critic_wg.infer_batch is infer_batch and "values" in stored["fields"].keys()
     metrics = {}

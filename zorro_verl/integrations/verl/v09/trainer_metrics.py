@@ -6,7 +6,8 @@ everything that ``compute_log_prob`` / ``compute_ref_log_prob`` return. :func:`i
 ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` so that, for the duration of the call, the worker group's
 method hands its output to zorro as well; the pass's ``zorro/<key>`` values reach the step's metrics as
 ``zorro/old_log_prob/<key>`` and ``zorro/ref/<key>``. The same for the critic's ``_compute_values`` (its worker
-call returns futures, which the trainer waits on and drops; the wrapper collects them): ``zorro/values/<key>``.
+call returns one future per rank, which the trainer waits on and drops; the wrapper reads their outputs):
+``zorro/values/<key>``.
 ``_update_critic``'s metrics reach the step as ``critic/zorro/<key>`` already (verl logs them).
 
 Effective MFU: verl's MFU counts the FLOPs of the ordinary batch (every prompt once per rollout), which overstates
@@ -146,6 +147,23 @@ def _restamp(batch) -> None:
         mark_balanced(info)
 
 
+def _merged_metrics(out) -> dict:
+    """The metrics of one worker-group call's output. A non-blocking call (``DataProtoFuture``: the critic's
+    ``infer_batch``) holds one future per rank, which the trainer has already waited on; their outputs (the
+    transfer-queue metadata of each rank's result, or None on ranks without outputs) are read one by one and each
+    key's values concatenated (``DataProtoFuture.get`` cannot collect transfer-queue metadata)."""
+    futures = getattr(out, "futures", None)
+    if futures is None:
+        return output_metrics(out)
+    import ray
+
+    merged: dict = {}
+    for rank_out in ray.get(list(futures)):
+        for k, v in output_metrics(rank_out).items():
+            merged.setdefault(k, []).extend(_numbers(v))
+    return merged
+
+
 def _wrap_pass(cls, attr: str, name: str, targets) -> None:
     orig = getattr(cls, attr)
     if getattr(orig, "_zorro_metrics_hook", False):
@@ -158,9 +176,7 @@ def _wrap_pass(cls, attr: str, name: str, targets) -> None:
         with _capture(self, targets, outputs):
             result = orig(self, batch, metrics, *args, **kwargs)
         for out in outputs:
-            if hasattr(out, "futures") and callable(getattr(out, "get", None)):
-                out = out.get()  # a non-blocking call's futures (the trainer has waited on them): the outputs
-            metrics.update(pass_metrics(output_metrics(out), name))
+            metrics.update(pass_metrics(_merged_metrics(out), name))
         return result
 
     wrapped._zorro_metrics_hook = True
