@@ -81,6 +81,35 @@ def test_config_checks_in_process():
     assert s == "FAIL" and "loss_scale_factor" in detail
 
 
+def test_roles_line():
+    """The ``roles`` line: each model verl runs over the rollouts (the doctor's ROLES table) as ``zorro``, ``stock``,
+    ``refused`` or not in this run, with verl's rules for the reference (KL loss or KL reward) and the critic
+    (``critic.enable``, else GAE)."""
+    from zorro_verl.doctor import ROLES, run_checks
+
+    assert [r.name for r in ROLES] == ["actor", "ref", "critic"]
+
+    def roles(overrides):
+        c = {c.name: c for c in run_checks(overrides, torch.device("cpu"), check_plugin=False)}["roles"]
+        return c.status, dict(part.split(": ", 1) for part in c.detail.split("; "))
+
+    kl, grpo, gae = ["actor_rollout_ref.actor.use_kl_loss=True"], ["algorithm.adv_estimator=grpo"], \
+        ["algorithm.adv_estimator=gae"]
+    assert roles(kl + gae) == ("ok", {"actor": "zorro", "ref": "zorro", "critic": "zorro"})
+    s, r = roles(grpo)
+    assert s == "ok" and r["actor"] == "zorro" and r["ref"].startswith("not in this run (")
+    assert r["critic"] == "not in this run (algorithm.adv_estimator=grpo, critic.enable unset)"
+    assert roles(grpo + ["critic.enable=true"])[1]["critic"] == "zorro"
+    assert roles(gae + ["critic.enable=false"])[1]["critic"] == "not in this run (critic.enable=false)"
+    assert roles(["algorithm.use_kl_in_reward=True"] + grpo)[1]["ref"] == "zorro"
+    s, r = roles(kl + gae + ["actor_rollout_ref.actor.fsdp_config.zorro.enable=false"])
+    assert s == "note" and r == {"actor": "stock", "ref": "stock", "critic": "stock"}  # ref and critic follow
+    s, r = roles(kl + gae + ["critic.strategy=megatron"])  # a Megatron critic: verl's stock one
+    assert s == "note" and (r["actor"], r["ref"], r["critic"]) == ("zorro", "zorro", "stock")
+    s, r = roles(gae + ["critic.loss_agg_mode=seq-mean-token-sum-norm"])
+    assert s == "note" and r["critic"] == "refused (see its line)" and r["actor"] == "zorro"
+
+
 def test_backend_line_on_cuda(monkeypatch):
     """The attention-backend line on a CUDA device: ``auto -> flash_copyfree`` (ok) with flash kernels, saying why
     (the memory rule); without them ``sdpa`` as a note that names the extra memory and the fix."""

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -217,10 +218,7 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
     zorro checks at start."""
     from hydra import compose, initialize_config_dir
 
-    from zorro_verl.integrations.verl.common import setup_unsupported
     from zorro_verl.integrations.verl.presets import preset_dir
-    from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
-    from zorro_verl.integrations.verl.v09.losses import loss_unsupported
 
     if config_name not in CONFIG_NAMES:
         raise ValueError(f"config_name: expected one of {list(CONFIG_NAMES)}, got {config_name!r} (the zorro preset, "
@@ -241,66 +239,12 @@ def _config_checks(overrides: list[str], device: torch.device, config_name: str 
         or (cfg.get("critic") or {}).get("strategy") == "megatron"
     if megatron:
         out += [_megatron_core_check(), _megatron_bridge_check(cfg)]
-    for role in ("actor", "ref"):
-        strategy, key, engine_node = _role_engine(cfg, role)
-        try:
-            s = ZorroSettings.from_mapping(engine_node.get("zorro", {}) or {})
-        except ValueError as e:
-            out.append(Check(f"zorro ({role})", "FAIL", str(e)))
-            continue
-        if not s.enable:
-            other = _zorro_enabled_elsewhere(cfg, role, key)
-            if other is not None:  # zorro configured in the node of another engine than the one that runs
-                out.append(Check(f"zorro ({role})", "FAIL", f"strategy {strategy!r} reads actor_rollout_ref.{role}."
-                                 f"{key}, but zorro is enabled in actor_rollout_ref.{role}.{other}: "
-                                 + ("use the zorro_megatron_trainer preset (or model_engine=megatron with "
-                                    f"actor_rollout_ref.{role}.megatron.zorro)" if key == "megatron" else
-                                    "the zorro engine supports fsdp / fsdp2 (zorro_ppo_trainer) and megatron "
-                                    "(zorro_megatron_trainer)")))
-                continue
-            out.append(Check(f"zorro ({role})", "note", "disabled (enable=false): verl's stock engine runs"))
-            continue
-        problems, notes = [], []
-        try:
-            backend = resolve_attention_backend(s.attention_backend, device.type)
-        except ValueError as e:
-            problems.append(str(e))
-            backend = "?"
-        node = cfg.actor_rollout_ref[role]
-        if strategy not in ("fsdp", "fsdp2", "megatron"):
-            problems.append(f"strategy {strategy!r}: the zorro engines support fsdp / fsdp2 and megatron")
-        if strategy == "megatron":
-            reason = _megatron_unsupported(cfg, node, engine_node, s)
-        else:
-            reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1), ulysses_supported=True)
-        if role == "actor" and reason is None:  # the actor's loss settings (the ref runs no loss)
-            padded = {"response_mask": torch.zeros(1, 1)}  # the V0 trainer's [B, R] response mask
-            reason = loss_unsupported(functools.partial(_no_loss, config=node),
-                                      None if cfg.trainer.get("use_v1", True) else padded)
-        if reason is not None:
-            (problems if s.on_unsupported == "raise" else notes).append(
-                f"{reason}" + ("" if s.on_unsupported == "raise" else " (on_unsupported=warn: the stock forward runs, "
-                                                                      "counted in zorro/fallback_batches)"))
-        detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
-                  f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
-        if strategy == "megatron":
-            tp = int(engine_node.get("tensor_model_parallel_size", 1) or 1)
-            # verl turns sequence parallelism off at TP = 1 (McoreEngineConfig.__post_init__)
-            detail += (f"; megatron TP {tp} (sequence parallel "
-                       f"{bool(engine_node.get('sequence_parallel', False)) and tp > 1}), PP "
-                       f"{engine_node.get('pipeline_model_parallel_size', 1)}, built by "
-                       f"{'mbridge' if engine_node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
-        lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
-        if lora_rank > 0 and strategy != "megatron":  # supported: say so, with what the run will do for the reference
-            detail += (f"; LoRA rank {lora_rank} supported (the reference: the actor with its adapter disabled)"
-                       if role != "ref" else f"; LoRA rank {lora_rank}: the reference runs in the actor, adapter "
-                       "disabled")
-        status = "FAIL" if problems else "note" if notes else "ok"
-        out.append(Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail))
-    critic = _critic_check(cfg, device)
-    if critic is not None:
-        out.append(critic)
-    out.append(_roles_check(cfg))
+    for role in ROLES:
+        check = role.check(cfg, device)
+        if check is not None:
+            out.append(check)
+    out.append(_roles_check(cfg))  # the reward model and the teacher (inference servers)
+    out.append(_roles_summary(cfg, out))
     hooks = _balance_hooks_check(cfg)
     return out + ([hooks] if hooks is not None else [])
 
@@ -321,6 +265,67 @@ def _roles_check(cfg) -> Check:
     return Check(name, "note", (f"this run has {' and '.join(used)}: " if used else "neither in this run; ")
                  + "verl runs them in inference servers, where zorro does not apply (the student's distillation "
                    "loss runs in the actor's zorro engine)")
+
+
+def _lm_role_check(cfg, device: torch.device, role: str) -> Check:
+    """The zorro state of ``actor_rollout_ref.<role>`` (``actor``, ``ref``): enabled or not in the node of the
+    engine its strategy runs, and what a zorro-enabled engine would refuse at start."""
+    from zorro_verl.integrations.verl.common import setup_unsupported
+    from zorro_verl.integrations.verl.settings import ZorroSettings, resolve_attention_backend
+    from zorro_verl.integrations.verl.v09.losses import loss_unsupported
+
+    strategy, key, engine_node = _role_engine(cfg, role)
+    try:
+        s = ZorroSettings.from_mapping(engine_node.get("zorro", {}) or {})
+    except ValueError as e:
+        return Check(f"zorro ({role})", "FAIL", str(e))
+    if not s.enable:
+        other = _zorro_enabled_elsewhere(cfg, role, key)
+        if other is not None:  # zorro configured in the node of another engine than the one that runs
+            return Check(f"zorro ({role})", "FAIL", f"strategy {strategy!r} reads actor_rollout_ref.{role}."
+                             f"{key}, but zorro is enabled in actor_rollout_ref.{role}.{other}: "
+                             + ("use the zorro_megatron_trainer preset (or model_engine=megatron with "
+                                f"actor_rollout_ref.{role}.megatron.zorro)" if key == "megatron" else
+                                "the zorro engine supports fsdp / fsdp2 (zorro_ppo_trainer) and megatron "
+                                "(zorro_megatron_trainer)"))
+        return Check(f"zorro ({role})", "note", "disabled (enable=false): verl's stock engine runs")
+    problems, notes = [], []
+    try:
+        backend = resolve_attention_backend(s.attention_backend, device.type)
+    except ValueError as e:
+        problems.append(str(e))
+        backend = "?"
+    node = cfg.actor_rollout_ref[role]
+    if strategy not in ("fsdp", "fsdp2", "megatron"):
+        problems.append(f"strategy {strategy!r}: the zorro engines support fsdp / fsdp2 and megatron")
+    if strategy == "megatron":
+        reason = _megatron_unsupported(cfg, node, engine_node, s)
+    else:
+        reason = setup_unsupported(int(node.get("ulysses_sequence_parallel_size", 1) or 1), ulysses_supported=True)
+    if role == "actor" and reason is None:  # the actor's loss settings (the ref runs no loss)
+        padded = {"response_mask": torch.zeros(1, 1)}  # the V0 trainer's [B, R] response mask
+        reason = loss_unsupported(functools.partial(_no_loss, config=node),
+                                  None if cfg.trainer.get("use_v1", True) else padded)
+    if reason is not None:
+        (problems if s.on_unsupported == "raise" else notes).append(
+            f"{reason}" + ("" if s.on_unsupported == "raise" else " (on_unsupported=warn: the stock forward runs, "
+                                                                  "counted in zorro/fallback_batches)"))
+    detail = (f"enabled: backend {s.attention_backend} -> {backend}, logits {s.logits_optimization}, "
+              f"on_unsupported {s.on_unsupported}, rollout_n {s.rollout_n}")
+    if strategy == "megatron":
+        tp = int(engine_node.get("tensor_model_parallel_size", 1) or 1)
+        # verl turns sequence parallelism off at TP = 1 (McoreEngineConfig.__post_init__)
+        detail += (f"; megatron TP {tp} (sequence parallel "
+                   f"{bool(engine_node.get('sequence_parallel', False)) and tp > 1}), PP "
+                   f"{engine_node.get('pipeline_model_parallel_size', 1)}, built by "
+                   f"{'mbridge' if engine_node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
+    lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
+    if lora_rank > 0 and strategy != "megatron":  # supported: say so, with what the run will do for the reference
+        detail += (f"; LoRA rank {lora_rank} supported (the reference: the actor with its adapter disabled)"
+                   if role != "ref" else f"; LoRA rank {lora_rank}: the reference runs in the actor, adapter "
+                   "disabled")
+    status = "FAIL" if problems else "note" if notes else "ok"
+    return Check(f"zorro ({role})", status, "; ".join(problems or notes) or detail)
 
 
 def _critic_check(cfg, device: torch.device) -> Check | None:
@@ -381,6 +386,89 @@ def _critic_check(cfg, device: torch.device) -> Check | None:
         return Check(name, "FAIL" if s.on_unsupported == "raise" or not supported else "note", "; ".join(problems))
     return Check(name, "ok", f"enabled: backend {s.attention_backend} -> {backend}, on_unsupported "
                              f"{s.on_unsupported}, strategy {strategy}, {parallel}")
+
+
+def _ref_absent(cfg) -> str | None:
+    """Why the run has no reference model (verl's ``need_reference_policy``), or None when it has one."""
+    if cfg.get("algorithm", {}).get("use_kl_in_reward", False) or cfg.actor_rollout_ref.actor.get("use_kl_loss", False):
+        return None
+    return "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are off"
+
+
+def _critic_absent(cfg) -> str | None:
+    """Why the run has no critic (verl's ``need_critic``: ``critic.enable``, else ``adv_estimator == gae``), or None
+    when it has one."""
+    critic = cfg.get("critic")
+    if critic is None:
+        return "the config has no critic node"
+    if critic.get("enable") is not None:
+        return None if critic.get("enable") else "critic.enable=false"
+    estimator = str(cfg.get("algorithm", {}).get("adv_estimator"))
+    return None if estimator == "gae" else f"algorithm.adv_estimator={estimator}, critic.enable unset"
+
+
+def _lm_role_zorro(cfg, role: str) -> bool:
+    return _zorro_on(_role_engine(cfg, role)[2])
+
+
+def _zorro_on(node) -> bool:
+    """Whether the engine node's ``zorro`` enables zorro (False for an invalid node: its line says why)."""
+    from zorro_verl.integrations.verl.settings import ZorroSettings
+
+    try:
+        return ZorroSettings.from_mapping((node or {}).get("zorro", {}) or {}).enable
+    except ValueError:
+        return False
+
+
+def _critic_zorro(cfg) -> bool:
+    critic = cfg.get("critic") or {}
+    return _zorro_on(critic.get("megatron" if critic.get("strategy", "fsdp") == "megatron" else "fsdp", {}))
+
+
+@dataclass(frozen=True)
+class Role:
+    """One model verl runs over the rollouts, a row of :data:`ROLES`: ``name`` (its line is ``zorro (<name>)``),
+    ``absent(cfg)`` (None when the composed config runs this role, else why not), ``zorro(cfg)`` (whether the
+    role's engine config enables zorro) and ``check(cfg, device)`` (its line: what a zorro-enabled run of it would
+    refuse at start; None when the config has no such role)."""
+
+    name: str
+    absent: Callable
+    zorro: Callable
+    check: Callable
+
+
+#: The roles the doctor reports, in report order, one line each plus the ``roles`` summary. A new role (a reward
+#: model, a distillation teacher) is a new row.
+ROLES = [
+    Role("actor", lambda cfg: None, lambda cfg: _lm_role_zorro(cfg, "actor"),
+         lambda cfg, device: _lm_role_check(cfg, device, "actor")),
+    Role("ref", _ref_absent, lambda cfg: _lm_role_zorro(cfg, "ref"),
+         lambda cfg, device: _lm_role_check(cfg, device, "ref")),
+    Role("critic", _critic_absent, _critic_zorro, lambda cfg, device: _critic_check(cfg, device)),
+]
+
+
+def _roles_summary(cfg, checks: list[Check]) -> Check:
+    """One line over :data:`ROLES`: each role ``zorro``, ``stock``, ``refused`` (its own line FAILs) or ``not in this
+    run (why)``. ``note`` when a role the run has runs stock or is refused, else ``ok``."""
+    by_name = {c.name: c for c in checks}
+    parts, plain = [], False
+    for role in ROLES:
+        why = role.absent(cfg)
+        if why is not None:
+            parts.append(f"{role.name}: not in this run ({why})")
+            continue
+        line = by_name.get(f"zorro ({role.name})")
+        if line is not None and line.status == "FAIL":
+            state, plain = "refused (see its line)", True
+        elif role.zorro(cfg):
+            state = "zorro"
+        else:
+            state, plain = "stock", True
+        parts.append(f"{role.name}: {state}")
+    return Check("roles", "note" if plain else "ok", "; ".join(parts))
 
 
 def _zorro_enabled_elsewhere(cfg, role: str, key: str):

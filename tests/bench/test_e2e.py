@@ -113,6 +113,26 @@ def test_phase_ideals_units():
     s_tot = sum(e2e.stock_flops(cfg, *st.lengths()[:2]) for st in steps)
     z_tot = sum(e2e.zorro_flops(cfg, st.groups, "prompt") for st in steps)
     assert p["ref"] == s_tot / z_tot
+    assert "values" not in p and "update_critic" not in p  # no critic asked for
+
+
+def test_phase_ideals_critic():
+    """The critic's phases: the same units as the actor's (the step's batch; the critic's mini-batches), on the value
+    model (one output per token): stock's FLOPs lose the LM head over every token, which the actor's ideal counts."""
+    cfg = _cfg()
+    steps = [e2e.StepRows(1, _rows(seed=1, groups=4, prefix=range(1, 33))),
+             e2e.StepRows(2, _rows(seed=2, groups=4, prefix=range(1, 33)))]
+    c = e2e.phase_ideals(cfg, steps, sharing="prompt", mini_batch=2, critic_mini_batch=1)
+    vcfg = _cfg(vocab_size=1)
+    assert e2e.value_model_config(cfg).vocab_size == 1 and cfg.vocab_size == 64  # a copy
+    s_tot = sum(e2e.stock_flops(vcfg, *st.lengths()[:2]) for st in steps)
+    assert c["values"] == s_tot / sum(e2e.zorro_flops(vcfg, st.groups, "prompt") for st in steps)
+    assert c["update_critic"] == s_tot / sum(e2e.zorro_flops(vcfg, [g], "prompt") for st in steps for g in st.groups)
+    assert 1 < c["values"] < c["old_log_prob"]  # the stock LM head over every token is gone from both sides
+    assert c["update_actor"] == e2e.phase_ideals(cfg, steps, sharing="prompt", mini_batch=2)["update_actor"]
+    t = e2e.phase_ideals(cfg, steps, sharing="prefix", mini_batch=2, min_shared_len=16, critic_mini_batch=4)
+    assert t["values"] == pytest.approx(t["update_critic"], rel=1e-12)  # one mini-batch = the step's batch
+    assert t["values"] > c["values"]  # the tree also shares the 32-token prefix across groups
 
 
 def _key(k: int, session: int, turn: int = 0) -> str:
@@ -160,7 +180,8 @@ def test_phase_table_and_targets():
                      update_actor=[30, 3, 3.5, 2.5], step=[60, 8, 8, 8])
     ideals = {"old_log_prob": 4.0, "ref": 4.0, "update_actor": 4.0}
     rows = {r["phase"]: r for r in e2e.phase_table(stock, zorro, ideals, warmup=1)}
-    assert [r for r in rows] == list(e2e.PHASES)
+    # no critic in these runs: its phases are left out
+    assert [r for r in rows] == [p for p in e2e.PHASES if p not in e2e.CRITIC_PHASES]
     olp = rows["old_log_prob"]
     assert (olp["stock_s"], olp["zorro_s"], olp["n"]) == (2.0, 0.5, 3)  # the warm-up step is dropped
     assert olp["speedup"] == 4.0 and olp["efficiency"] == 1.0 and olp["target"] == pytest.approx(3.2)
@@ -198,6 +219,29 @@ def test_phase_table_and_targets():
     assert step["speedup"] == pytest.approx(17 / 11)
 
 
+def test_phase_table_critic():
+    """A run with a critic: ``values`` and ``update_critic`` rows between ``ref`` and ``update_actor`` (verl's order),
+    with ideal, efficiency and target as the actor's phases, and in the step's Amdahl ideal and floor."""
+    stock = _timings(gen=[9, 2, 2], old_log_prob=[9, 2, 2], ref=[9, 2, 2], values=[9, 2, 2],
+                     update_critic=[9, 8, 8], update_actor=[30, 10, 10], step=[90, 27, 27])
+    zorro = _timings(gen=[9, 2, 2], old_log_prob=[9, 0.5, 0.5], ref=[9, 0.5, 0.5], values=[9, 1, 1],
+                     update_critic=[9, 2, 2], update_actor=[30, 2.5, 2.5], step=[90, 9.5, 9.5])
+    ideals = {"old_log_prob": 4.0, "ref": 4.0, "update_actor": 4.0, "values": 2.5, "update_critic": 4.0}
+    rows = {r["phase"]: r for r in e2e.phase_table(stock, zorro, ideals, warmup=1)}
+    assert list(rows) == list(e2e.PHASES)
+    v, uc = rows["values"], rows["update_critic"]
+    assert (v["speedup"], v["efficiency"], v["target"]) == (2.0, 0.8, pytest.approx(2.0))
+    assert (uc["speedup"], uc["efficiency"], uc["target"]) == (4.0, 1.0, pytest.approx(3.2))
+    step = rows["step"]  # gen 2 s as measured; 24 s of engine phases, each at its ideal
+    assert step["ideal"] == pytest.approx(27 / (27 - 24 - 2 + 2 + 2 / 4 + 2 / 4 + 2 / 2.5 + 8 / 4 + 10 / 4))
+    assert step["target"] == pytest.approx(27 / (1 + 2 + (2 + 2 + 8 + 10) / 3.2 + 2 / 2.0))
+    assert e2e.check_targets(list(rows.values())) == []
+    slow = _timings(gen=[9, 2, 2], old_log_prob=[9, 0.5, 0.5], ref=[9, 0.5, 0.5], values=[9, 1.5, 1.5],
+                    update_critic=[9, 2, 2], update_actor=[30, 2.5, 2.5], step=[90, 10, 10])
+    missed = e2e.check_targets(e2e.phase_table(stock, slow, ideals, warmup=1))
+    assert [m.split(":")[0] for m in missed] == ["values"]
+
+
 def test_report_markdown_svg_and_docs(tmp_path):
     stock = _timings(gen=[1, 1], old_log_prob=[2, 2], ref=[2, 2], update_actor=[8, 8], step=[14, 14])
     zorro = _timings(gen=[1, 1], old_log_prob=[1, 1], ref=[1, 1], update_actor=[3, 3], step=[7, 7])
@@ -216,7 +260,8 @@ def test_report_markdown_svg_and_docs(tmp_path):
     e2e.svg_plot({"zorro": rows, "zorro_prefix": rows}, svg, title="a < b")
     root = ET.parse(svg).getroot()
     rects = [el for el in root.iter() if el.tag.endswith("rect")]
-    assert len(rects) == 1 + 3 * len(e2e.PHASES) + 3  # background, 3 series x phases, legend
+    # background, 3 series x phases (no critic here), legend
+    assert len(rects) == 1 + 3 * (len(e2e.PHASES) - len(e2e.CRITIC_PHASES)) + 3
     doc = tmp_path / "B.md"
     doc.write_text(f"# x\n{e2e.DOCS_BEGIN}\nSTALE\n{e2e.DOCS_END}\ntail\n")
     e2e.write_docs_section(doc, md, tmp_path / "plot.svg", svg)
@@ -293,13 +338,18 @@ def test_blocked_logprobs_equals_log_softmax():
         -1, labels.unsqueeze(-1)).squeeze(-1)).abs().max().item() < 1e-6
 
 
+@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "critic"])
 @pytest.mark.parametrize("gpu", [False, True])
-def test_bench_overrides(tmp_path, gpu):
+def test_bench_overrides(tmp_path, gpu, critic):
     """The benchmark's Hydra overrides (tests/e2e/bench.py): each key once (Hydra refuses a key given twice), the
-    runs differ only in zorro's switch and sharing mode, stock's attention is the flash-varlen stand-in on CPU."""
+    runs differ only in zorro's switch and sharing mode, stock's attention is the flash-varlen stand-in on CPU;
+    ``--critic``: GAE with the critic set up as the actor (model, strategy, dtypes, mini-batches, micro-batch budget,
+    attention), its zorro switch left to the preset (it follows the actor's)."""
+    from dataclasses import replace
+
     from tests.e2e import bench
 
-    setup = bench.gpu_setup("qwen3-0.6b") if gpu else bench.CPU
+    setup = replace(bench.gpu_setup("qwen3-0.6b") if gpu else bench.CPU, critic=critic)
     assets = {"train": "t.parquet", "model": "m", "reward": "r.py", "num_prompts": 24, "prompt_lengths": [343, 361]}
     runs = {name: bench.overrides(name, assets, tmp_path, 5, setup) for name in bench.RUNS}
     for name, o in runs.items():
@@ -313,6 +363,18 @@ def test_bench_overrides(tmp_path, gpu):
         assert kv["actor_rollout_ref.actor.strategy"] == "fsdp"  # verl's default, FSDP1
         assert kv["actor_rollout_ref.model.enable_gradient_checkpointing"].lower() == "true"  # verl's default
         assert ("trainer.device" in kv) is (not gpu)
+        assert kv["algorithm.adv_estimator"] == ("gae" if critic else "grpo")
+        if critic:
+            assert kv["critic.model.path"] == kv["actor_rollout_ref.model.path"] == "m"
+            assert kv["critic.model.override_config.attn_implementation"] == setup.attn
+            assert kv["critic.strategy"] == kv["critic.fsdp.strategy"] == "fsdp"
+            assert kv["critic.fsdp.mixed_precision"] == kv["actor_rollout_ref.actor.fsdp_config.mixed_precision"]
+            assert kv["critic.ppo_mini_batch_size"] == str(setup.mini)
+            assert kv["critic.ppo_max_token_len_per_gpu"] == str(setup.max_tokens)
+            assert kv["critic.model.enable_gradient_checkpointing"] == "True"
+            assert not any(k.startswith("critic.fsdp.zorro") for k in kv)
+        else:
+            assert not any(k.startswith("critic.") for k in kv)
     assert "actor_rollout_ref.actor.fsdp_config.zorro.enable=false" in runs["stock"]
     assert "actor_rollout_ref.actor.fsdp_config.zorro.sharing=prefix" in runs["zorro_prefix"]
     strip = lambda o: [x for x in o if "zorro" not in x and "experiment_name" not in x and "local_dir" not in x  # noqa: E731
@@ -359,6 +421,7 @@ def test_report_command_line():
     assert cmd("--quick", "--compute", "fp32", "--steps", "3", "--warmup", "2") == \
         "bash scripts/bench_e2e.sh --quick --compute fp32 --steps 3 --warmup 2"
     assert cmd("--gpu", "qwen3-0.6b") == "bash scripts/gpu_e2e.sh --bench qwen3-0.6b"
+    assert cmd("--quick", "--critic") == "bash scripts/bench_e2e.sh --quick --critic"
 
 
 def test_after_import_runs_every_hook(tmp_path, monkeypatch):

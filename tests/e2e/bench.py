@@ -12,13 +12,18 @@ question, ``rollout.n`` = 8, responses up to 64 tokens; :data:`CPU`, or :func:`g
 * ``zorro_prefix`` — the preset with ``sharing: prefix`` (the tree also shares the system instruction across
   questions), replaying the same responses.
 
+With ``--critic`` every run is PPO with a critic (``algorithm.adv_estimator=gae``; the value model from the same
+checkpoint, FSDP1, the actor's dtypes, mini-batches and micro-batch budget): the table adds the critic's phases,
+``values`` and ``update_critic``, with their ideal (the value model: one output per token) and efficiency.
+
 From each run's console log it reads verl's ``timing_s/*`` per step; the first ``--warmup`` steps are dropped and
 the medians of the rest are compared phase by phase (:mod:`zorro_verl.bench.e2e`) against the FLOP model's ideal for
 the phase's batch (every row's tokens from the recording), with the targets of :data:`zorro_verl.bench.e2e.TARGETS`.
 Prints the table, writes ``report.json``, ``report.md`` and ``phases.svg`` under ``--out``; exits 1 when a run
 fails or a target is missed.
 
-    python -m tests.e2e.bench [--quick] [--steps 4] [--warmup 1] [--out DIR] [--runs stock,zorro,zorro_prefix]
+    python -m tests.e2e.bench [--quick] [--critic] [--steps 4] [--warmup 1] [--out DIR]
+                              [--runs stock,zorro,zorro_prefix]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from tests.e2e.assets import BENCH_MODEL, BENCH_SYSTEM_TOKENS, build_bench_asset
 from tests.e2e.runner import (
     REPO_ROOT,
     base_overrides,
+    critic_overrides,
     fallback_metrics,
     micro_batch_overrides,
     process_role,
@@ -69,6 +75,7 @@ class Setup:
     attn: str
     gpu: bool = False
     compute: str = "bf16"  # the training worker's compute dtype (verl's mixed_precision.param_dtype)
+    critic: bool = False  # PPO with a critic (GAE): the critic's phases too
 
 
 #: Qwen/Qwen3-0.6B and -1.7B's dimensions (config.json) with the benchmark tokenizer's vocabulary.
@@ -132,7 +139,12 @@ def overrides(name: str, assets: dict, work: Path, steps: int, setup: Setup = CP
                  # verl's default (the e2e tests switch it off): the update recomputes each layer's activations
                  "actor_rollout_ref.model.enable_gradient_checkpointing": True}.items():
         set_override(o, k, v)
-    if not spec["zorro"]:
+    if setup.critic:  # the critic as the actor: fp32 weights, the same compute dtype, mini-batches, micro-batch budget
+        for item in critic_overrides(assets, param_dtype=setup.compute, strategy=strategy, optimizer="AdamW", lr=1e-5,
+                                     mini=setup.mini, max_tokens=setup.max_tokens, gradient_checkpointing=True):
+            set_override(o, *item.split("=", 1))
+        set_override(o, "+critic.model.override_config.attn_implementation", setup.attn)
+    if not spec["zorro"]:  # the critic follows the actor's switch (the preset)
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
     else:
         o.append(f"actor_rollout_ref.actor.fsdp_config.zorro.sharing={spec['sharing']}")
@@ -162,7 +174,8 @@ def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: in
         if name == "stock":
             continue
         # the runs use the preset's min_shared_len, phase_ideals' default
-        ideals = e2e.phase_ideals(cfg, steps, sharing=RUNS[name]["sharing"], mini_batch=setup.mini)
+        ideals = e2e.phase_ideals(cfg, steps, sharing=RUNS[name]["sharing"], mini_batch=setup.mini,
+                                  critic_mini_batch=setup.mini if setup.critic else None)
         rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets,
                                unchecked=targets.get("unchecked", {}).get(RUNS[name]["sharing"], ()))
         tables[name] = rows
@@ -197,7 +210,8 @@ def command_line(a: argparse.Namespace) -> str:
     """The command that reproduces a run: the script and the arguments that change what is measured."""
     if a.gpu:
         return f"bash scripts/gpu_e2e.sh --bench {a.gpu}"
-    args = "".join(flag for flag, on in ((" --quick", a.quick), (f" --layers {a.layers}", a.layers),
+    args = "".join(flag for flag, on in ((" --quick", a.quick), (" --critic", a.critic),
+                                         (f" --layers {a.layers}", a.layers),
                                          (f" --compute {a.compute}", a.compute != "auto"),
                                          (f" --steps {a.steps}", a.steps), (f" --warmup {a.warmup}", a.warmup != 1))
                    if on)
@@ -209,6 +223,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="work dir (default: a new temporary one)")
     ap.add_argument("--quick", action="store_true", help="the CI version: 2 measured steps, efficiency bound 0.6")
+    ap.add_argument("--critic", action="store_true",
+                    help="PPO with a critic (GAE): also the critic's phases, values and update_critic")
     ap.add_argument("--steps", type=int, default=None, help="measured steps after --warmup (default 4, --quick 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", default=",".join(RUNS))
@@ -236,7 +252,8 @@ def describe(setup: Setup, assets: dict, steps: int, warmup: int) -> str:
             f"{setup.prompts} prompts x n={N} per step, prompts {min(assets['prompt_lengths'])}-"
             f"{max(assets['prompt_lengths'])} tokens (one shared system instruction + a question), responses <= "
             f"{setup.response} tokens, {setup.prompts // setup.mini} mini-batches per step, dynamic batch size "
-            f"{setup.max_tokens} tokens per micro-batch, gradient checkpointing, reference model + KL loss; "
+            f"{setup.max_tokens} tokens per micro-batch, gradient checkpointing, reference model + KL loss"
+            f"{', a critic (GAE; the value model as the actor, FSDP1)' if setup.critic else ''}; "
             f"model Qwen3 "
             f"{d['num_hidden_layers']} layers x hidden {d['hidden_size']} ({d['num_attention_heads']} heads x "
             f"{d['head_dim']}, {d['num_key_value_heads']} KV heads), vocab 512; {where}; {warmup} warm-up + "
@@ -256,7 +273,7 @@ def main(argv=None) -> int:
     from zorro_verl.bench import e2e
     from zorro_verl.bench.report import git_sha
 
-    setup = gpu_setup(a.gpu) if a.gpu else CPU
+    setup = replace(gpu_setup(a.gpu) if a.gpu else CPU, critic=a.critic)
     if not a.gpu:
         setup = size_for_cpu(setup, a.compute, a.quick, a.layers, a.threads)
     elif a.layers:
@@ -311,7 +328,8 @@ def main(argv=None) -> int:
     where = e2e.machine(gpu=setup.gpu)
     meta = {"command": command_line(a),
             "machine": where, "git sha": git_sha(), "settings": describe(setup, assets, steps, a.warmup),
-            "targets": (f"actor phases with ideal >= {targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
+            "targets": (f"{'actor and critic' if setup.critic else 'actor'} phases with ideal >= "
+                        f"{targets['min_ideal']}x: efficiency >= {targets['efficiency']}; "
                         "step: >= Amdahl's law with those phase floors; training worker "
                         + ("peak heap in use" if heap else "peak RSS (no glibc mallinfo2 here)") + ": zorro <= stock"
                         + "".join(f"; sharing={k}: {', '.join(v)} reported, not checked (a known gap, "

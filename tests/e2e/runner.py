@@ -17,12 +17,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RunResult", "STRATEGIES", "base_overrides", "set_override", "run_main_ppo", "parse_step_metrics",
-           "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role", "fallback_metrics",
-           "REPO_ROOT", "ENGINE_LINE", "MEGATRON_ENGINE_LINE"]
+__all__ = ["RunResult", "STRATEGIES", "base_overrides", "critic_overrides", "set_override", "run_main_ppo",
+           "parse_step_metrics", "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role",
+           "fallback_metrics",
+           "REPO_ROOT", "ENGINE_LINE", "FSDP_ENGINE_LINE", "MEGATRON_ENGINE_LINE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank (\d+)")
+#: the same line's mode: "deduplicated forward" or "stock forward: <reason>" (one line per engine: actor, reference,
+#: critic on every worker)
+FSDP_ENGINE_LINE = re.compile(r"zorro: FSDP engine active on rank \d+ \((deduplicated forward|stock forward: [^;]*);")
 #: the Megatron engine's line (one per engine: actor and reference on every worker); group 1 says whether the
 #: engine deduplicates ("deduplicated forward") or runs stock ("stock forward: <reason>")
 MEGATRON_ENGINE_LINE = re.compile(r"zorro: Megatron engine active \((deduplicated forward|stock forward: [^;]*);")
@@ -43,6 +47,7 @@ class RunResult:
     rollout_dir: Path
     steps: dict = field(default_factory=dict)  # step -> {metric: float}
     engine_ranks: set = field(default_factory=set)
+    fsdp_engines: list = field(default_factory=list)  # FSDP_ENGINE_LINE's group 1, one per engine line
     megatron_engines: list = field(default_factory=list)  # MEGATRON_ENGINE_LINE's group 1, one per engine line
     timed_out: bool = False
     role_peak_gb: dict = field(default_factory=dict)  # process role -> peak RSS of one process of that role (GiB)
@@ -151,6 +156,36 @@ def base_overrides(assets: dict, *, out_dir: Path, steps: int = 2, n: int = 4, s
         f"trainer.experiment_name={out_dir.name}",
         f"trainer.default_local_dir={out_dir / 'ckpt'}",
         f"trainer.rollout_data_dir={out_dir / 'rollouts'}",
+    ]
+
+
+def critic_overrides(assets: dict, *, seed: int = 7, dtype: str = "fp32", param_dtype: str | None = None,
+                     strategy: str = "fsdp2", optimizer: str = "SGD", lr: float = 0.1, mini: int | None = None,
+                     max_tokens: int = 512, gradient_checkpointing: bool = False) -> list[str]:
+    """PPO with a critic on the assets: ``algorithm.adv_estimator=gae`` (which makes verl build its critic), the
+    value model from the actor's checkpoint (verl loads it as ``AutoModelForTokenClassification``, a fresh
+    ``Linear(H, 1)`` score head) under ``strategy`` in ``dtype`` (computing in ``param_dtype``), sdpa attention (the
+    e2e plugin makes verl's value-model loader use the config's attention instead of the flash-attention it
+    hard-codes), ``optimizer`` at ``lr`` without weight decay, ``mini`` prompts per critic mini-batch (default: the
+    actor's), ``max_tokens`` per micro-batch (dynamic batch size, when the actor's is on: the critic follows it). The
+    critic's zorro switch follows the actor's in the preset (``critic.fsdp.zorro.enable``)."""
+    mp = f"{{param_dtype:{param_dtype or dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
+    return [
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={assets['model']}",
+        f"critic.model.enable_gradient_checkpointing={gradient_checkpointing}",
+        "+critic.model.override_config.attn_implementation=sdpa",
+        f"critic.strategy={strategy}",
+        f"critic.fsdp.strategy={strategy}",
+        f"critic.fsdp.model_dtype={dtype}",
+        f"++critic.fsdp.mixed_precision={mp}",
+        f"critic.fsdp.seed={seed}",
+        f"critic.optim.optimizer={optimizer}",
+        f"critic.optim.lr={lr}",
+        "critic.optim.weight_decay=0.0",
+        f"critic.data_loader_seed={seed}",
+        f"critic.ppo_max_token_len_per_gpu={max_tokens}",
+        *([f"critic.ppo_mini_batch_size={mini}"] if mini is not None else []),
     ]
 
 
@@ -363,6 +398,7 @@ def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, pyth
     return RunResult(name=name, returncode=rc, seconds=seconds, peak_rss_gb=peak / 2**30, log_path=log_path,
                      rollout_dir=out_dir / "rollouts", steps=parse_step_metrics(text),
                      engine_ranks={int(m) for m in ENGINE_LINE.findall(text)},
+                     fsdp_engines=FSDP_ENGINE_LINE.findall(text),
                      megatron_engines=MEGATRON_ENGINE_LINE.findall(text), timed_out=timed_out,
                      role_peak_gb={k: v / 2**30 for k, v in roles.items()})
 

@@ -27,6 +27,8 @@ names it in ``VERL_USE_EXTERNAL_MODULES``; that import calls :func:`install`, wh
   both, so that stock is not charged for CPU artefacts;
 * lets vLLM's idle worker wait on its socket at once instead of busy-looping for a second after each read (on a
   two-core host that second takes a core from the trainer's next phase);
+* makes verl's value-model loader (the critic's) use the config's attention instead of the ``flash_attention_2`` it
+  hard-codes (:func:`tests.support.verl_engines.use_cpu_value_model_loader`);
 * keeps vLLM's CPU linear layers on ``torch.nn.functional.linear`` over their own weights: vLLM's CPU GEMM dispatch
   (oneDNN) repacks each weight after loading and replaces the layer's parameter by an empty one without a
   ``weight_loader``, so the trainer's weight sync into the running server fails with ``AttributeError``.
@@ -391,6 +393,15 @@ def _patch_uids(module) -> None:
     module.uuid = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(counter)), UUID=uuid.UUID, _zorro_e2e=True)
 
 
+def _patch_value_model_loader(module) -> None:
+    """verl's ``load_valuehead_model`` (the critic's value model) hard-codes ``flash_attention_2``; on CPU it loads
+    with the attention of the model config (``critic.model.override_config.attn_implementation``), as the critic
+    engine tests load it (:func:`tests.support.verl_engines.use_cpu_value_model_loader`)."""
+    from tests.support.verl_engines import use_cpu_value_model_loader
+
+    use_cpu_value_model_loader()
+
+
 #: set (to anything) in runs on verl's Megatron engine: the Megatron CPU patches in every process that imports it
 MEGATRON_ENV = "ZORRO_E2E_MEGATRON"
 
@@ -574,6 +585,7 @@ def install() -> None:
     _after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _patch_weight_receiver)
     _after_import("vllm.model_executor.layers.utils", _patch_vllm_cpu_gemm)
     _after_import("vllm.distributed.device_communicators.shm_broadcast", _patch_vllm_idle_spin)
+    _after_import("verl.utils.model", _patch_value_model_loader)
     if os.environ.get(MEGATRON_ENV):
         _after_import("verl.workers.config.engine", _patch_mcore_fp32)
         _before_import("verl.workers.engine.megatron", _megatron_setup)

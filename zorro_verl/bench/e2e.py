@@ -13,6 +13,10 @@ backward costs twice its forward on both sides, so the ratio holds for the updat
   what zorro can deduplicate over at best: the rank's whole batch for the forward-only passes (``old_log_prob``,
   ``ref``), each mini-batch of ``mini_batch`` whole groups for ``update_actor``.
 
+A run with a critic (PPO with GAE) has two more phases zorro's value-head engine runs, ``values`` (forward-only, the
+step's batch as one unit) and ``update_critic`` (units of the critic's mini-batches): the same FLOP model with the
+value head's one output per token in place of the LM head (``vocab_size`` 1).
+
 A measured speedup below the ideal is overhead (planning, micro-batching, data movement) or sharing lost to
 micro-batch boundaries; above it, stock computing more than the FLOP model counts for it.
 """
@@ -31,20 +35,27 @@ from zorro_verl.bench.flops import flop_model, layer_costs, tree_flop_model
 from zorro_verl.bench.report import cpu_model
 from zorro_verl.packing import DEFAULT_MIN_SHARED_LEN
 
-__all__ = ["PHASES", "ACTOR_PHASES", "AS_MEASURED", "TARGETS", "QUICK_TARGETS", "StepRows", "read_recording",
-           "stock_flops", "zorro_flops", "phase_ideals", "phase_table", "amdahl_speedup", "check_targets",
+__all__ = ["PHASES", "ACTOR_PHASES", "CRITIC_PHASES", "ENGINE_PHASES", "AS_MEASURED", "TARGETS", "QUICK_TARGETS",
+           "StepRows", "read_recording", "stock_flops", "zorro_flops", "value_model_config", "phase_ideals",
+           "phase_table", "amdahl_speedup", "check_targets",
            "format_markdown", "svg_plot", "machine", "matmul_rate", "write_docs_section", "DOCS_BEGIN", "DOCS_END"]
 
-#: verl's ``timing_s/<phase>`` keys reported, in the table's order (``step`` = the whole training step).
-PHASES = ("gen", "old_log_prob", "ref", "update_actor", "step")
-#: The phases zorro's engine runs (the rest it leaves to verl).
+#: verl's ``timing_s/<phase>`` keys reported, in the table's order (verl's order within a step; ``step`` = the whole
+#: training step). The critic's phases only where a run has them (PPO with GAE).
+PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "step")
+#: The phases zorro's engine runs for the actor and reference.
 ACTOR_PHASES = ("old_log_prob", "ref", "update_actor")
+#: The phases zorro's value-head engine runs for the critic (absent from a run without one: left out of its table).
+CRITIC_PHASES = ("values", "update_critic")
+#: Every phase zorro runs (the rest it leaves to verl): those with an ideal, an efficiency and a target.
+ENGINE_PHASES = ACTOR_PHASES + CRITIC_PHASES
 #: The phases that do the same work in both runs and that zorro does not touch (vLLM answering the same requests),
 #: but whose time swings from step to step (``gen``: +-30% on a 2-core machine): the whole step's ideal and target
 #: take their time from the zorro run itself (its median, or fastest step), so that this noise cannot move the
 #: step's target.
 AS_MEASURED = ("gen",)
-#: ``efficiency``: measured / ideal speedup of each actor phase whose ideal is >= ``min_ideal``, and the whole
+#: ``efficiency``: measured / ideal speedup of each engine phase (:data:`ENGINE_PHASES`) whose ideal is >=
+#: ``min_ideal``, and the whole
 #: step's floor (Amdahl with those phase speedups); memory: zorro's peak heap in use of a training worker <= stock's
 #: (peak RSS where glibc's ``mallinfo2`` is missing; tests/support/heap_peak.py says why not RSS).
 #: ``stat``: how a phase's time is taken over the measured steps (``median``, or ``min``: the fastest step).
@@ -141,10 +152,20 @@ def zorro_flops(cfg, groups: Sequence, sharing: str = "prompt", min_shared_len: 
     return tree_flop_model(cfg, plan)["zorro"]
 
 
-def phase_ideals(cfg, steps: Sequence[StepRows], *, sharing: str, mini_batch: int,
-                 min_shared_len: int = DEFAULT_MIN_SHARED_LEN) -> dict:
-    """``{phase: ideal speedup}`` for ``old_log_prob``, ``ref`` (the step's batch as one unit) and ``update_actor``
-    (units of ``mini_batch`` groups), summed over ``steps``."""
+def value_model_config(cfg):
+    """A copy of the (language) model config ``cfg`` whose head is a value head: one output per token
+    (``vocab_size`` 1; verl's critic is ``AutoModelForTokenClassification`` with ``num_labels = 1``), for the FLOP
+    model of the critic's phases."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    out.vocab_size = 1
+    return out
+
+
+def _ratios(cfg, steps: Sequence[StepRows], sharing: str, mini_batch: int, min_shared_len: int) -> tuple:
+    """``(forward ideal, update ideal)`` of ``steps``: the step's batch as one unit, and units of ``mini_batch``
+    groups."""
     s_tot = z_fwd = z_upd = 0
     for st in steps:
         p, r, _ = st.lengths()
@@ -152,7 +173,20 @@ def phase_ideals(cfg, steps: Sequence[StepRows], *, sharing: str, mini_batch: in
         z_fwd += zorro_flops(cfg, st.groups, sharing, min_shared_len)
         z_upd += sum(zorro_flops(cfg, st.groups[i:i + mini_batch], sharing, min_shared_len)
                      for i in range(0, len(st.groups), mini_batch))
-    return {"old_log_prob": s_tot / z_fwd, "ref": s_tot / z_fwd, "update_actor": s_tot / z_upd}
+    return s_tot / z_fwd, s_tot / z_upd
+
+
+def phase_ideals(cfg, steps: Sequence[StepRows], *, sharing: str, mini_batch: int,
+                 min_shared_len: int = DEFAULT_MIN_SHARED_LEN, critic_mini_batch: Optional[int] = None) -> dict:
+    """``{phase: ideal speedup}`` for ``old_log_prob``, ``ref`` (the step's batch as one unit) and ``update_actor``
+    (units of ``mini_batch`` groups), summed over ``steps``; with ``critic_mini_batch`` (groups per critic
+    mini-batch: a run with a critic) also ``values`` and ``update_critic``, on :func:`value_model_config`."""
+    fwd, upd = _ratios(cfg, steps, sharing, mini_batch, min_shared_len)
+    out = {"old_log_prob": fwd, "ref": fwd, "update_actor": upd}
+    if critic_mini_batch is not None:
+        out["values"], out["update_critic"] = _ratios(value_model_config(cfg), steps, sharing, critic_mini_batch,
+                                                      min_shared_len)
+    return out
 
 
 def _stat(steps: dict, phase: str, warmup: int, stat: str = "median") -> tuple[Optional[float], list[float]]:
@@ -173,11 +207,12 @@ def amdahl_speedup(stock_times: dict, phase_speedups: dict, total: str = "step",
 
 def phase_table(stock_steps: dict, zorro_steps: dict, ideals: dict, *, warmup: int,
                 targets: dict = TARGETS, unchecked: Sequence[str] = ()) -> list[dict]:
-    """One row per phase of :data:`PHASES`: ``stock_s``, ``zorro_s`` (medians of the steps after ``warmup``, or
+    """One row per phase of :data:`PHASES` (the critic's, :data:`CRITIC_PHASES`, only where either run has them):
+    ``stock_s``, ``zorro_s`` (medians of the steps after ``warmup``, or
     their minimum with ``targets["stat"] == "min"``),
-    ``speedup`` = stock / zorro, ``ideal`` and ``efficiency`` = speedup / ideal (actor phases), ``target`` (the
+    ``speedup`` = stock / zorro, ``ideal`` and ``efficiency`` = speedup / ideal (engine phases), ``target`` (the
     least speedup the targets ask for) and ``n`` (measured steps). The ``step`` row's ideal is Amdahl's law with each
-    actor phase at its ideal; its target Amdahl's with each actor phase at ``efficiency x ideal`` where that ideal is
+    engine phase at its ideal; its target Amdahl's with each engine phase at ``efficiency x ideal`` where that ideal is
     >= ``min_ideal`` (else 1); both from the stock run's medians, except the phases of :data:`AS_MEASURED`, which
     take the zorro run's. Phases in ``unchecked`` get no target (``target`` None, ``unchecked`` True) and enter the
     step's floor unsped (1x)."""
@@ -186,6 +221,8 @@ def phase_table(stock_steps: dict, zorro_steps: dict, ideals: dict, *, warmup: i
         stat = targets.get("stat", "median")
         s, sv = _stat(stock_steps, ph, warmup, stat)
         z, zv = _stat(zorro_steps, ph, warmup, stat)
+        if ph in CRITIC_PHASES and not sv and not zv:
+            continue  # no critic in these runs
         med_s[ph] = s
         row = {"phase": ph, "stock_s": s, "zorro_s": z, "n": min(len(sv), len(zv)), "stat": stat,
                "speedup": (s / z) if s and z else None, "ideal": ideals.get(ph), "efficiency": None, "target": None}
@@ -195,9 +232,9 @@ def phase_table(stock_steps: dict, zorro_steps: dict, ideals: dict, *, warmup: i
                 row["target"] = targets["efficiency"] * row["ideal"]
         row["unchecked"] = ph in unchecked
         rows.append(row)
-    present = [p for p in ACTOR_PHASES if med_s.get(p) and ideals.get(p)]
+    present = [p for p in ENGINE_PHASES if med_s.get(p) and ideals.get(p)]
     if med_s.get("step") and present:
-        step = rows[PHASES.index("step")]
+        step = next(r for r in rows if r["phase"] == "step")
         same = {r["phase"]: r["zorro_s"] for r in rows if r["phase"] in AS_MEASURED and r["stock_s"] and r["zorro_s"]}
         step["ideal"] = amdahl_speedup(med_s, {p: ideals[p] for p in present}, measured=same)
         floor = {p: targets["efficiency"] * ideals[p] if ideals[p] >= targets["min_ideal"] and p not in unchecked
@@ -210,7 +247,7 @@ def phase_table(stock_steps: dict, zorro_steps: dict, ideals: dict, *, warmup: i
 
 def check_targets(rows: list[dict], stock_peak_gb: Optional[float] = None,
                   zorro_peak_gb: Optional[float] = None, memory: str = "peak RSS") -> list[str]:
-    """The missed targets, as sentences (empty when all hold): each row's ``speedup >= target`` (actor phases and the
+    """The missed targets, as sentences (empty when all hold): each row's ``speedup >= target`` (engine phases and the
     whole step), and ``zorro_peak_gb <= stock_peak_gb`` (a training worker's peak of ``memory``: RSS, or the heap in
     use) when both are given."""
     missed = []

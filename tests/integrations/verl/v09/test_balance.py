@@ -328,6 +328,70 @@ def test_v1_real_trainer_actor_update_effective_mfu():
     assert metrics["zorro/effective_mfu/actor"] == pytest.approx(0.4 * 50 / 200)
 
 
+def test_v1_real_trainer_critic_passes_stamp_and_route_metrics(monkeypatch):
+    """The critic's passes of verl's V1 trainer: ``_compute_values`` (its worker call is non-blocking: the trainer
+    waits on the futures and drops the output) routes the pass's zorro metrics as ``zorro/values/*``;
+    ``_update_critic`` keeps verl's ``critic/*`` metrics and adds ``zorro/effective_mfu/critic``; both stamp the batch
+    for the critic engine's balance check first (verl replaces ``extra_info`` at every worker call)."""
+    import verl.trainer.ppo.v1.trainer_base as tb
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from transfer_queue import KVBatchMeta
+
+    from zorro_verl.integrations.verl.v09.markers import BALANCE_MARKER_KEY
+
+    stored, seen = {}, {}
+    fake_tq = types.SimpleNamespace(
+        kv_batch_get=lambda keys, partition_id, select_fields: TensorDict(
+            {"values": torch.zeros(len(keys), 3), "response_mask": torch.ones(len(keys), 3)}, batch_size=[len(keys)]),
+        kv_batch_put=lambda keys, partition_id, fields: stored.update(fields=fields))
+    monkeypatch.setattr(tb, "tq", fake_tq)
+    monkeypatch.setattr(tb, "response_from_nested", lambda x, mask: x)
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # the stand-in's futures are the ranks' outputs themselves
+
+    class Future:  # verl's DataProtoFuture: one future per rank; its get() refuses transfer-queue metadata
+        def __init__(self, batch):
+            rank = [KVBatchMeta(partition_id="train", keys=batch.keys, tags=batch.tags, extra_info={"metrics": {
+                "zorro/dedup_ratio": d, "zorro/computed_tokens": 100.0, "zorro/prompt_tokens_saved": saved,
+                "zorro/fallback_batches": 0.0, "mfu": 0.3}}) for d, saved in ((2.0, 100.0), (4.0, 300.0))]
+            self.futures = [*rank, None]  # a rank without outputs
+
+        def get(self):
+            raise AssertionError("DataProtoFuture.get: not a DataProto or TensorDict")
+
+    def infer_batch(batch):
+        seen["values"] = dict(batch.extra_info)
+        return Future(batch)
+
+    def train_mini_batch(batch):
+        seen["update"] = dict(batch.extra_info)
+        return types.SimpleNamespace(get=lambda: {"metrics": {
+            "critic/vf_loss": [0.5], "mfu": [0.4], "zorro/computed_tokens": [50.0],
+            "zorro/prompt_tokens_saved": [150.0], "zorro/dedup_ratio": [4.0]}})
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 2, "temperature": 1.0}},
+                            "critic": {"ppo_mini_batch_size": 1, "ppo_epochs": 1, "data_loader_seed": 0,
+                                       "shuffle": False}})
+    me = types.SimpleNamespace(config=cfg, critic_wg=types.SimpleNamespace(infer_batch=infer_batch,
+                                                                           train_mini_batch=train_mini_batch))
+    metrics = {}
+    tb.PPOTrainer._compute_values(me, _kv(["a_0_0", "a_1_0"], [4, 4]), metrics)
+    assert seen["values"][BALANCE_MARKER_KEY]
+    assert metrics["zorro/values/dedup_ratio"] == pytest.approx(3.0)
+    assert metrics["zorro/values/fallback_batches"] == 0.0
+    assert metrics["zorro/values/computed_tokens"] == pytest.approx(100.0)
+    assert metrics["zorro/effective_mfu/values"] == pytest.approx(0.3 * 100 / 300)
+    assert me.critic_wg.infer_batch is infer_batch and "values" in stored["fields"].keys()
+    metrics = {}
+    tb.PPOTrainer._update_critic(me, _kv(["a_0_0", "a_1_0"], [4, 4]), metrics)
+    assert seen["update"][BALANCE_MARKER_KEY]
+    assert metrics["critic/vf_loss"] == 0.5 and metrics["critic/zorro/dedup_ratio"] == 4.0
+    assert metrics["perf/mfu/critic"] == pytest.approx(0.4)
+    assert metrics["zorro/effective_mfu/critic"] == pytest.approx(0.4 * 50 / 200)
+
+
 def test_v1_real_trainer_warns_when_micro_batch_cuts_groups(caplog):
     """``zorro.rollout_n`` sizes fixed micro-batches: a ``ppo_micro_batch_size_per_gpu`` that is not a multiple of
     it cuts groups, warned once and counted."""

@@ -5,13 +5,17 @@ The engine reports ``zorro/*`` metrics with every call (:mod:`.engine`). verl's 
 everything that ``compute_log_prob`` / ``compute_ref_log_prob`` return. :func:`install_v1_hook` wraps the trainer's
 ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` so that, for the duration of the call, the worker group's
 method hands its output to zorro as well; the pass's ``zorro/<key>`` values reach the step's metrics as
-``zorro/old_log_prob/<key>`` and ``zorro/ref/<key>``.
+``zorro/old_log_prob/<key>`` and ``zorro/ref/<key>``. The same for the critic's ``_compute_values`` (its worker
+call returns one future per rank, which the trainer waits on and drops; the wrapper reads their outputs):
+``zorro/values/<key>``.
+``_update_critic``'s metrics reach the step as ``critic/zorro/<key>`` already (verl logs them).
 
 Effective MFU: verl's MFU counts the FLOPs of the ordinary batch (every prompt once per rollout), which overstates
 the work a deduplicated pass does. ``zorro/effective_mfu/<pass>`` is verl's MFU scaled by the fraction of tokens
 actually computed, ``computed / (computed + prompt_tokens_saved)`` (a token-proportional estimate: exact for the
 linear layers, which dominate; attention FLOPs shrink somewhat more). ``<pass>``: ``actor`` (from
-``perf/mfu/actor``), ``old_log_prob`` and ``ref`` (from the pass's own ``mfu``, which verl computes and drops).
+``perf/mfu/actor``), ``critic`` (from ``perf/mfu/critic``), ``old_log_prob``, ``ref`` and ``values`` (from the
+pass's own ``mfu``, which verl computes and drops).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ _PASSES = {
     "_compute_old_log_prob": ("old_log_prob", (("actor_rollout_wg", "compute_log_prob"),)),
     "_compute_ref_log_prob": ("ref", (("ref_policy_wg", "compute_ref_log_prob"), ("actor_rollout_wg",
                                                                                    "compute_log_prob"))),
+    "_compute_values": ("values", (("critic_wg", "infer_batch"),)),
 }
 
 
@@ -142,6 +147,23 @@ def _restamp(batch) -> None:
         mark_balanced(info)
 
 
+def _merged_metrics(out) -> dict:
+    """The metrics of one worker-group call's output. A non-blocking call (``DataProtoFuture``: the critic's
+    ``infer_batch``) holds one future per rank, which the trainer has already waited on; their outputs (the
+    transfer-queue metadata of each rank's result, or None on ranks without outputs) are read one by one and each
+    key's values concatenated (``DataProtoFuture.get`` cannot collect transfer-queue metadata)."""
+    futures = getattr(out, "futures", None)
+    if futures is None:
+        return output_metrics(out)
+    import ray
+
+    merged: dict = {}
+    for rank_out in ray.get(list(futures)):
+        for k, v in output_metrics(rank_out).items():
+            merged.setdefault(k, []).extend(_numbers(v))
+    return merged
+
+
 def _wrap_pass(cls, attr: str, name: str, targets) -> None:
     orig = getattr(cls, attr)
     if getattr(orig, "_zorro_metrics_hook", False):
@@ -154,36 +176,40 @@ def _wrap_pass(cls, attr: str, name: str, targets) -> None:
         with _capture(self, targets, outputs):
             result = orig(self, batch, metrics, *args, **kwargs)
         for out in outputs:
-            metrics.update(pass_metrics(output_metrics(out), name))
+            metrics.update(pass_metrics(_merged_metrics(out), name))
         return result
 
     wrapped._zorro_metrics_hook = True
     setattr(cls, attr, wrapped)
 
 
-def _wrap_update_actor(cls) -> None:
-    orig = cls._update_actor
-    if getattr(orig, "_zorro_metrics_hook", False):
+def _wrap_update(cls, role: str) -> None:
+    """Wrap ``_update_<role>`` (``actor``, ``critic``): stamp the batch first, add ``zorro/effective_mfu/<role>``."""
+    attr = f"_update_{role}"
+    orig = getattr(cls, attr, None)
+    if orig is None or getattr(orig, "_zorro_metrics_hook", False):
         return
 
     @functools.wraps(orig)
-    def _update_actor(self, batch, metrics, *args, **kwargs):
+    def update(self, batch, metrics, *args, **kwargs):
         _restamp(batch)
         result = orig(self, batch, metrics, *args, **kwargs)
-        mfu, computed = metrics.get("perf/mfu/actor"), metrics.get("actor/zorro/computed_tokens")
-        saved = metrics.get("actor/zorro/prompt_tokens_saved")
+        mfu, computed = metrics.get(f"perf/mfu/{role}"), metrics.get(f"{role}/zorro/computed_tokens")
+        saved = metrics.get(f"{role}/zorro/prompt_tokens_saved")
         if mfu is not None and computed is not None and saved is not None:
-            metrics["zorro/effective_mfu/actor"] = effective_mfu(float(mfu), float(computed), float(saved))
+            metrics[f"zorro/effective_mfu/{role}"] = effective_mfu(float(mfu), float(computed), float(saved))
         return result
 
-    _update_actor._zorro_metrics_hook = True
-    cls._update_actor = _update_actor
+    update._zorro_metrics_hook = True
+    setattr(cls, attr, update)
 
 
 def install_v1_hook(module) -> None:
-    """Post-import hook of ``verl.trainer.ppo.v1.trainer_base``: route the log-prob passes' zorro metrics and add
-    the effective MFU (idempotent)."""
+    """Post-import hook of ``verl.trainer.ppo.v1.trainer_base``: route the forward-only passes' zorro metrics
+    (old log-probs, reference, the critic's values), stamp the batch before every pass and update, and add the
+    effective MFU (idempotent)."""
     cls = module.PPOTrainer
     for attr, (name, targets) in _PASSES.items():
         _wrap_pass(cls, attr, name, targets)
-    _wrap_update_actor(cls)
+    _wrap_update(cls, "actor")
+    _wrap_update(cls, "critic")
