@@ -46,9 +46,10 @@ ALLOWED = {
     "transformers": (CORE | {"transformers", "integrations"}, {"torch", "transformers", "peft"}),
     "integrations": ({"integrations"}, set()),
     "api": (CORE | {"transformers", "api"}, {"torch"}),
-    # the Megatron engine subclass (v09/megatron_engine.py) imports megatron-core and the megatron layer
+    # the Megatron engine subclass (v09/megatron_engine.py) imports megatron-core and the megatron layer; Ray only
+    # lazily (the trainer-side metrics hook reads a non-blocking worker call's per-rank futures, as verl does)
     "verl": (CORE | {"transformers", "verl", "integrations", "megatron"},
-             {"torch", "verl", "wrapt", "omegaconf", "megatron"}),
+             {"torch", "verl", "wrapt", "omegaconf", "megatron", "ray"}),
     # OpenRLHF, Ray, transformers only lazily; of the verl layer only its verl-free settings and common (checked below)
     "openrlhf": (CORE | {"transformers", "verl", "integrations", "openrlhf"},
                  {"torch", "openrlhf", "wrapt", "ray", "transformers"}),
