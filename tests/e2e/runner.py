@@ -19,7 +19,7 @@ from pathlib import Path
 
 __all__ = ["RunResult", "STRATEGIES", "base_overrides", "critic_overrides", "set_override", "run_main_ppo",
            "parse_step_metrics", "read_rollouts", "expected_dedup", "rel_diff", "format_table", "process_role",
-           "fallback_metrics",
+           "fallback_metrics", "schedule",
            "REPO_ROOT", "ENGINE_LINE", "FSDP_ENGINE_LINE", "MEGATRON_ENGINE_LINE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -425,3 +425,29 @@ def format_table(rows: list[tuple], header: tuple) -> str:
     lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in cells]
     lines.insert(1, "  ".join("-" * x for x in w))
     return "\n".join(lines)
+
+
+def schedule(names: list, parallel, start, recorder, poll_s: float = 2.0) -> None:
+    """Runs ``start(name)`` for every name, at most ``parallel`` at a time (threads; an int, or a callable giving the
+    current width, read again every ``poll_s`` seconds), in list order except that a run starts only after
+    ``recorder(name)`` (the run recording the rollouts it replays, or None) has finished, when that one is among
+    ``names``. ``start`` returns when its run is over; an exception in it is raised here."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    width = parallel if callable(parallel) else (lambda: parallel)
+    pending, done, running = list(names), set(), {}
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+        while pending or running:
+            for name in list(pending):
+                if len(running) >= max(1, width()):
+                    break
+                dep = recorder(name)
+                if dep is None or dep in done or dep not in names:
+                    pending.remove(name)
+                    running[pool.submit(start, name)] = name
+            if not running:  # a cycle or a missing recorder: never expected with RUNS
+                raise RuntimeError(f"e2e runs {pending}: their recording runs never finish")
+            finished, _ = wait(running, timeout=poll_s, return_when=FIRST_COMPLETED)
+            for f in finished:
+                done.add(running.pop(f))
+                f.result()  # an exception in start (not a failed run: that is a result) stops the session

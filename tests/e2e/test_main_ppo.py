@@ -32,7 +32,10 @@ fp32 actor/ref, the same seed):
   replays; every step's actor and critic metrics agree, and the critic's update logs deduplication without
   fallback (measured: 131 s and 126 s wall, peak 10.4 GiB each, every bounded metric within 1.9e-5).
 
-``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir.
+``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir;
+``ZORRO_E2E_PARALLEL`` (default 2) runs that many side by side (each its own Ray cluster; a replaying run starts
+after its recording run), one at a time while the file ``ZORRO_E2E_WIDEN_AFTER`` names does not exist. A replaying
+run answers every rollout request from the recording without asking vLLM.
 The CPU platform, run-time patches and the rollout record/replay are in tests/support/verl_cpu_e2e.py.
 """
 
@@ -64,10 +67,12 @@ from tests.e2e.runner import (  # noqa: E402
     read_rollouts,
     rel_diff,
     run_main_ppo,
+    schedule,
     set_override,
 )
 from tests.support.verl_cpu_e2e import (  # noqa: E402
     MEGATRON_ENV,
+    POLL_INTERVAL_ENV,
     ROLLOUT_FILE_ENV,
     ROLLOUT_MODE_ENV,
     cpu_overrides,
@@ -80,6 +85,15 @@ N = 4          # rollout.n
 RTOL = 1e-4    # zorro vs stock, every step's metrics (same rollouts)
 # a hang guard, not a speed bound: a run on a loaded 2-core host (the suites beside it in scripts/test.sh) took 640 s
 RUN_TIMEOUT_S = int(os.environ.get("ZORRO_E2E_RUN_TIMEOUT", str(HANG_TIMEOUT_S)))
+# runs at a time (each its own Ray cluster, Ray temp dir and work dir): one run keeps ~1.2 of two cores busy (its
+# processes start one after another), two side by side fill both; a replay waits for its recording run
+PARALLEL = int(os.environ.get("ZORRO_E2E_PARALLEL", "2"))
+# ... but one at a time until this file exists (scripts/test.sh: while the other environments' suites run beside)
+WIDEN_AFTER = os.environ.get("ZORRO_E2E_WIDEN_AFTER")
+
+
+def _width() -> int:
+    return 1 if WIDEN_AFTER and not Path(WIDEN_AFTER).exists() else PARALLEL
 
 # steps: training steps; mini: ppo_mini_batch_size in prompts (4 prompts per step); epochs: ppo_epochs.
 # The pair trains with SGD: AdamW divides each gradient element by its running RMS, so elements whose gradient is at
@@ -198,6 +212,7 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
 def _env(name: str, work: Path) -> dict:
     """The run's environment; the pair's rollouts go through one recording (``stock`` writes, the others read)."""
     env = e2e_env()
+    env[POLL_INTERVAL_ENV] = "0.2"  # verl's 2 s poll for finished rollouts would round every gen phase up to it
     if RUNS[name]["strategy"] == "megatron":
         env[MEGATRON_ENV] = "1"
     mode = RUNS[name].get("rollouts")
@@ -222,10 +237,20 @@ def assets(work):
     return build_assets(work / "assets", dtype="bfloat16")
 
 
+def _recorder(name: str):
+    """The selected run whose recording ``name`` replays (it must finish first), or None."""
+    if RUNS[name].get("rollouts") != "replay":
+        return None
+    rec = RUNS[name].get("recording", "stock")
+    return next((r for r in SELECTED if RUNS[r].get("rollouts") == "record"
+                 and RUNS[r].get("recording", "stock") == rec), None)
+
+
 @pytest.fixture(scope="session")
 def runs(work, assets):
     results = {}
-    for name in SELECTED:
+
+    def start(name):
         res = run_main_ppo(name, _overrides(name, assets, work), work=work, env=_env(name, work),
                            python=sys.executable, timeout_s=RUN_TIMEOUT_S,
                            config_name=RUNS[name].get("config", "zorro_ppo_trainer"))
@@ -235,7 +260,9 @@ def runs(work, assets):
         if res.returncode != 0:
             print(f"[e2e] {name} log tail ({res.log_path}):\n{res.tail(80)}", flush=True)
         results[name] = res
-    _report(results, assets)
+
+    schedule(SELECTED, _width, start, _recorder)
+    _report({name: results[name] for name in SELECTED}, assets)
     return results
 
 

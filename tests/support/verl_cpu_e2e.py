@@ -53,8 +53,8 @@ order instead of rollout completion order (so verl's balancing, and hence its mi
 on the same rollouts), and every request seeded on the agent-loop side by its sample's ``{uid}_{session}`` and turn,
 whichever rollout server (one per training worker) it lands on. From the second step on two runs' weights differ
 by float rounding, which can flip a sampled token, so the first run can record its responses under those keys and
-the second replay them (``ZORRO_E2E_ROLLOUT_MODE=record|replay``, ``ZORRO_E2E_ROLLOUT_FILE``): identical rollouts
-at every step.
+the second replay them (``ZORRO_E2E_ROLLOUT_MODE=record|replay|replay_generate``, ``ZORRO_E2E_ROLLOUT_FILE``):
+identical rollouts at every step (``replay`` skips vLLM's generation, ``replay_generate`` runs it and discards it).
 
 The rest of the CPU setup is configuration, see :func:`cpu_overrides`. Refused when CUDA is available.
 """
@@ -335,6 +335,16 @@ def _patch_llm_client(module) -> None:
         key = f"{session[0]}_{session[1]}:{turn}"
         sampling_params = dict(sampling_params)
         sampling_params.setdefault("seed", zlib.crc32(key.encode()) % (2**31 - 1))
+        if os.environ.get(ROLLOUT_MODE_ENV, "") == "replay" and os.environ.get(ROLLOUT_FILE_ENV, ""):
+            # the recorded response without asking vLLM: it would be thrown away (the server still starts and gets
+            # every weight update, as in the recording run)
+            from verl.workers.rollout.replica import TokenOutput
+
+            rec = _recorded(key)
+            # extra_fields: the server's own (its weights version, global_steps, which verl's V1 trainer reads), as
+            # the recording run's server returned them at the same step
+            return TokenOutput(token_ids=rec["token_ids"], log_probs=rec["log_probs"], stop_reason=rec["stop_reason"],
+                               extra_fields=dict(rec["extra_fields"]))
         out = await orig(self, request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         return _record_or_replay(key, out, prompt_ids)
 
@@ -342,8 +352,10 @@ def _patch_llm_client(module) -> None:
     cls.generate = generate
 
 
-#: ``record`` / ``replay`` (with :data:`ROLLOUT_FILE_ENV`): the vLLM server writes every response it returns, or
-#: returns the recorded response of the same (prompt, occurrence) instead of its own.
+#: ``record`` / ``replay`` / ``replay_generate`` (with :data:`ROLLOUT_FILE_ENV`): the vLLM server writes every
+#: response it returns; or the recorded response of the same request key is returned without a generation (the e2e
+#: tests); or vLLM generates and its response is replaced by the recorded one (the e2e benchmark: its step time
+#: counts vLLM's generation alike in every run).
 ROLLOUT_MODE_ENV = "ZORRO_E2E_ROLLOUT_MODE"
 ROLLOUT_FILE_ENV = "ZORRO_E2E_ROLLOUT_FILE"
 _replay: dict = {}
@@ -364,10 +376,23 @@ def _record_or_replay(key: str, out, prompt_ids=()):
         with open(path, "a") as f:
             f.write(json.dumps({"key": key, "prompt_ids": [int(t) for t in prompt_ids],
                                 "token_ids": list(out.token_ids), "log_probs": out.log_probs,
-                                "stop_reason": out.stop_reason}) + "\n")
+                                "stop_reason": out.stop_reason,
+                                "extra_fields": {k: v for k, v in (out.extra_fields or {}).items()
+                                                 if v is None or isinstance(v, (bool, int, float, str))}}) + "\n")
         return out
-    if mode != "replay":
-        raise ValueError(f"{ROLLOUT_MODE_ENV}: expected record or replay, got {mode!r}.")
+    if mode not in ("replay", "replay_generate"):
+        raise ValueError(f"{ROLLOUT_MODE_ENV}: expected record, replay or replay_generate, got {mode!r}.")
+    rec = _recorded(key)
+    return out.model_copy(update={"token_ids": rec["token_ids"], "log_probs": rec["log_probs"],
+                                  "stop_reason": rec["stop_reason"]})
+
+
+def _recorded(key: str) -> dict:
+    """The recorded response of request ``key`` (:data:`ROLLOUT_FILE_ENV`, read once per process); a key missing
+    from the recording raises."""
+    import json
+
+    path = os.environ.get(ROLLOUT_FILE_ENV, "")
     if not _replay:
         with open(path) as f:
             for line in f:
@@ -375,9 +400,7 @@ def _record_or_replay(key: str, out, prompt_ids=()):
                 _replay[rec["key"]] = rec
     if key not in _replay:
         raise RuntimeError(f"rollout replay: no recorded response for request {key} in {path}")
-    rec = _replay[key]
-    return out.model_copy(update={"token_ids": rec["token_ids"], "log_probs": rec["log_probs"],
-                                  "stop_reason": rec["stop_reason"]})
+    return _replay[key]
 
 
 def _patch_uids(module) -> None:
@@ -624,7 +647,7 @@ def e2e_env(n_threads: int = 1) -> dict:
 
 def cpu_overrides(n_workers: int) -> list[str]:
     """Hydra overrides that make ``main_ppo`` run on the CPU: Ray with ``n_workers`` logical GPUs (and logical CPUs
-    enough for placement groups and TransferQueue actors), non-flash attention, vLLM without sleep mode and CUDA
+    enough for placement groups and TransferQueue actors) and without its dashboard, non-flash attention, vLLM without sleep mode and CUDA
     graphs, a small shared-memory weight-sync bucket (the default makes a 2 GB ``/dev/shm`` segment), one
     TransferQueue storage unit (the default eight hang a small Ray cluster)."""
     return [
@@ -633,6 +656,9 @@ def cpu_overrides(n_workers: int) -> list[str]:
         "trainer.nnodes=1",
         f"+ray_kwargs.ray_init.num_gpus={n_workers}",
         "ray_kwargs.ray_init.num_cpus=16",
+        # no dashboard process (nothing here reads it; one Python process fewer per run, and no port 8265 to share
+        # between two runs side by side)
+        "+ray_kwargs.ray_init.include_dashboard=False",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "+actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.enforce_eager=True",
