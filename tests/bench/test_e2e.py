@@ -219,6 +219,17 @@ def test_phase_table_and_targets():
     assert step["speedup"] == pytest.approx(17 / 11)
 
 
+def test_with_stock_generation_by_hand():
+    stock = {1: {"timing_s/gen": 30.0, "timing_s/step": 100.0}, 2: {"timing_s/gen": 20.0, "timing_s/step": 90.0}}
+    zorro = {1: {"timing_s/gen": 0.5, "timing_s/step": 40.0, "timing_s/ref": 3.0}, 2: {"timing_s/step": 35.0},
+             3: {"timing_s/gen": 0.4, "timing_s/step": 33.0}}
+    got = e2e.with_stock_generation(stock, zorro)
+    assert got[1] == {"timing_s/gen": 30.0, "timing_s/step": 69.5, "timing_s/ref": 3.0}  # 40 - 0.5 + 30
+    assert got[2] == {"timing_s/step": 35.0}  # no gen logged: as it was
+    assert got[3] == {"timing_s/gen": 0.4, "timing_s/step": 33.0}  # no stock step 3: as it was
+    assert zorro[1]["timing_s/step"] == 40.0  # the input is not changed
+
+
 def test_phase_table_critic():
     """A run with a critic: ``values`` and ``update_critic`` rows between ``ref`` and ``update_actor`` (verl's order),
     with ideal, efficiency and target as the actor's phases, and in the step's Amdahl ideal and floor."""

@@ -8,7 +8,9 @@ benchmark assets of tests/e2e/assets.py: 16 prompts per step, each one ~320-toke
 question, ``rollout.n`` = 8, responses up to 64 tokens; :data:`CPU`, or :func:`gpu_setup` with ``--gpu``):
 
 * ``stock``        — ``zorro.enable=false`` (verl's own engine); records every response vLLM returns;
-* ``zorro``        — the preset (``sharing: prompt``), replaying the stock run's responses;
+* ``zorro``        — the preset (``sharing: prompt``), replaying the stock run's responses (without generating:
+  the stock run's ``gen`` time of each step stands in for the replay's, in ``gen`` and in the whole ``step``,
+  :func:`zorro_verl.bench.e2e.with_stock_generation`);
 * ``zorro_prefix`` — the preset with ``sharing: prefix`` (the tree also shares the system instruction across
   questions), replaying the same responses.
 
@@ -54,6 +56,8 @@ from tests.support.heap_peak import HEAP_DIR_ENV, read_peaks
 N = 8  # rollout.n
 RUNS = {
     "stock": dict(zorro=False, rollouts="record"),
+    # replay: every response from the stock run's recording, without asking vLLM (its answer would be discarded);
+    # the analysis puts the stock run's generation of each step in place of the replay's (with_stock_generation)
     "zorro": dict(zorro=True, sharing="prompt", rollouts="replay"),
     "zorro_prefix": dict(zorro=True, sharing="prefix", rollouts="replay"),
 }
@@ -176,7 +180,8 @@ def analyse(results: dict, work: Path, assets: dict, setup: Setup, *, warmup: in
         # the runs use the preset's min_shared_len, phase_ideals' default
         ideals = e2e.phase_ideals(cfg, steps, sharing=RUNS[name]["sharing"], mini_batch=setup.mini,
                                   critic_mini_batch=setup.mini if setup.critic else None)
-        rows = e2e.phase_table(stock.steps, r.steps, ideals, warmup=warmup, targets=targets,
+        zsteps = e2e.with_stock_generation(stock.steps, r.steps) if RUNS[name]["rollouts"] == "replay" else r.steps
+        rows = e2e.phase_table(stock.steps, zsteps, ideals, warmup=warmup, targets=targets,
                                unchecked=targets.get("unchecked", {}).get(RUNS[name]["sharing"], ()))
         tables[name] = rows
         if heap:

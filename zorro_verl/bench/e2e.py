@@ -37,7 +37,7 @@ from zorro_verl.packing import DEFAULT_MIN_SHARED_LEN
 
 __all__ = ["PHASES", "ACTOR_PHASES", "CRITIC_PHASES", "ENGINE_PHASES", "AS_MEASURED", "TARGETS", "QUICK_TARGETS",
            "StepRows", "read_recording", "stock_flops", "zorro_flops", "value_model_config", "phase_ideals",
-           "phase_table", "amdahl_speedup", "check_targets",
+           "phase_table", "amdahl_speedup", "check_targets", "with_stock_generation",
            "format_markdown", "svg_plot", "machine", "matmul_rate", "write_docs_section", "DOCS_BEGIN", "DOCS_END"]
 
 #: verl's ``timing_s/<phase>`` keys reported, in the table's order (verl's order within a step; ``step`` = the whole
@@ -51,8 +51,9 @@ CRITIC_PHASES = ("values", "update_critic")
 ENGINE_PHASES = ACTOR_PHASES + CRITIC_PHASES
 #: The phases that do the same work in both runs and that zorro does not touch (vLLM answering the same requests),
 #: but whose time swings from step to step (``gen``: +-30% on a 2-core machine): the whole step's ideal and target
-#: take their time from the zorro run itself (its median, or fastest step), so that this noise cannot move the
-#: step's target.
+#: take their time from the zorro run's row (its median, or fastest step), so that this noise cannot move the
+#: step's target. (A replaying zorro run does not generate: its rows carry the stock run's ``gen`` of each step,
+#: :func:`with_stock_generation`.)
 AS_MEASURED = ("gen",)
 #: ``efficiency``: measured / ideal speedup of each engine phase (:data:`ENGINE_PHASES`) whose ideal is >=
 #: ``min_ideal``, and the whole
@@ -203,6 +204,23 @@ def amdahl_speedup(stock_times: dict, phase_speedups: dict, total: str = "step",
     measured = measured or {}
     rest = T - sum(stock_times[p] for p in phase_speedups) - sum(stock_times[q] for q in measured)
     return T / (rest + sum(stock_times[p] / s for p, s in phase_speedups.items()) + sum(measured.values()))
+
+
+def with_stock_generation(stock_steps: dict, zorro_steps: dict) -> dict:
+    """A replaying run's steps (``{step: {metric: value}}``) with the stock run's generation of the same step in place
+    of its own: a run that answers every rollout request from the stock run's recording does not generate, so its
+    ``timing_s/gen`` is only the wait for the replay buffer. Its ``timing_s/step`` gets the difference, so that the
+    step row compares the same generation (vLLM answering the same requests, which zorro does not touch) on both
+    sides. Steps without a ``gen`` / ``step`` time on either side are left as they are. Returns new dicts."""
+    out = {}
+    for step, m in zorro_steps.items():
+        m = dict(m)
+        g_stock = stock_steps.get(step, {}).get("timing_s/gen")
+        if g_stock is not None and "timing_s/gen" in m and "timing_s/step" in m:
+            m["timing_s/step"] += g_stock - m["timing_s/gen"]
+            m["timing_s/gen"] = g_stock
+        out[step] = m
+    return out
 
 
 def phase_table(stock_steps: dict, zorro_steps: dict, ideals: dict, *, warmup: int,
