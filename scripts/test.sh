@@ -9,18 +9,21 @@
 # zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh), and the CI version of the e2e speed benchmark in the
 # same environment (scripts/bench_e2e.sh --quick).
 #
-# Two cores, used both: most of these stages are single-threaded Python (imports, pip, small tensors), so two
-# run side by side where neither measures time. While the main suite runs (in two pytest processes: the verl
-# integration tests and the rest), the other environments are built (pip); while the e2e main_ppo runs go, the verl 0.7.1, OpenRLHF and Megatron suites and the wheel check run
-# (their tests assert numbers, never durations), all but the OpenRLHF tests that start a Ray cluster of their own,
-# which run after. The two benchmarks run alone. A stage in the background writes
-# to a log that is printed when it is joined; a failed stage stops the script there (with its log).
+# Two cores, used both, in two lanes (most stages are single-threaded Python: imports, pip, small tensors; none of
+# them measures time). Lane A (background): the verl integration tests, then the e2e main_ppo runs. Lane B (here):
+# the rest of the main suite, then the OpenRLHF tests that start a Ray cluster of their own, then the verl 0.7.1,
+# OpenRLHF, TRL and Megatron suites and the wheel check. The other environments are built (pip) beside both while the
+# main suite runs. The e2e runs start once the environments are built and the Ray test is over, one at a time while
+# lane B's suites run, two side by side after. The two benchmarks run alone, last. A stage in the background writes
+# to a log that is printed when it is joined; a failed stage stops the script (with its log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export ZORRO_REQUIRE_VERL=1  # the verl 0.9 tests fail instead of skipping if verl is missing
 LOGS="$(mktemp -d)"
-trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a stage that stops the script ends the background one too
+# a stage that stops the script ends the background ones too, with everything they started (pytest, main_ppo runs)
+kill_tree() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done; kill "$1" 2>/dev/null || true; }
+trap 'for j in $(jobs -p); do kill_tree "$j"; done' EXIT
 # timed NAME CMD...: runs CMD, prints how long it took and returns its exit status (set -e then stops the script).
 timed() {
   local name="$1" start rc=0
@@ -41,7 +44,7 @@ in_background() {
   key="$(log_key "$name")"
   echo "[test] $name: started in the background"
   ( start=$(date +%s); rc=0; "$@" > "$LOGS/$key.log" 2>&1 || rc=$?
-    echo "$rc $(( $(date +%s) - start ))" > "$LOGS/$key.done" ) &
+    echo "$rc $(( $(date +%s) - start ))" > "$LOGS/$key.done.tmp"; mv "$LOGS/$key.done.tmp" "$LOGS/$key.done" ) &
   JOBS[$name]=$!
 }
 # join NAME: waits for the background job NAME, prints its log and how long it took; fails when the job failed.
@@ -84,30 +87,62 @@ e2e_bench() {
   echo "[test] e2e benchmark: a target was missed, measuring again"
   bash scripts/bench_e2e.sh --quick
 }
-in_background "environments (verl 0.7.1, OpenRLHF, TRL, Megatron, e2e)" sequence \
+# wait_for FILE: waits until FILE exists (a stage's mark, written by the other lane: "ok", or a background job's
+# "0 SECONDS"); fails when the mark says otherwise, or after 4 hours.
+wait_for() {
+  local f="$1" n=0
+  until [[ -e "$f" ]]; do
+    sleep 2; n=$((n + 2))
+    (( n < 4 * 3600 )) || { echo "[test] waited $n s for $f"; return 1; }
+  done
+  [[ "$(cat "$f")" == ok || "$(cat "$f")" == "0 "* ]] || { echo "[test] $f: $(cat "$f")"; return 1; }
+}
+ENVS="environments (verl 0.7.1, OpenRLHF, TRL, Megatron, e2e)"
+# Lane A, in the background: the verl integration tests (engines over gloo, the pairwise matrix; the whole main suite
+# when arguments were given, see below), then, once the environments are built and the OpenRLHF Ray test is over
+# (its raylet timed out at start-up beside a main_ppo run's Ray cluster), the e2e main_ppo runs: one at a time while
+# lane B runs the other environments' suites, two side by side after (ZORRO_E2E_WIDEN_AFTER; each run keeps ~1.2 of
+# the two cores busy alone). The runs' time limit is the tests' hang guard (tests.support.HANG_TIMEOUT_S).
+lane_a() {
+  if [[ $# -eq 0 ]]; then
+    timed "main suite: tests/integrations/verl" \
+      python -m pytest -q -p no:cacheprovider --durations=15 tests/integrations/verl || return $?
+  else
+    timed "main suite" python -m pytest -q -p no:cacheprovider --durations=15 tests "$@" || return $?
+  fi
+  wait_for "$LOGS/$(log_key "$ENVS").done" && wait_for "$LOGS/ray.done" || return $?
+  ZORRO_E2E_WIDEN_AFTER="$LOGS/suites.done" timed "e2e main_ppo runs" \
+    .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
+}
+# mark FILE CMD...: runs CMD, then writes "ok" or "failed (exit N)" to FILE (what lane A waits for) and returns CMD's
+# exit status.
+mark() {
+  local f="$1" rc=0
+  shift
+  "$@" || rc=$?
+  # written whole, then renamed: the other lane never reads a half-written mark
+  { [[ $rc == 0 ]] && echo ok || echo "failed (exit $rc)"; } > "$f.tmp" && mv "$f.tmp" "$f"
+  return $rc
+}
+in_background "$ENVS" sequence \
   bash scripts/setup_verl07_env.sh -- bash scripts/setup_openrlhf_env.sh -- bash scripts/setup_trl_env.sh -- \
   bash scripts/setup_megatron_env.sh -- bash scripts/setup_e2e_env.sh
+in_background "lane A: the verl integration tests, then the e2e main_ppo runs" lane_a "$@"
+# Lane B, here: the rest of the main suite, then (environments built) the OpenRLHF tests that start a Ray cluster of
+# their own, then the verl 0.7.1, OpenRLHF, TRL and Megatron suites and the wheel check (their tests assert numbers,
+# never durations). A failure here stops the script, and with it lane A (the EXIT trap).
+lane_b_rest=0
 if [[ $# -eq 0 ]]; then
-  # the whole main suite in two pytest processes, one per core once pip is done: the verl integration tests (engines
-  # over gloo, the pairwise matrix) beside the rest; neither measures time, each has its own temporary directories
-  in_background "main suite: tests/integrations/verl" python -m pytest -q -p no:cacheprovider tests/integrations/verl
-  timed "main suite: the rest" python -m pytest -q -p no:cacheprovider tests --ignore=tests/integrations/verl
-  join "main suite: tests/integrations/verl"
-else
-  timed "main suite" python -m pytest -q -p no:cacheprovider tests "$@"
+  timed "main suite: the rest" python -m pytest -q -p no:cacheprovider --durations=15 tests \
+    --ignore=tests/integrations/verl || lane_b_rest=$?
 fi
-join "environments (verl 0.7.1, OpenRLHF, TRL, Megatron, e2e)"
-timed "prefix-tree benchmark" tree_bench
-# test_ray_loader starts a local Ray cluster: beside a main_ppo run's cluster its raylet timed out at start-up, so it
-# runs after the e2e runs, alone
-in_background "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check" sequence \
+[[ $lane_b_rest == 0 ]] || exit $lane_b_rest
+join "$ENVS"
+mark "$LOGS/ray.done" timed "OpenRLHF on a real Ray cluster" bash scripts/test_openrlhf.sh -k test_ray_loader
+mark "$LOGS/suites.done" timed "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check" sequence \
   bash scripts/test_verl07.sh -- bash scripts/test_openrlhf.sh -k "not test_ray_loader" -- \
   bash scripts/test_trl.sh -- bash scripts/test_megatron.sh -- bash scripts/test_wheel.sh
-# the main_ppo runs' time limit is the tests' hang guard (tests.support.HANG_TIMEOUT_S): the suites beside them take
-# one of the two cores for part of the stage (a run took 640 s beside them on a loaded host)
-e2e_rc=0
-timed "e2e main_ppo runs" .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e || e2e_rc=$?
-join "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check"  # printed also when the runs failed
-[[ $e2e_rc == 0 ]] || exit $e2e_rc
-timed "OpenRLHF on a real Ray cluster" bash scripts/test_openrlhf.sh -k test_ray_loader
+join "lane A: the verl integration tests, then the e2e main_ppo runs"
+# The two benchmarks run alone, last.
+timed "prefix-tree benchmark" tree_bench
 timed "e2e benchmark (CI version)" e2e_bench
