@@ -317,7 +317,8 @@ def _lm_role_check(cfg, device: torch.device, role: str) -> Check:
         # verl turns sequence parallelism off at TP = 1 (McoreEngineConfig.__post_init__)
         detail += (f"; megatron TP {tp} (sequence parallel "
                    f"{bool(engine_node.get('sequence_parallel', False)) and tp > 1}), PP "
-                   f"{engine_node.get('pipeline_model_parallel_size', 1)}, built by "
+                   f"{engine_node.get('pipeline_model_parallel_size', 1)}, CP "
+                   f"{engine_node.get('context_parallel_size', 1)}, built by "
                    f"{'mbridge' if engine_node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
     lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
     if lora_rank > 0 and strategy != "megatron":  # supported: say so, with what the run will do for the reference
@@ -498,7 +499,8 @@ def _megatron_unsupported(cfg, role_node, engine_node, settings, model=None):
               else dict(engine_node))
     # verl's worker copies the role's use_fused_kernels into the engine config (EngineConfig.use_fused_kernels)
     engine["use_fused_kernels"] = bool(role_node.get("use_fused_kernels", model.get("use_fused_kernels", False)))
-    return megatron_setup_unsupported(engine, model, "none" if critic else settings.logits_optimization)
+    return megatron_setup_unsupported(engine, model, "none" if critic else settings.logits_optimization,
+                                      value_model=critic)
 
 
 def _balance_hooks_check(cfg) -> Check | None:

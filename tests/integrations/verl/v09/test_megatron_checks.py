@@ -26,8 +26,9 @@ def test_verl_defaults_pass():
 
 
 @pytest.mark.parametrize("engine, model, says", [
-    ({"context_parallel_size": 2}, {}, "context_parallel_size=1"),
-    ({"dynamic_context_parallel": True}, {}, "context parallelism"),
+    ({"context_parallel_size": 2}, {}, "pipeline_model_parallel_size=1 or context_parallel_size=1"),
+    ({"dynamic_context_parallel": True}, {}, "dynamic context parallelism (dynamic_context_parallel=True)"),
+    ({"dynamic_context_parallel": True, "pipeline_model_parallel_size": 1}, {}, "DynamicCPScheduler"),
     ({"router_replay": {"mode": "R3"}}, {}, "router_replay.mode=disabled"),
     ({"router_replay": {"mode": "R2"}}, {}, "per token of the ordinary rows"),
     ({}, {"mtp": {"enable": True}}, "multi-token prediction"),
@@ -40,6 +41,19 @@ def test_verl_defaults_pass():
 def test_refusals_name_the_setting(engine, model, says):
     reason = megatron_setup_unsupported({**DEFAULT_ENGINE, **engine}, {**DEFAULT_MODEL, **model})
     assert reason is not None and says in reason, reason
+
+
+def test_static_context_parallelism_runs_on_the_actor_not_the_critic():
+    """Static CP (``context_parallel_size > 1``) without pipeline stages is no start-time refusal for the actor / ref
+    (exact through the engine: tests/integrations/megatron/test_engine_cp.py); the critic's value head at CP > 1 is
+    refused by name."""
+    engine = {**DEFAULT_ENGINE, "context_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    assert megatron_setup_unsupported(engine, DEFAULT_MODEL) is None
+    reason = megatron_setup_unsupported(engine, DEFAULT_MODEL, value_model=True)
+    assert reason is not None and "context parallelism on the Megatron critic" in reason, reason
+    assert "context_parallel_size=1" in reason
+    assert megatron_setup_unsupported({**DEFAULT_ENGINE, "pipeline_model_parallel_size": 1}, DEFAULT_MODEL,
+                                      value_model=True) is None
 
 
 def test_gated_delta_net_hybrids_run():

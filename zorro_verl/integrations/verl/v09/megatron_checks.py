@@ -16,22 +16,35 @@ _HF_REFUSALS = (
 )
 
 
-def megatron_setup_unsupported(engine_config, model_config, logits_optimization: str = "none") -> Optional[str]:
+def megatron_setup_unsupported(engine_config, model_config, logits_optimization: str = "none",
+                               value_model: bool = False) -> Optional[str]:
     """Why a Megatron engine with these configs cannot run zorro's deduplicated forward, or None (the refusals that
     need no built model; also read by ``zorro-verl doctor`` from a composed config). ``engine_config``: verl's
     ``McoreEngineConfig`` (or a mapping with its keys); ``model_config``: verl's ``HFModelConfig`` or None;
-    ``logits_optimization``: the zorro setting (``memory`` is refused on Megatron)."""
+    ``logits_optimization``: the zorro setting (``memory`` is refused on Megatron); ``value_model``: the critic's
+    engine (context parallelism is refused there)."""
     def get(cfg, key, default=None):
         if cfg is None:
             return default
         return cfg.get(key, default) if hasattr(cfg, "get") and not hasattr(cfg, key) else getattr(cfg, key, default)
 
+    if get(engine_config, "dynamic_context_parallel", False):
+        return ("dynamic context parallelism (dynamic_context_parallel=True): verl's DynamicCPScheduler re-packs the "
+                "ordinary rows into its own per-rank sequences and CP sizes, and zorro's packed row (one copy per "
+                "unique prompt, split over a static CP group) is not wired to it; use static context parallelism "
+                "(context_parallel_size > 1, dynamic_context_parallel=False) or run this job without zorro")
     cp = int(get(engine_config, "context_parallel_size", 1) or 1)
-    if cp > 1 or get(engine_config, "dynamic_context_parallel", False):
-        return (f"context parallelism (context_parallel_size={cp}, dynamic_context_parallel="
-                f"{bool(get(engine_config, 'dynamic_context_parallel', False))}): zorro's context-parallel attention "
-                "runs in its GPTModel step (zorro_gpt_forward), but the verl engine at CP > 1 is not wired to it yet "
-                "(Megatron-Bridge turns on megatron's per-token loss regime there); set context_parallel_size=1")
+    if cp > 1:
+        pp = int(get(engine_config, "pipeline_model_parallel_size", 1) or 1)
+        if pp > 1:
+            return (f"context parallelism with pipeline parallelism (context_parallel_size={cp}, "
+                    f"pipeline_model_parallel_size={pp}): each stage would send its CP share of the packed row, which "
+                    "zorro has not checked against the stock engine yet; set pipeline_model_parallel_size=1 or "
+                    "context_parallel_size=1")
+        if value_model:
+            return (f"context parallelism on the Megatron critic (context_parallel_size={cp}): zorro's value head "
+                    "reads the values of the whole packed row, and gathering them from the CP shards is not wired "
+                    "yet; set the critic's context_parallel_size=1 or disable zorro for the critic")
     router = get(engine_config, "router_replay", None)
     mode = get(router, "mode", "disabled") if router is not None else "disabled"
     if mode != "disabled":
