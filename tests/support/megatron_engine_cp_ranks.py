@@ -14,7 +14,7 @@ the CP = 2 engines run and are compared with them.
 Cases (``CASES``): ``cp2tp2/fixed`` (per-token loss regime), ``cp2/fixed`` (megatron's ordinary regime),
 ``cp2/dynamic`` and ``cp2/prefix`` (``sharing=prefix``, dynamic budget; both per-token), and ``cp2/floor_count``:
 ``cp2/fixed`` per-token with verl's own CP token count (``n // cp`` on every CP rank) instead of zorro's exact share,
-the control that shows the comparison sees the count.
+the control that shows the comparison sees the count. Then the model-time refusals (:func:`_refusals`).
 
 Run as ``python -m tests.support.megatron_engine_cp_ranks RANK 4 INIT_FILE CKPT_DIR OUT_JSON``.
 """
@@ -151,8 +151,38 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     finally:
         megatron_engine._cp_token_share = exact
     seconds["cp2"] = time.time() - t0
+    t0 = time.time()
+    out["refusals"] = _refusals(E, build, ckpt, rank)
+    seconds["refusals"] = time.time() - t0
     seconds["all_cases"] = time.time() - t_start
     out["seconds"] = seconds
+    return out
+
+
+def _refusals(E, build, ckpt: str, rank: int) -> dict:
+    """What zorro's engine still refuses once the model is built (``on_unsupported=raise``): a Qwen3-MoE model at
+    CP = 2 (TP = 1, DP = 2; the routers without losses, as verl configures them), and at CP = 1 the per-token regime
+    with the router's load-balancing loss on."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests.support.megatron_engine_ranks import MOE_CPU
+
+    path = f"{ckpt}_qwen3_moe"
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        E.save_tiny_checkpoint(path, "qwen3_moe")
+    dist.barrier()
+    out = {}
+    for name, kw in (("moe_cp2", dict(engine_kwargs={"context_parallel_size": 2}, transformer_overrides=MOE_CPU)),
+                     ("moe_aux_loss_per_token", dict(transformer_overrides={
+                         **MOE_CPU, **PER_TOKEN, "moe_router_load_balancing_type": "aux_loss",
+                         "moe_aux_loss_coeff": 0.01}))):
+        try:
+            build(path, zorro=ZORRO, **kw)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 

@@ -87,3 +87,14 @@ def test_per_token_count_is_exact(results):
         print(f"verl's CP token count (n // cp) instead of zorro's exact share, rank {rank}: grad_rel "
               f"{r['vs_stock']['step1/grad_rel']:.2g} (micro-batch tokens {r['micro_batch_tokens']})")
     print("wall seconds (rank 0):", {k: round(v, 1) for k, v in results[0]["seconds"].items()})
+
+
+def test_still_refused_by_name(results):
+    """MoE models at CP > 1, and MoE router losses in the per-token regime, are refused once the model is built."""
+    for res in results:
+        r = res["refusals"]
+        assert r["moe_cp2"] and "MoE models under context parallelism" in r["moe_cp2"], r
+        assert "context_parallel_size=1" in r["moe_cp2"], r
+        per_token = r["moe_aux_loss_per_token"]
+        assert per_token and "calculate_per_token_loss=True with MoE router losses on (['aux_loss'])" in per_token, r
+        assert "calculate_per_token_loss=False" in per_token, r
