@@ -196,8 +196,6 @@ def test_megatron_preset_composes_and_zorro_lines_pass():
 
 @pytest.mark.parametrize("override, words", [
     ("actor_rollout_ref.actor.megatron.dynamic_context_parallel=true", "dynamic context parallelism"),
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2 actor_rollout_ref.actor.megatron."
-     "pipeline_model_parallel_size=2", "context parallelism with pipeline parallelism"),
     ("actor_rollout_ref.model.lora.rank=8 actor_rollout_ref.model.lora.dropout=0.1", "model.lora.dropout=0"),
     ("actor_rollout_ref.actor.megatron.zorro.logits_optimization=memory", "logits_optimization=memory"),
 ])

@@ -186,10 +186,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "per-rank sequences and CP sizes; zorro's packed row runs on a static CP group (`context_parallel_size > "
             "1` runs)", "start", _V09 + "megatron_checks",
             "dynamic context parallelism (dynamic_context_parallel=True)"),
-    Refusal("megatron.context_parallel_pp", _MCORE_ENGINE, "context parallelism with pipeline stages "
-            "(`context_parallel_size > 1` and `pipeline_model_parallel_size > 1`)", "each stage would send its CP "
-            "share of the packed row; not compared with the stock engine yet", "start", _V09 + "megatron_checks",
-            "context parallelism with pipeline parallelism"),
     Refusal("megatron.context_parallel_critic", _MCORE_ENGINE, "context parallelism on the Megatron critic",
             "the value head's outputs are not gathered from the CP shards yet (the actor / ref run CP)", "start",
             _V09 + "megatron_checks", "context parallelism on the Megatron critic"),

@@ -11,7 +11,8 @@ gradient shards compare by name. Megatron's parallel state is global, so the ref
 (log-probs / entropy before training, the loss, every gradient and every parameter at each of two SGD steps); then
 the CP = 2 engines run and are compared with them.
 
-Cases (``CASES``): ``cp2tp2/fixed`` (per-token loss regime), ``cp2/fixed`` (megatron's ordinary regime),
+Cases (``CASES``): ``cp2tp2/fixed`` and ``cp2pp2/fixed`` (PP = 2: each stage sends its CP share of the packed row;
+per-token loss regime), ``cp2/fixed`` (megatron's ordinary regime),
 ``cp2/dynamic`` and ``cp2/prefix`` (``sharing=prefix``, dynamic budget; both per-token), and ``cp2/floor_count``:
 ``cp2/fixed`` per-token with verl's own CP token count (``n // cp`` on every CP rank) instead of zorro's exact share,
 the control that shows the comparison sees the count. Then the model-time refusals (:func:`_refusals`).
@@ -49,13 +50,15 @@ def _run(E, eng, td_of) -> dict:
     td = td_of()
     with eng.eval_mode():
         res = eng.infer_batch(td, loss_function=None)
-    out["log_probs"] = E.response_values(res["model_output"]["log_probs"], td)
-    out["entropy"] = E.response_values(res["model_output"]["entropy"], td)
+    if "model_output" in res:  # (under PP: the last stage)
+        out["log_probs"] = E.response_values(res["model_output"]["log_probs"], td)
+        out["entropy"] = E.response_values(res["model_output"]["entropy"], td)
     out["infer_metrics"] = {k: _first(v) for k, v in res.get("metrics", {}).items() if k.startswith("zorro/")}
     for step in range(1, STEPS + 1):
         with eng.train_mode(zero_grad_on_exit=False):
             tr = eng.train_batch(td_of(), loss_function=E.ppo_loss_fn())
-        out[f"step{step}/loss"] = float(sum(tr["loss"]))
+        if "loss" in tr:
+            out[f"step{step}/loss"] = float(sum(tr["loss"]))
         out[f"step{step}/grads"] = E.grads(eng)
         out[f"step{step}/params"] = {k: p.detach().clone() for k, p in E.gpt_of(eng).named_parameters()}
         out[f"step{step}/metrics"] = {k: _first(v) for k, v in tr.get("metrics", {}).items()
@@ -66,11 +69,15 @@ def _run(E, eng, td_of) -> dict:
 def _diff(z: dict, ref: dict) -> dict:
     """Max errors of run ``z`` against run ``ref``: values absolute, losses relative, gradients relative to each
     parameter's largest entry, parameters absolute."""
-    out = {"log_probs": (z["log_probs"] - ref["log_probs"]).abs().max().item(),
-           "entropy": (z["entropy"] - ref["entropy"]).abs().max().item()}
+    assert ("log_probs" in z) == ("log_probs" in ref), "a rank with outputs in one layout only"
+    out = {}
+    if "log_probs" in ref:  # (under PP: the last stage)
+        out["log_probs"] = (z["log_probs"] - ref["log_probs"]).abs().max().item()
+        out["entropy"] = (z["entropy"] - ref["entropy"]).abs().max().item()
     for step in range(1, STEPS + 1):
-        lz, lr = z[f"step{step}/loss"], ref[f"step{step}/loss"]
-        out[f"step{step}/loss_rel"] = abs(lz - lr) / abs(lr)
+        if f"step{step}/loss" in ref:
+            lz, lr = z[f"step{step}/loss"], ref[f"step{step}/loss"]
+            out[f"step{step}/loss_rel"] = abs(lz - lr) / abs(lr)
         gz, gr = z[f"step{step}/grads"], ref[f"step{step}/grads"]
         assert gz.keys() == gr.keys(), (sorted(gz), sorted(gr))
         out[f"step{step}/grad_rel"] = max(((gz[k] - gr[k]).abs().max() / gr[k].abs().max().clamp_min(1e-30)).item()
@@ -102,8 +109,8 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     prefix = partial(E.make_batch, dynamic=True, shared_prefix=True)
     out, seconds = {}, {}
 
-    def cp_engine(zorro, tp, overrides):
-        eng = build(ckpt, zorro=zorro, tp=tp, engine_kwargs={"context_parallel_size": 2},
+    def cp_engine(zorro, tp, overrides, pp=1):
+        eng = build(ckpt, zorro=zorro, tp=tp, pp=pp, engine_kwargs={"context_parallel_size": 2},
                     transformer_overrides=overrides)
         assert mpu.get_context_parallel_world_size() == 2 and mpu.get_tensor_model_parallel_world_size() == tp
         return eng
@@ -113,13 +120,16 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
         gpt = E.gpt_of(eng)
         out[name] = {"vs_stock": _diff(run, ref_stock), "vs_zorro_cp1": _diff(run, ref_zorro1),
                      "cp": mpu.get_context_parallel_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
+                     "pp": mpu.get_pipeline_model_parallel_world_size(),
+                     "last_stage": mpu.is_pipeline_last_stage(ignore_virtual=True),
                      "dp": mpu.get_data_parallel_world_size(), "sp": bool(gpt.config.sequence_parallel),
                      "per_token_loss": bool(gpt.config.calculate_per_token_loss),
                      "deduplicated": eng.zorro_active and eng._zorro_static_reason is None,
                      "metrics": {**run["infer_metrics"], **{f"train/{k}": v for k, v in
                                                              run[f"step{STEPS}/metrics"].items()}},
                      "micro_batch_tokens": _micro_batch_tokens(eng, td_of()),
-                     "n_tokens": int(run["log_probs"].numel()), "n_params": len(run["step1/grads"])}
+                     "n_tokens": int(run["log_probs"].numel()) if "log_probs" in run else None,
+                     "n_params": len(run["step1/grads"])}
 
     # ---- TP = 2 + SP: references at CP = 1 (DP = 2), then zorro at CP = 2 (DP = 1), per-token regime
     t0 = time.time()
@@ -127,6 +137,14 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
            for name, z in (("stock", None), ("zorro", ZORRO))}
     record("cp2tp2/fixed", cp_engine(ZORRO, 2, PER_TOKEN), plain, ref["stock"], ref["zorro"])
     seconds["cp2tp2"] = time.time() - t0
+
+    # ---- PP = 2: references at CP = 1 (DP = 2), then zorro at CP = 2 x PP = 2 (DP = 1), per-token regime (the last
+    # stage's count broadcast to the first by finalize_model_grads)
+    t0 = time.time()
+    ref = {name: _run(E, build(ckpt, zorro=z, pp=2, remove_padding=z is not None), plain)
+           for name, z in (("stock", None), ("zorro", ZORRO))}
+    record("cp2pp2/fixed", cp_engine(ZORRO, 1, PER_TOKEN, pp=2), plain, ref["stock"], ref["zorro"])
+    seconds["cp2pp2"] = time.time() - t0
 
     # ---- TP = 1: references at CP = 1 (DP = 4), then zorro at CP = 2 (DP = 2)
     t0 = time.time()

@@ -26,7 +26,6 @@ def test_verl_defaults_pass():
 
 
 @pytest.mark.parametrize("engine, model, says", [
-    ({"context_parallel_size": 2}, {}, "pipeline_model_parallel_size=1 or context_parallel_size=1"),
     ({"dynamic_context_parallel": True}, {}, "dynamic context parallelism (dynamic_context_parallel=True)"),
     ({"dynamic_context_parallel": True, "pipeline_model_parallel_size": 1}, {}, "DynamicCPScheduler"),
     ({"router_replay": {"mode": "R3"}}, {}, "router_replay.mode=disabled"),
@@ -44,9 +43,10 @@ def test_refusals_name_the_setting(engine, model, says):
 
 
 def test_static_context_parallelism_runs_on_the_actor_not_the_critic():
-    """Static CP (``context_parallel_size > 1``) without pipeline stages is no start-time refusal for the actor / ref
-    (exact through the engine: tests/integrations/megatron/test_engine_cp.py); the critic's value head at CP > 1 is
-    refused by name."""
+    """Static CP (``context_parallel_size > 1``, with or without pipeline stages) is no start-time refusal for the
+    actor / ref (exact through the engine: tests/integrations/megatron/test_engine_cp.py); the critic's value head at
+    CP > 1 is refused by name."""
+    assert megatron_setup_unsupported({**DEFAULT_ENGINE, "context_parallel_size": 2}, DEFAULT_MODEL) is None
     engine = {**DEFAULT_ENGINE, "context_parallel_size": 2, "pipeline_model_parallel_size": 1}
     assert megatron_setup_unsupported(engine, DEFAULT_MODEL) is None
     reason = megatron_setup_unsupported(engine, DEFAULT_MODEL, value_model=True)

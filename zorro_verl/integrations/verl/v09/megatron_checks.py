@@ -35,12 +35,6 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
                 "(context_parallel_size > 1, dynamic_context_parallel=False) or run this job without zorro")
     cp = int(get(engine_config, "context_parallel_size", 1) or 1)
     if cp > 1:
-        pp = int(get(engine_config, "pipeline_model_parallel_size", 1) or 1)
-        if pp > 1:
-            return (f"context parallelism with pipeline parallelism (context_parallel_size={cp}, "
-                    f"pipeline_model_parallel_size={pp}): each stage would send its CP share of the packed row, which "
-                    "zorro has not checked against the stock engine yet; set pipeline_model_parallel_size=1 or "
-                    "context_parallel_size=1")
         if value_model:
             return (f"context parallelism on the Megatron critic (context_parallel_size={cp}): zorro's value head "
                     "reads the values of the whole packed row, and gathering them from the CP shards is not wired "
