@@ -293,11 +293,13 @@ def test_megatron_critic_line_and_documented_critic_overrides():
     assert "built by Megatron-Bridge" in c.detail, c
     off = _megatron_checks(gae + ["actor_rollout_ref.actor.megatron.zorro.enable=false"])["zorro (critic)"]
     assert off.status == "note" and "stock critic" in off.detail, off
-    cp = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2"])["zorro (critic)"]
-    assert cp.status == "FAIL" and "context parallelism on the Megatron critic" in cp.detail, cp
-    warn = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2",
+    cp = _megatron_checks(gae + ["critic.megatron.dynamic_context_parallel=true"])["zorro (critic)"]
+    assert cp.status == "FAIL" and "dynamic context parallelism" in cp.detail, cp
+    warn = _megatron_checks(gae + ["critic.megatron.dynamic_context_parallel=true",
                                    "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])["zorro (critic)"]
     assert warn.status == "note", warn
+    static = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2"])["zorro (critic)"]
+    assert static.status == "ok", static  # static CP runs on the critic
     text = (REPO_ROOT / "docs" / "verl-megatron.md").read_text()
     block = re.search(r"<!-- zorro-megatron-critic-overrides -->\s*```bash\n(.*?)```", text, re.S)
     assert block, "docs/verl-megatron.md lost its critic overrides block"

@@ -499,8 +499,7 @@ def _megatron_unsupported(cfg, role_node, engine_node, settings, model=None):
               else dict(engine_node))
     # verl's worker copies the role's use_fused_kernels into the engine config (EngineConfig.use_fused_kernels)
     engine["use_fused_kernels"] = bool(role_node.get("use_fused_kernels", model.get("use_fused_kernels", False)))
-    return megatron_setup_unsupported(engine, model, "none" if critic else settings.logits_optimization,
-                                      value_model=critic)
+    return megatron_setup_unsupported(engine, model, "none" if critic else settings.logits_optimization)
 
 
 def _balance_hooks_check(cfg) -> Check | None:

@@ -186,9 +186,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "per-rank sequences and CP sizes; zorro's packed row runs on a static CP group (`context_parallel_size > "
             "1` runs)", "start", _V09 + "megatron_checks",
             "dynamic context parallelism (dynamic_context_parallel=True)"),
-    Refusal("megatron.context_parallel_critic", _MCORE_ENGINE, "context parallelism on the Megatron critic",
-            "the value head's outputs are not gathered from the CP shards yet (the actor / ref run CP)", "start",
-            _V09 + "megatron_checks", "context parallelism on the Megatron critic"),
     Refusal("megatron.context_parallel_moe", _MCORE_ENGINE, "MoE models under context parallelism",
             "megatron's expert dispatch over the CP shards has not been compared with the stock engine", "model",
             _V09 + "megatron_engine", "MoE models under context parallelism"),

@@ -15,7 +15,8 @@ Cases (``CASES``): ``cp2tp2/fixed`` and ``cp2pp2/fixed`` (PP = 2: each stage sen
 per-token loss regime), ``cp2/fixed`` (megatron's ordinary regime),
 ``cp2/dynamic`` and ``cp2/prefix`` (``sharing=prefix``, dynamic budget; both per-token), and ``cp2/floor_count``:
 ``cp2/fixed`` per-token with verl's own CP token count (``n // cp`` on every CP rank) instead of zorro's exact share,
-the control that shows the comparison sees the count. Then the model-time refusals (:func:`_refusals`).
+the control that shows the comparison sees the count; the critic (verl's value-head engine, :func:`_critic_run`) at
+CP = 2 x DP = 2 in both regimes. Then the model-time refusals (:func:`_refusals`).
 
 Run as ``python -m tests.support.megatron_engine_cp_ranks RANK 4 INIT_FILE CKPT_DIR OUT_JSON``.
 """
@@ -78,6 +79,50 @@ def _diff(z: dict, ref: dict) -> dict:
         if f"step{step}/loss" in ref:
             lz, lr = z[f"step{step}/loss"], ref[f"step{step}/loss"]
             out[f"step{step}/loss_rel"] = abs(lz - lr) / abs(lr)
+        gz, gr = z[f"step{step}/grads"], ref[f"step{step}/grads"]
+        assert gz.keys() == gr.keys(), (sorted(gz), sorted(gr))
+        out[f"step{step}/grad_rel"] = max(((gz[k] - gr[k]).abs().max() / gr[k].abs().max().clamp_min(1e-30)).item()
+                                          for k in gr)
+        pz, pr = z[f"step{step}/params"], ref[f"step{step}/params"]
+        out[f"step{step}/params"] = max((pz[k] - pr[k]).abs().max().item() for k in pr)
+    return out
+
+
+def _critic_run(E, eng, head: torch.Tensor) -> dict:
+    """verl's Megatron critic: its value head set to ``head`` (each engine draws its own), then two steps as the
+    trainer runs them, ``infer_batch`` (``compute_values``) and ``train_batch`` with verl's ``value_loss``
+    (``update_critic``, one SGD step), each on a new batch (the whole batch on every DP rank, fixed micro-batches):
+    the values at the positions verl reads, the loss, every gradient and every parameter after each step."""
+    from tests.support.megatron_value_ranks import make_value_batch
+    from tests.support.verl_engines import value_loss_fn
+
+    with torch.no_grad():
+        E.gpt_of(eng).output_layer.weight.copy_(head)
+    out = {}
+    for step in range(1, STEPS + 1):
+        td = make_value_batch(E, seed=step, rows=None, dynamic=False)
+        with eng.eval_mode():
+            res = eng.infer_batch(make_value_batch(E, seed=step, rows=None, dynamic=False), loss_function=None)
+        out[f"step{step}/values"] = E.response_values(res["model_output"]["values"], td)
+        out[f"step{step}/infer_metrics"] = {k: _first(v) for k, v in res.get("metrics", {}).items()
+                                            if k.startswith("zorro/")}
+        with eng.train_mode(zero_grad_on_exit=False):
+            tr = eng.train_batch(make_value_batch(E, seed=step, rows=None, dynamic=False),
+                                 loss_function=value_loss_fn())
+        out[f"step{step}/loss"] = float(sum(tr["loss"]))
+        out[f"step{step}/grads"] = E.grads(eng)
+        out[f"step{step}/params"] = {k: p.detach().clone() for k, p in E.gpt_of(eng).named_parameters()}
+        out[f"step{step}/metrics"] = {k: _first(v) for k, v in tr.get("metrics", {}).items()
+                                      if k.startswith("zorro/")}
+    return out
+
+
+def _critic_diff(z: dict, ref: dict) -> dict:
+    out = {}
+    for step in range(1, STEPS + 1):
+        out[f"step{step}/values"] = (z[f"step{step}/values"] - ref[f"step{step}/values"]).abs().max().item()
+        lz, lr = z[f"step{step}/loss"], ref[f"step{step}/loss"]
+        out[f"step{step}/loss_rel"] = abs(lz - lr) / abs(lr)
         gz, gr = z[f"step{step}/grads"], ref[f"step{step}/grads"]
         assert gz.keys() == gr.keys(), (sorted(gz), sorted(gr))
         out[f"step{step}/grad_rel"] = max(((gz[k] - gr[k]).abs().max() / gr[k].abs().max().clamp_min(1e-30)).item()
@@ -151,12 +196,37 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     ref = {(name, batch): _run(E, build(ckpt, zorro=z, tp=1, remove_padding=z is not None), td_of)
            for batch, td_of, zz in (("plain", plain, ZORRO), ("prefix", prefix, PREFIX))
            for name, z in (("stock", None), ("zorro", zz))}
+    # the critic (verl's value-head engine; values ~1): stock and zorro at CP = 1, the stock engine's head for all
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithValueHead
+
+    from tests.support.megatron_value_ranks import MAX_TOKENS
+
+    value_kw = dict(tp=1, model_type="value_model", max_tokens=MAX_TOKENS)
+    stock_critic = build(ckpt, zorro=None, remove_padding=False, engine_cls=MegatronEngineWithValueHead, **value_kw)
+    head = E.gpt_of(stock_critic).output_layer.weight.detach().clone()
+    ref_critic = {"stock": _critic_run(E, stock_critic, head),
+                  "zorro": _critic_run(E, build(ckpt, zorro=ZORRO, **value_kw), head)}
     seconds["cp1_references"] = time.time() - t0
     t0 = time.time()
     for name, zorro, td_of, batch, overrides in (("cp2/fixed", ZORRO, plain, "plain", {}),
                                                   ("cp2/dynamic", ZORRO, dynamic, "plain", PER_TOKEN),
                                                   ("cp2/prefix", PREFIX, prefix, "prefix", PER_TOKEN)):
         record(name, cp_engine(zorro, 1, overrides), td_of, ref[("stock", batch)], ref[("zorro", batch)])
+    # the critic at CP = 2 (DP = 2), ordinary and per-token regimes
+    for name, overrides in (("critic_cp2/fixed", {}), ("critic_cp2_per_token/fixed", PER_TOKEN)):
+        eng = build(ckpt, zorro=ZORRO, engine_kwargs={"context_parallel_size": 2}, transformer_overrides=overrides,
+                    **value_kw)
+        assert type(eng).__name__ == "ZorroMegatronEngineWithValueHead", type(eng)
+        run = _critic_run(E, eng, head)
+        out[name] = {"vs_stock": _critic_diff(run, ref_critic["stock"]),
+                     "vs_zorro_cp1": _critic_diff(run, ref_critic["zorro"]),
+                     "cp": mpu.get_context_parallel_world_size(), "dp": mpu.get_data_parallel_world_size(),
+                     "per_token_loss": bool(E.gpt_of(eng).config.calculate_per_token_loss),
+                     "deduplicated": eng.zorro_active and eng._zorro_static_reason is None,
+                     "metrics": {**run["step1/infer_metrics"], **{f"train/{k}": v for k, v in
+                                                                   run[f"step{STEPS}/metrics"].items()}},
+                     "n_values": int(run["step1/values"].numel()),
+                     "values_scale": run["step1/values"].abs().max().item()}
     # the control: verl's own count (n // cp on every CP rank) in place of zorro's exact share (imported here: a
     # zorro engine module imported before verl's engines defers the engine registration)
     from zorro_verl.integrations.verl.v09 import megatron_engine

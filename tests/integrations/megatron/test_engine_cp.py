@@ -1,13 +1,13 @@
 """zorro's Megatron engine under static context parallelism (docs/design/megatron.md "The Megatron engine under
 context parallelism"), fp32 on the CPU: verl 0.9.1's engine built by Megatron-Bridge, one 4-process gloo group
 (tests/support/megatron_engine_cp_ranks.py). zorro at CP = 2 x TP = 2 + sequence parallel, at CP = 2 x PP = 2 and at
-CP = 2 (DP = 2)
-against zorro at CP = 1 and verl's stock engine at CP = 1 on the same GRPO batch: log-probs / entropy, the loss, every
-parameter's gradient and every parameter after each of two SGD steps; prompt sharing (fixed micro-batches, dynamic
-budget) and ``sharing=prefix``; megatron's ordinary loss regime and its per-token regime
+CP = 2 (DP = 2) against zorro at CP = 1 and verl's stock engine at CP = 1 on the same GRPO batch: log-probs /
+entropy, the loss, every parameter's gradient and every parameter after each of two SGD steps; prompt sharing (fixed
+micro-batches, dynamic budget) and ``sharing=prefix``; megatron's ordinary loss regime and its per-token regime
 (``calculate_per_token_loss=True``, asserted on), where a control run with verl's own CP token count (``n // cp`` on
-every CP rank) shows the gradients would be off. Megatron's local attention has no CP exchange, so stock CP (Transformer
-Engine) is compared on a GPU (test_gpu_context_parallel.py).
+every CP rank) shows the gradients would be off; verl's Megatron critic (value-head engine) at CP = 2 x DP = 2 in
+both regimes, two compute_values + update_critic steps. Megatron's local attention has no CP exchange, so stock CP
+(Transformer Engine) is compared on a GPU (test_gpu_context_parallel.py).
 
 Tolerances (fp32, test_engine.py's): values 2e-6 absolute; loss 1e-6 relative; gradients 5e-6 relative to each
 parameter's largest entry at the first step, 1e-5 at the second (the weights already one step's rounding apart);
@@ -82,6 +82,29 @@ def test_zorro_cp_engine_equals_cp1(results, case):
               + "; ".join(f"{ref}: " + ", ".join(f"{k} {v:.2g}" for k, v in r[ref].items())
                           for ref in ("vs_stock", "vs_zorro_cp1")))
     assert last == (2 if pp > 1 else 4)  # the ranks with outputs: the last stage's CP ranks (PP = 2), else all
+
+
+@pytest.mark.parametrize("case, per_token", [("critic_cp2/fixed", False), ("critic_cp2_per_token/fixed", True)])
+def test_zorro_cp_critic_equals_cp1(results, case, per_token):
+    """verl's Megatron critic (value-head engine) at CP = 2 x DP = 2, two compute_values + update_critic steps: the
+    values at the positions verl reads (~1) within 2e-6 absolute, the value loss 1e-6 relative, the gradients and
+    parameters at the bounds above, against zorro's critic and verl's stock critic at CP = 1."""
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert (r["cp"], r["dp"], r["per_token_loss"]) == (2, 2, per_token) and r["deduplicated"], (rank, r)
+        m = r["metrics"]
+        assert m["zorro/fallback_batches"] == 0.0 and m["train/zorro/fallback_batches"] == 0.0, (rank, m)
+        assert m["zorro/dedup_ratio"] > 1.2 and r["n_values"] == 38 and r["values_scale"] > 0.1, (rank, r)
+        for ref in ("vs_stock", "vs_zorro_cp1"):
+            d = r[ref]
+            where = (rank, case, ref, d)
+            assert d["step1/values"] <= TOL_VALUE and d["step2/values"] <= TOL_VALUE, where
+            assert d["step1/loss_rel"] <= TOL_SCALAR_REL and d["step2/loss_rel"] <= TOL_SCALAR_REL, where
+            assert d["step1/grad_rel"] <= TOL_GRAD and d["step2/grad_rel"] <= TOL_GRAD_LATER_STEP, where
+            assert d["step1/params"] <= TOL_PARAM and d["step2/params"] <= 2 * TOL_PARAM, where
+        print(f"zorro critic CP=2 DP=2 {case} rank {rank}: "
+              + "; ".join(f"{ref}: " + ", ".join(f"{k} {v:.2g}" for k, v in r[ref].items())
+                          for ref in ("vs_stock", "vs_zorro_cp1")))
 
 
 def test_per_token_count_is_exact(results):

@@ -16,13 +16,11 @@ _HF_REFUSALS = (
 )
 
 
-def megatron_setup_unsupported(engine_config, model_config, logits_optimization: str = "none",
-                               value_model: bool = False) -> Optional[str]:
+def megatron_setup_unsupported(engine_config, model_config, logits_optimization: str = "none") -> Optional[str]:
     """Why a Megatron engine with these configs cannot run zorro's deduplicated forward, or None (the refusals that
     need no built model; also read by ``zorro-verl doctor`` from a composed config). ``engine_config``: verl's
     ``McoreEngineConfig`` (or a mapping with its keys); ``model_config``: verl's ``HFModelConfig`` or None;
-    ``logits_optimization``: the zorro setting (``memory`` is refused on Megatron); ``value_model``: the critic's
-    engine (context parallelism is refused there)."""
+    ``logits_optimization``: the zorro setting (``memory`` is refused on Megatron)."""
     def get(cfg, key, default=None):
         if cfg is None:
             return default
@@ -33,12 +31,6 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
                 "ordinary rows into its own per-rank sequences and CP sizes, and zorro's packed row (one copy per "
                 "unique prompt, split over a static CP group) is not wired to it; use static context parallelism "
                 "(context_parallel_size > 1, dynamic_context_parallel=False) or run this job without zorro")
-    cp = int(get(engine_config, "context_parallel_size", 1) or 1)
-    if cp > 1:
-        if value_model:
-            return (f"context parallelism on the Megatron critic (context_parallel_size={cp}): zorro's value head "
-                    "reads the values of the whole packed row, and gathering them from the CP shards is not wired "
-                    "yet; set the critic's context_parallel_size=1 or disable zorro for the critic")
     router = get(engine_config, "router_replay", None)
     mode = get(router, "mode", "disabled") if router is not None else "disabled"
     if mode != "disabled":

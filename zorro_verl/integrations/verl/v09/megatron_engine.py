@@ -30,7 +30,7 @@ finalize then reduce the gradients over DP x CP as for the stock engine. In mega
 tokens (:func:`_cp_token_share`; docs/design/megatron.md "The Megatron engine under context parallelism").
 
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
-run exactly are refused at engine start (dynamic context parallelism, CP on the critic,
+run exactly are refused at engine start (dynamic context parallelism,
 multi-token prediction, router replay, LoRA dropout, vision-language and hybrid models; when the model is built, MoE
 router statistics zorro does not count by multiplicity — sequence-level aux loss, token dropping, ... —, MoE models
 under CP, MoE router losses in the per-token loss regime, MLA settings zorro has not checked (fused MLA RoPE, CP) and

@@ -44,7 +44,7 @@ class ZorroMegatronEngineWithValueHead(ZorroMegatronEngineWithLMHead, MegatronEn
 
     def _zorro_static_unsupported(self):
         # logits_optimization does not apply to the value head (one output per token)
-        return megatron_setup_unsupported(self.engine_config, self.model_config, "none", value_model=True)
+        return megatron_setup_unsupported(self.engine_config, self.model_config, "none")
 
     def _zorro_model_unsupported(self) -> Optional[str]:
         """The LM-head engine's model refusals and a last stage whose ``output_layer`` is not a per-token
