@@ -374,7 +374,8 @@ def _critic_check(cfg, device: torch.device) -> Check | None:
         reason = _megatron_unsupported(cfg, critic, node, s, model=critic.get("model")) or loss
         tp = int(node.get("tensor_model_parallel_size", 1) or 1)
         parallel = (f"megatron TP {tp} (sequence parallel {bool(node.get('sequence_parallel', False)) and tp > 1}), "
-                    f"PP {node.get('pipeline_model_parallel_size', 1)}, built by "
+                    f"PP {node.get('pipeline_model_parallel_size', 1)}, CP {node.get('context_parallel_size', 1)}, "
+                    "built by "
                     f"{'mbridge' if node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
     else:
         sp = int(node.get("ulysses_sequence_parallel_size", None) or critic.get("ulysses_sequence_parallel_size", 1)
