@@ -195,7 +195,7 @@ def test_megatron_preset_composes_and_zorro_lines_pass():
 
 
 @pytest.mark.parametrize("override, words", [
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context parallelism"),
+    ("actor_rollout_ref.actor.megatron.dynamic_context_parallel=true", "dynamic context parallelism"),
     ("actor_rollout_ref.model.lora.rank=8 actor_rollout_ref.model.lora.dropout=0.1", "model.lora.dropout=0"),
     ("actor_rollout_ref.actor.megatron.zorro.logits_optimization=memory", "logits_optimization=memory"),
 ])
@@ -208,6 +208,15 @@ def test_megatron_refusals_fail_and_say_why(override, words):
         assert c.status == "FAIL" and words in c.detail, c
     warn = _megatron_checks([*override.split(), "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])
     assert warn["zorro (actor)"].status == "note" and "zorro/fallback_batches" in warn["zorro (actor)"].detail
+
+
+def test_megatron_static_context_parallel_ok():
+    """Static context parallelism runs on the zorro Megatron actor and reference (the ref reads the actor's layout):
+    no FAIL, and the line says the CP size."""
+    checks = _megatron_checks(["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+    for role in ("actor", "ref"):
+        c = checks[f"zorro ({role})"]
+        assert c.status == "ok" and "CP 2" in c.detail, c
 
 
 def test_megatron_virtual_pipeline_and_fused_kernels_ok():
@@ -231,7 +240,7 @@ def test_megatron_disabled_and_overrides_only_launch():
     checks = _megatron_checks(overrides, "ppo_trainer")
     assert checks["zorro (actor)"].status == "ok" and checks["zorro (ref)"].status == "ok"
     assert "megatron-core" in checks
-    assert _megatron_checks(overrides + ["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+    assert _megatron_checks(overrides + ["actor_rollout_ref.actor.megatron.dynamic_context_parallel=true"],
                             "ppo_trainer")["zorro (actor)"].status == "FAIL"
     # without the zorro node, verl's Megatron config runs the stock engine
     assert _megatron_checks(["model_engine=megatron"], "ppo_trainer")["zorro (actor)"].status == "note"
@@ -284,11 +293,13 @@ def test_megatron_critic_line_and_documented_critic_overrides():
     assert "built by Megatron-Bridge" in c.detail, c
     off = _megatron_checks(gae + ["actor_rollout_ref.actor.megatron.zorro.enable=false"])["zorro (critic)"]
     assert off.status == "note" and "stock critic" in off.detail, off
-    cp = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2"])["zorro (critic)"]
-    assert cp.status == "FAIL" and "context parallelism" in cp.detail, cp
-    warn = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2",
+    cp = _megatron_checks(gae + ["critic.megatron.dynamic_context_parallel=true"])["zorro (critic)"]
+    assert cp.status == "FAIL" and "dynamic context parallelism" in cp.detail, cp
+    warn = _megatron_checks(gae + ["critic.megatron.dynamic_context_parallel=true",
                                    "actor_rollout_ref.actor.megatron.zorro.on_unsupported=warn"])["zorro (critic)"]
     assert warn.status == "note", warn
+    static = _megatron_checks(gae + ["critic.megatron.context_parallel_size=2"])["zorro (critic)"]
+    assert static.status == "ok" and "CP 2" in static.detail, static  # static CP runs on the critic
     text = (REPO_ROOT / "docs" / "verl-megatron.md").read_text()
     block = re.search(r"<!-- zorro-megatron-critic-overrides -->\s*```bash\n(.*?)```", text, re.S)
     assert block, "docs/verl-megatron.md lost its critic overrides block"

@@ -317,7 +317,8 @@ def _lm_role_check(cfg, device: torch.device, role: str) -> Check:
         # verl turns sequence parallelism off at TP = 1 (McoreEngineConfig.__post_init__)
         detail += (f"; megatron TP {tp} (sequence parallel "
                    f"{bool(engine_node.get('sequence_parallel', False)) and tp > 1}), PP "
-                   f"{engine_node.get('pipeline_model_parallel_size', 1)}, built by "
+                   f"{engine_node.get('pipeline_model_parallel_size', 1)}, CP "
+                   f"{engine_node.get('context_parallel_size', 1)}, built by "
                    f"{'mbridge' if engine_node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
     lora_rank = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
     if lora_rank > 0 and strategy != "megatron":  # supported: say so, with what the run will do for the reference
@@ -373,7 +374,8 @@ def _critic_check(cfg, device: torch.device) -> Check | None:
         reason = _megatron_unsupported(cfg, critic, node, s, model=critic.get("model")) or loss
         tp = int(node.get("tensor_model_parallel_size", 1) or 1)
         parallel = (f"megatron TP {tp} (sequence parallel {bool(node.get('sequence_parallel', False)) and tp > 1}), "
-                    f"PP {node.get('pipeline_model_parallel_size', 1)}, built by "
+                    f"PP {node.get('pipeline_model_parallel_size', 1)}, CP {node.get('context_parallel_size', 1)}, "
+                    "built by "
                     f"{'mbridge' if node.get('vanilla_mbridge', False) else 'Megatron-Bridge'}")
     else:
         sp = int(node.get("ulysses_sequence_parallel_size", None) or critic.get("ulysses_sequence_parallel_size", 1)

@@ -181,10 +181,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "`keep_minibatch` balancing", "the whole-group placement decides mini-batch composition itself", "batch",
             _V09 + "balance", "group balance does not support keep_minibatch balancing"),
     # ---------------------------------------------------------------- verl 0.9 Megatron engine
-    Refusal("megatron.context_parallel", _MCORE_ENGINE, "context parallelism (`context_parallel_size > 1`, "
-            "`dynamic_context_parallel`) in the engine", "zorro's CP attention runs in the GPTModel step; the "
-            "engine at CP > 1 (Megatron-Bridge's per-token loss regime) is not wired to it yet", "start",
-            _V09 + "megatron_checks", "the verl engine at CP > 1 is not wired to it yet"),
+    Refusal("megatron.dynamic_context_parallel", _MCORE_ENGINE, "dynamic context parallelism "
+            "(`dynamic_context_parallel`)", "verl's DynamicCPScheduler re-packs the ordinary rows into its own "
+            "per-rank sequences and CP sizes; zorro's packed row runs on a static CP group (`context_parallel_size > "
+            "1` runs)", "start", _V09 + "megatron_checks",
+            "dynamic context parallelism (dynamic_context_parallel=True)"),
+    Refusal("megatron.context_parallel_moe", _MCORE_ENGINE, "MoE models under context parallelism",
+            "megatron's expert dispatch over the CP shards has not been compared with the stock engine", "model",
+            _V09 + "megatron_engine", "MoE models under context parallelism"),
     Refusal("megatron.router_replay", _MCORE_ENGINE, "router replay (`router_replay.mode != disabled`)",
             _ORDINARY_ROUTES, "start", _V09 + "megatron_checks", "router replay (router_replay.mode="),
     Refusal("megatron.router_replay_data", _MCORE_ENGINE, "batches with router-replay data (`routed_experts`, "
@@ -206,10 +210,11 @@ REFUSALS: tuple[Refusal, ...] = (
             "zorro's Megatron step runs attention and gated delta-net layers only (gated delta-net hybrids such as "
             "Qwen3.5 run; the FSDP engine runs Mamba hybrids)", "start", _V09 + "megatron_checks",
             "Mamba hybrid models on the Megatron engine"),
-    Refusal("megatron.per_token_loss", _MCORE_ENGINE, "`calculate_per_token_loss`",
-            "the MoE router's losses are normalised by the ordinary token count (the step scales them as megatron "
-            "does; tested at model level only)", "model", _V09 + "megatron_engine",
-            "calculate_per_token_loss=True (megatron's per-token regime"),
+    Refusal("megatron.per_token_loss", _MCORE_ENGINE, "`calculate_per_token_loss` with MoE router losses on "
+            "(aux / global aux / z loss)", "megatron's per-token regime scales the router's losses by the "
+            "micro-batch's token count; not proved for zorro's multiplicity-weighted statistics (dense models and "
+            "routers without losses run the regime exactly)", "model", _V09 + "megatron_engine",
+            "calculate_per_token_loss=True with MoE router losses on"),
     Refusal("megatron.legacy_fused", _MCORE_ENGINE, "`use_fused_kernels` with verl's legacy fused forward "
             "(megatron-core without `output_processor`)", "it replaces `GPTModel.forward`", "model",
             _V09 + "megatron_engine", "verl's legacy fused forward"),

@@ -13,6 +13,10 @@ brackets as in the code).
   built without TE: each provider gets the bridge's own ``local_layer_spec`` (megatron's local modules), set by a wrap
   of ``AutoBridge.to_megatron_provider``; a provider whose spec is a whole decoder block (DeepSeek's:
   ``get_gpt_decoder_block_spec``, dense first layers, multi-latent attention) gets that block without TE.
+* [B2] under context parallelism (``context_parallel_size > 1``) the local spec's core attention is zorro's subclass
+  of megatron's ``DotProductAttention`` (``zorro_layer_spec``), which is built on a CP = 1 copy of the config past
+  the local class's CP assertion and refuses every non-zorro call: only zorro runs at CP > 1 on the CPU (megatron's
+  CP attention is Transformer Engine's).
 * [L1] the bridge's PEFT module decides ``HAVE_TE`` from names that megatron-core defines as ``None`` without TE;
   set it False so its ``isinstance`` checks skip TE classes.
 
@@ -109,7 +113,6 @@ def _local_spec_providers() -> None:
     core attention: P9); a hybrid block (Qwen3.5's gated delta-nets, which megatron builds on TE only) the CPU
     stand-in of tests/support/megatron_gdn.py (G1, G2)."""
     from megatron.bridge import AutoBridge
-    from megatron.bridge.models.gpt_provider import local_layer_spec
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_block_with_experimental_attention_variant_spec,
     )
@@ -129,10 +132,22 @@ def _local_spec_providers() -> None:
             kw = {k: v for k, v in spec.keywords.items() if k != "use_transformer_engine"}
             provider.transformer_layer_spec = partial(_local_block_spec, **kw)
         else:
-            provider.transformer_layer_spec = local_layer_spec
+            provider.transformer_layer_spec = _local_or_cp_spec
         return provider
 
     AutoBridge.to_megatron_provider = to_megatron_provider
+
+
+def _local_or_cp_spec(config):
+    """B1's layer spec: the bridge's ``local_layer_spec``; B2: with zorro's core attention under context parallelism."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    spec = local_layer_spec(config)
+    if getattr(config, "context_parallel_size", 1) > 1:
+        from zorro_verl.integrations.megatron import zorro_layer_spec
+
+        spec = zorro_layer_spec(spec)
+    return spec
 
 
 def _local_block_spec(config, vp_stage=None, **kw):

@@ -218,8 +218,8 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     ``model_type="value_model"``: the critic's engine (zorro's ``ZorroMegatronEngineWithValueHead``): the model's
     ``output_layer`` a fresh value head (verl's value-model hook). ``engine_cls``: build this class instead of the
     registry's (e.g. verl's own ``MegatronEngineWithValueHead`` as the stock reference).
-    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline, expert or expert
-    tensor parallel size change."""
+    Megatron's model-parallel groups are rebuilt when ``tp`` / ``pp`` / the virtual pipeline, expert, expert
+    tensor or context parallel size change."""
     from megatron.core import parallel_state as mpu
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -238,11 +238,13 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
     vpp = (engine_kwargs or {}).get("virtual_pipeline_model_parallel_size")
     ep = (engine_kwargs or {}).get("expert_model_parallel_size", 1)
     etp = (engine_kwargs or {}).get("expert_tensor_parallel_size") or tp
+    cp = (engine_kwargs or {}).get("context_parallel_size", 1)
     if mpu.model_parallel_is_initialized() and (mpu.get_tensor_model_parallel_world_size() != tp
                                                 or mpu.get_pipeline_model_parallel_world_size() != pp
                                                 or mpu.get_virtual_pipeline_model_parallel_world_size() != vpp
                                                 or mpu.get_expert_model_parallel_world_size() != ep
-                                                or mpu.get_expert_tensor_parallel_world_size() != etp):
+                                                or mpu.get_expert_tensor_parallel_world_size() != etp
+                                                or mpu.get_context_parallel_world_size() != cp):
         mpu.destroy_model_parallel()
     model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=remove_padding,
                                  model_type=model_type, **(model_kwargs or {}))

@@ -407,15 +407,20 @@ def zorro_gpt_values(model: torch.nn.Module, plan: ZorroPlan, values: torch.Tens
     """The values of the plan's response-predicting positions (the last prompt token and every response token but
     the last: where verl reads a critic's values) from the last stage's output of
     ``zorro_gpt_forward(..., value_head=True)``, ``values [Nh, 1, 1]`` -> ``[N]``, original row order (a prefix
-    tree's shared rows expanded per output), identical on every TP rank; ``plan.to_padded`` gives ``[B, R]``."""
+    tree's shared rows expanded per output), identical on every TP rank; ``plan.to_padded`` gives ``[B, R]``. Under
+    context parallelism ``values`` holds this rank's rows (``[Nh_s, 1, 1]``), gathered back to ``[N]`` on every CP
+    rank (backward: this rank's rows only, as :func:`zorro_gpt_logprobs`)."""
     gpt = find_gpt_model(model)
-    keep = plan.logit_index if plan.head_index is None else plan.head_index
+    shard = _cp_shard(gpt, plan)
+    src = plan if shard is None else shard  # under CP: this rank's rows, gathered back to [N] below
+    keep = src.logit_index if src.head_index is None else src.head_index
     if not gpt.post_process or values.dim() != 3 or values.shape != (keep.numel(), 1, 1):
         raise ValueError(f"values: expected the last stage's value-head output [{keep.numel()}, 1, 1], got "
                          f"{tuple(values.shape)}. Pass what zorro_gpt_forward(..., value_head=True) returned on the "
                          "last pipeline stage.")
     out = values[:, 0, 0]
-    return out if plan.head_inverse is None else out[plan.head_inverse]
+    out = out if src.head_inverse is None else out[src.head_inverse]
+    return out if shard is None else gather_cp_rows(out, shard)
 
 
 def zorro_gpt_logprobs(model: torch.nn.Module, plan: ZorroPlan, logits: torch.Tensor, *, temperature: float = 1.0,

@@ -26,8 +26,8 @@ def test_verl_defaults_pass():
 
 
 @pytest.mark.parametrize("engine, model, says", [
-    ({"context_parallel_size": 2}, {}, "context_parallel_size=1"),
-    ({"dynamic_context_parallel": True}, {}, "context parallelism"),
+    ({"dynamic_context_parallel": True}, {}, "dynamic context parallelism (dynamic_context_parallel=True)"),
+    ({"dynamic_context_parallel": True, "pipeline_model_parallel_size": 1}, {}, "DynamicCPScheduler"),
     ({"router_replay": {"mode": "R3"}}, {}, "router_replay.mode=disabled"),
     ({"router_replay": {"mode": "R2"}}, {}, "per token of the ordinary rows"),
     ({}, {"mtp": {"enable": True}}, "multi-token prediction"),
@@ -40,6 +40,14 @@ def test_verl_defaults_pass():
 def test_refusals_name_the_setting(engine, model, says):
     reason = megatron_setup_unsupported({**DEFAULT_ENGINE, **engine}, {**DEFAULT_MODEL, **model})
     assert reason is not None and says in reason, reason
+
+
+def test_static_context_parallelism_runs():
+    """Static CP (``context_parallel_size > 1``, with or without pipeline stages) is no start-time refusal (exact
+    through the actor's and the critic's engines: tests/integrations/megatron/test_engine_cp.py)."""
+    assert megatron_setup_unsupported({**DEFAULT_ENGINE, "context_parallel_size": 2}, DEFAULT_MODEL) is None
+    engine = {**DEFAULT_ENGINE, "context_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    assert megatron_setup_unsupported(engine, DEFAULT_MODEL) is None
 
 
 def test_gated_delta_net_hybrids_run():

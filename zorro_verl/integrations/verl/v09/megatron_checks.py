@@ -26,12 +26,11 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
             return default
         return cfg.get(key, default) if hasattr(cfg, "get") and not hasattr(cfg, key) else getattr(cfg, key, default)
 
-    cp = int(get(engine_config, "context_parallel_size", 1) or 1)
-    if cp > 1 or get(engine_config, "dynamic_context_parallel", False):
-        return (f"context parallelism (context_parallel_size={cp}, dynamic_context_parallel="
-                f"{bool(get(engine_config, 'dynamic_context_parallel', False))}): zorro's context-parallel attention "
-                "runs in its GPTModel step (zorro_gpt_forward), but the verl engine at CP > 1 is not wired to it yet "
-                "(Megatron-Bridge turns on megatron's per-token loss regime there); set context_parallel_size=1")
+    if get(engine_config, "dynamic_context_parallel", False):
+        return ("dynamic context parallelism (dynamic_context_parallel=True): verl's DynamicCPScheduler re-packs the "
+                "ordinary rows into its own per-rank sequences and CP sizes, and zorro's packed row (one copy per "
+                "unique prompt, split over a static CP group) is not wired to it; use static context parallelism "
+                "(context_parallel_size > 1, dynamic_context_parallel=False) or run this job without zorro")
     router = get(engine_config, "router_replay", None)
     mode = get(router, "mode", "disabled") if router is not None else "disabled"
     if mode != "disabled":

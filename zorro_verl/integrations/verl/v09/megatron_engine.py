@@ -22,11 +22,19 @@ the last chunk of the last stage. ``use_fused_kernels=True``: verl's fused head 
 every row) is not used by a zorro micro-batch; zorro's own head at the response-predicting rows replaces it (the
 memory point of the fused kernel), and the stock fallback keeps verl's fused path.
 
+Static context parallelism (``context_parallel_size > 1``): every CP rank of a DP rank builds the same plan and runs
+its zigzag share of the packed row (:func:`zorro_gpt_forward`; keys / values exchanged in the core attention), the
+log-probs gathered back to every CP rank, verl's loss on the whole micro-batch on each; megatron's schedule and
+finalize then reduce the gradients over DP x CP as for the stock engine. In megatron's per-token loss regime
+(``calculate_per_token_loss``) the count each CP rank reports is its exact share of the micro-batch's ordinary
+tokens (:func:`_cp_token_share`; docs/design/megatron.md "The Megatron engine under context parallelism").
+
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
-run exactly are refused at engine start (context parallelism, multi-token prediction, router replay, per-token loss,
-LoRA dropout, vision-language and hybrid models; when the model is built, MoE router statistics zorro does not count
-by multiplicity — sequence-level aux loss, token dropping, ... —, MLA settings zorro has not checked (fused MLA RoPE)
-and per-token random ops in training: dropout, MoE input jitter), or with ``on_unsupported = warn`` run the stock
+run exactly are refused at engine start (dynamic context parallelism,
+multi-token prediction, router replay, LoRA dropout, vision-language and hybrid models; when the model is built, MoE
+router statistics zorro does not count by multiplicity — sequence-level aux loss, token dropping, ... —, MoE models
+under CP, MoE router losses in the per-token loss regime, MLA settings zorro has not checked (fused MLA RoPE, CP) and
+per-token random ops in training: dropout, MoE input jitter), or with ``on_unsupported = warn`` run the stock
 forward, warn once and count the batch in ``zorro/fallback_batches`` (the zorro core attention delegates every call
 without a zorro plan to the layer's own). Every per-batch check that can fail on one rank (layout, positions,
 temperatures) runs before the ranks agree.
@@ -53,6 +61,7 @@ from zorro_verl.integrations.megatron import (
     zorro_gpt_forward,
     zorro_gpt_logprobs,
 )
+from zorro_verl.integrations.megatron.moe import check_moe_statistics
 from zorro_verl.integrations.megatron.step import check_zorro_gpt, stochastic_unsupported
 from zorro_verl.integrations.verl.common import ZorroActorMixin
 from zorro_verl.integrations.verl.settings import settings_of
@@ -68,6 +77,9 @@ from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsu
 __all__ = ["ZorroMegatronEngineWithLMHead", "MEGATRON_FIX_HINT"]
 
 logger = logging.getLogger(__name__)
+
+#: the MoE router statistics that are losses (normalised by a token count; refused in the per-token regime)
+_ROUTER_LOSSES = frozenset({"aux_loss", "global_aux_loss", "z_loss"})
 
 #: How a user of verl's Megatron engine switches zorro off or to ``warn`` (quoted in refusals).
 MEGATRON_FIX_HINT = ("disable zorro (actor_rollout_ref.actor.megatron.zorro.enable=false, and the ref's), or set "
@@ -88,11 +100,13 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         self._zorro_setup(settings_of(engine_config), get_device_name())
         if not self.zorro.enable:
             return
-        logger.warning("zorro: Megatron engine active (%s; backend=%s, logits=%s, on_unsupported=%s, tp=%d, pp=%d)",
+        logger.warning("zorro: Megatron engine active (%s; backend=%s, logits=%s, on_unsupported=%s, tp=%d, pp=%d, "
+                       "cp=%d)",
                        "deduplicated forward" if self._zorro_static_reason is None
                        else f"stock forward: {self._zorro_static_reason}", self._zorro_backend,
                        self.zorro.logits_optimization, self.zorro.on_unsupported,
-                       engine_config.tensor_model_parallel_size, engine_config.pipeline_model_parallel_size)
+                       engine_config.tensor_model_parallel_size, engine_config.pipeline_model_parallel_size,
+                       engine_config.context_parallel_size)
 
     # ------------------------------------------------------------------ support checks
     def _zorro_static_unsupported(self):
@@ -100,17 +114,29 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
 
     def _zorro_model_unsupported(self) -> Optional[str]:
         """Refusals that need the built model: each chunk's ``GPTModel`` (position embedding, MLA, MoE statistics,
-        megatron-core's ``output_processor``), verl's per-token loss regime, per-token random ops (dropout, MoE input
-        jitter) on an engine that trains, verl's fused forward patched over ``GPTModel.forward``."""
-        if self.tf_config is not None and getattr(self.tf_config, "calculate_per_token_loss", False):
-            return ("calculate_per_token_loss=True (megatron's per-token regime normalises the MoE router's losses by "
-                    "the micro-batch's ordinary token count)")
+        megatron-core's ``output_processor``), MoE models under context parallelism, MoE router losses in megatron's
+        per-token loss regime, per-token random ops (dropout, MoE input jitter) on an engine that trains, verl's fused
+        forward patched over ``GPTModel.forward``."""
+        cp = self.engine_config.context_parallel_size
         for chunk in self.module:
             gpt = find_gpt_model(chunk)
             try:
                 check_zorro_gpt(gpt, require_installed=False)
             except ValueError as e:
                 return str(e)
+            if cp > 1 and getattr(gpt.config, "num_moe_experts", None):
+                # zorro's step refuses CP with router statistics on; without them the routing is token-wise, but
+                # megatron's expert dispatch over the CP shards has not been compared with the stock engine
+                return (f"MoE models under context parallelism (context_parallel_size={cp}, num_moe_experts="
+                        f"{gpt.config.num_moe_experts}): not checked against the stock engine yet; set "
+                        "context_parallel_size=1")
+            losses = sorted(check_moe_statistics(gpt) & _ROUTER_LOSSES)
+            if getattr(gpt.config, "calculate_per_token_loss", False) and losses:
+                return (f"calculate_per_token_loss=True with MoE router losses on ({losses}): megatron's per-token "
+                        "regime scales the router's losses by the micro-batch's token count and divides every "
+                        "gradient by the accumulated count, which zorro has not proved for its multiplicity-weighted "
+                        "router statistics; set calculate_per_token_loss=False or turn the router losses off "
+                        "(moe_router_load_balancing_type='none', moe_z_loss_coeff=None)")
             # an engine that trains (not forward_only) would run them; a forward-only engine runs in eval mode
             reason = None if self.engine_config.forward_only else stochastic_unsupported(gpt.config)
             if reason is not None:
@@ -162,6 +188,27 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             install_zorro_megatron(chunk)
 
     # ------------------------------------------------------------------ batch
+    def _zorro_sp_size(self) -> int:
+        """The CP ranks hold the same batch and split its sequence: a dynamic micro-batch's token budget is the
+        per-GPU budget times the CP size (verl's ``sp_size``)."""
+        return self.engine_config.context_parallel_size
+
+    def _zorro_per_token_loss(self) -> bool:
+        """Whether megatron runs its per-token loss regime (``calculate_per_token_loss``: the loss function returns
+        ``(loss_sum, num_tokens, output)`` and ``finalize_model_grads`` divides every gradient by the summed count)."""
+        return bool(getattr(find_gpt_model(self.module[0]).config, "calculate_per_token_loss", False))
+
+    def _zorro_loss_normalisers(self, data, sp_size: int) -> None:
+        """The stock engine's normalisers (``sp_size``, ``batch_num_tokens``, ``dp_size``) and, in the per-token
+        regime, its ``routed_num_tokens``: the ordinary rows' tokens all-reduced over the DP group (verl's
+        ``postprocess_micro_batch_func`` scales each micro-batch's loss by it)."""
+        super()._zorro_loss_normalisers(data, sp_size)
+        if self._zorro_per_token_loss():
+            routed = self._routed_num_tokens(data).to(get_device_id())
+            torch.distributed.all_reduce(routed, op=torch.distributed.ReduceOp.SUM,
+                                         group=self.get_data_parallel_group())
+            tu.assign_non_tensor(data, routed_num_tokens=routed.item())
+
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.zorro.enable:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
@@ -235,6 +282,8 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             plans.pop(id(mb), None)
         out = zorro_gpt_forward(model, plan, backend=self._zorro_backend, value_head=self._zorro_value_model)
         loss_func = partial(postprocess_micro_batch_func, data=batch)
+        if self.engine_config.context_parallel_size > 1 and self._zorro_per_token_loss():
+            loss_func = partial(_cp_token_share, loss_func, int(self._routed_num_tokens(batch)))
         if not find_gpt_model(model).post_process:
             return out, loss_func
         return self._zorro_model_output(model, batch, plan, p, out), loss_func
@@ -252,3 +301,19 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
                                        chunk_size=self.logits_chunk_size)
         return predict_next_outputs(batch, p, plan, logp, ent if calculate_entropy else None)
 
+
+
+def _cp_token_share(loss_func, n_tokens: int, output):
+    """verl's per-token loss function under static CP, with this CP rank's exact share of the micro-batch's
+    ``n_tokens`` ordinary tokens as the count megatron accumulates: ``n // cp``, plus one on the first ``n % cp``
+    ranks, so the CP group's shares sum to ``n`` and ``finalize_model_grads``' divisor is the DP group's routed token
+    count that verl scales every loss by (verl's own share, ``n // cp`` on every rank, falls short by ``n % cp`` per
+    micro-batch and scales every gradient by ``routed / divisor``). ``output``: the micro-batch's model output;
+    returns ``(loss_sum, num_tokens int32, output)`` as verl's."""
+    out = loss_func(output)
+    if len(out) != 3:  # forward only (no loss function): verl's 2-tuple
+        return out
+    loss_sum, _, result = out
+    cp, rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    share = n_tokens // cp + (1 if rank < n_tokens % cp else 0)
+    return loss_sum, torch.tensor(share, dtype=torch.int, device=loss_sum.device), result
