@@ -647,9 +647,9 @@ def e2e_env(n_threads: int = 1) -> dict:
 
 def cpu_overrides(n_workers: int) -> list[str]:
     """Hydra overrides that make ``main_ppo`` run on the CPU: Ray with ``n_workers`` logical GPUs (and logical CPUs
-    enough for placement groups and TransferQueue actors) and without its dashboard, non-flash attention, vLLM without sleep mode and CUDA
-    graphs, a small shared-memory weight-sync bucket (the default makes a 2 GB ``/dev/shm`` segment), one
-    TransferQueue storage unit (the default eight hang a small Ray cluster)."""
+    enough for placement groups and TransferQueue actors) and without its dashboard, non-flash attention, vLLM
+    without sleep mode and CUDA graphs, a small shared-memory weight-sync bucket (the default makes a 2 GB
+    ``/dev/shm`` segment), one TransferQueue storage unit (the default eight hang a small Ray cluster)."""
     return [
         "trainer.device=cpu",
         f"trainer.n_gpus_per_node={n_workers}",
