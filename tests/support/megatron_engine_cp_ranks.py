@@ -28,20 +28,12 @@ from functools import partial
 
 import torch
 
-from tests.support.multi_rank import rank_main
+from tests.support.multi_rank import first_metric, rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 PREFIX = {**ZORRO, "sharing": "prefix", "min_shared_len": 1}
 PER_TOKEN = {"calculate_per_token_loss": True}
 STEPS = 2
-
-
-def _first(v):
-    if isinstance(v, (list, tuple)):
-        v = v[0] if v else None
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    return v
 
 
 def _run(E, eng, td_of) -> dict:
@@ -54,7 +46,7 @@ def _run(E, eng, td_of) -> dict:
     if "model_output" in res:  # (under PP: the last stage)
         out["log_probs"] = E.response_values(res["model_output"]["log_probs"], td)
         out["entropy"] = E.response_values(res["model_output"]["entropy"], td)
-    out["infer_metrics"] = {k: _first(v) for k, v in res.get("metrics", {}).items() if k.startswith("zorro/")}
+    out["infer_metrics"] = {k: first_metric(v) for k, v in res.get("metrics", {}).items() if k.startswith("zorro/")}
     for step in range(1, STEPS + 1):
         with eng.train_mode(zero_grad_on_exit=False):
             tr = eng.train_batch(td_of(), loss_function=E.ppo_loss_fn())
@@ -62,7 +54,7 @@ def _run(E, eng, td_of) -> dict:
             out[f"step{step}/loss"] = float(sum(tr["loss"]))
         out[f"step{step}/grads"] = E.grads(eng)
         out[f"step{step}/params"] = {k: p.detach().clone() for k, p in E.gpt_of(eng).named_parameters()}
-        out[f"step{step}/metrics"] = {k: _first(v) for k, v in tr.get("metrics", {}).items()
+        out[f"step{step}/metrics"] = {k: first_metric(v) for k, v in tr.get("metrics", {}).items()
                                       if k.startswith("zorro/")}
     return out
 
@@ -104,7 +96,7 @@ def _critic_run(E, eng, head: torch.Tensor) -> dict:
         with eng.eval_mode():
             res = eng.infer_batch(make_value_batch(E, seed=step, rows=None, dynamic=False), loss_function=None)
         out[f"step{step}/values"] = E.response_values(res["model_output"]["values"], td)
-        out[f"step{step}/infer_metrics"] = {k: _first(v) for k, v in res.get("metrics", {}).items()
+        out[f"step{step}/infer_metrics"] = {k: first_metric(v) for k, v in res.get("metrics", {}).items()
                                             if k.startswith("zorro/")}
         with eng.train_mode(zero_grad_on_exit=False):
             tr = eng.train_batch(make_value_batch(E, seed=step, rows=None, dynamic=False),
@@ -112,7 +104,7 @@ def _critic_run(E, eng, head: torch.Tensor) -> dict:
         out[f"step{step}/loss"] = float(sum(tr["loss"]))
         out[f"step{step}/grads"] = E.grads(eng)
         out[f"step{step}/params"] = {k: p.detach().clone() for k, p in E.gpt_of(eng).named_parameters()}
-        out[f"step{step}/metrics"] = {k: _first(v) for k, v in tr.get("metrics", {}).items()
+        out[f"step{step}/metrics"] = {k: first_metric(v) for k, v in tr.get("metrics", {}).items()
                                       if k.startswith("zorro/")}
     return out
 

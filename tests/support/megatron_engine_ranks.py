@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from tests.support.multi_rank import rank_main
+from tests.support.multi_rank import first_metric, rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 #: besides Qwen3 (every layout): Qwen2 (q/k/v biases, no q/k norms) and Llama checkpoints, TP = 2 + SP
@@ -58,8 +58,8 @@ def _compare_engines(E, stock, zorro, td_of, rank: int) -> dict:
             out[key] = (z - s).abs().max().item()
         out["n_tokens"] = int(s.numel())
         m = res["zorro"].get("metrics", {})
-        out["dedup_ratio"] = _first(m.get("zorro/dedup_ratio"))
-        out["fallback"] = _first(m.get("zorro/fallback_batches"))
+        out["dedup_ratio"] = first_metric(m.get("zorro/dedup_ratio"))
+        out["fallback"] = first_metric(m.get("zorro/fallback_batches"))
     train = {}
     for name, eng in (("stock", stock), ("zorro", zorro)):
         with eng.train_mode(zero_grad_on_exit=False):
@@ -78,10 +78,10 @@ def _compare_engines(E, stock, zorro, td_of, rank: int) -> dict:
         # verl's per-micro-batch losses; their sum is the mini-batch loss (global normalisers)
         ls, lz = sum(train["stock"]["loss"]), sum(train["zorro"]["loss"])
         out["loss_rel"] = abs(lz - ls) / abs(ls)
-        out["train_fallback"] = _first(train["zorro"]["metrics"].get("zorro/fallback_batches"))
+        out["train_fallback"] = first_metric(train["zorro"]["metrics"].get("zorro/fallback_batches"))
     if "grad_norm" in train["stock"].get("metrics", {}):  # the model-parallel source rank's outputs
-        gn_s = _first(train["stock"]["metrics"]["grad_norm"])
-        gn_z = _first(train["zorro"]["metrics"]["grad_norm"])
+        gn_s = first_metric(train["stock"]["metrics"]["grad_norm"])
+        gn_z = first_metric(train["zorro"]["metrics"]["grad_norm"])
         out["grad_norm_rel"] = abs(gn_z - gn_s) / gn_s
     return out
 
@@ -199,14 +199,6 @@ def _experts_from_checkpoint(gpt, path: str) -> list:
     return held
 
 
-def _first(v):
-    if isinstance(v, (list, tuple)):
-        v = v[0] if v else None
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    return v
-
-
 def run_rank(rank: int, world: int, init_file: str, ckpt: str, layouts: str) -> dict:
     """Every check on each installed bridge (Megatron-Bridge, verl's default, first; then vanilla mbridge):
     ``{bridge: {check: result}}``."""
@@ -291,7 +283,7 @@ def _refusals(E, build, ckpt: str, zorro) -> dict:
     td = batch()
     s = E.response_values(res["stock"]["model_output"]["log_probs"], td)
     w = E.response_values(res["warn"]["model_output"]["log_probs"], td)
-    out["warn_fallback"] = _first(res["warn"]["metrics"].get("zorro/fallback_batches"))
+    out["warn_fallback"] = first_metric(res["warn"]["metrics"].get("zorro/fallback_batches"))
     out["warn_log_probs"] = (w - s).abs().max().item()
     return out
 

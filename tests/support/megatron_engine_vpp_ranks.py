@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from tests.support.multi_rank import rank_main
+from tests.support.multi_rank import first_metric, rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 VPP = {"virtual_pipeline_model_parallel_size": 2}
@@ -39,14 +39,6 @@ def _chunk_grads(engine) -> dict:
     return out
 
 
-def _first(v):
-    if isinstance(v, (list, tuple)):
-        v = v[0] if v else None
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    return v
-
-
 def _compare(E, stock, zorro, td_of) -> dict:
     """infer + train on both engines (``td_of(name)`` builds each engine's batch): max abs diffs of log-probs /
     entropy (last stage), relative loss and grad norm, every chunk's gradients (relative to each parameter's largest
@@ -67,8 +59,8 @@ def _compare(E, stock, zorro, td_of) -> dict:
             out[key] = (z - s).abs().max().item()
         out["n_tokens"] = int(s.numel())
         m = res["zorro"].get("metrics", {})
-        out["dedup_ratio"] = _first(m.get("zorro/dedup_ratio"))
-        out["fallback"] = _first(m.get("zorro/fallback_batches"))
+        out["dedup_ratio"] = first_metric(m.get("zorro/dedup_ratio"))
+        out["fallback"] = first_metric(m.get("zorro/fallback_batches"))
     train = {}
     for name, eng in (("stock", stock), ("zorro", zorro)):
         with eng.train_mode(zero_grad_on_exit=False):
@@ -86,10 +78,10 @@ def _compare(E, stock, zorro, td_of) -> dict:
     if last:
         ls, lz = sum(train["stock"]["loss"]), sum(train["zorro"]["loss"])
         out["loss_rel"] = abs(lz - ls) / abs(ls)
-        out["train_fallback"] = _first(train["zorro"]["metrics"].get("zorro/fallback_batches"))
+        out["train_fallback"] = first_metric(train["zorro"]["metrics"].get("zorro/fallback_batches"))
     if "grad_norm" in train["stock"].get("metrics", {}):
-        gn_s = _first(train["stock"]["metrics"]["grad_norm"])
-        gn_z = _first(train["zorro"]["metrics"]["grad_norm"])
+        gn_s = first_metric(train["stock"]["metrics"]["grad_norm"])
+        gn_z = first_metric(train["zorro"]["metrics"]["grad_norm"])
         out["grad_norm_rel"] = abs(gn_z - gn_s) / gn_s
     return out
 
@@ -192,7 +184,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
         td = _batch(E, dynamic=True)
         s, r = (E.response_values(res[n]["model_output"]["log_probs"], td) for n in ("stock", "ref"))
         out["forward_only_dropout_log_probs"] = (r - s).abs().max().item()
-        out["forward_only_dropout_fallback"] = _first(res["ref"]["metrics"].get("zorro/fallback_batches"))
+        out["forward_only_dropout_fallback"] = first_metric(res["ref"]["metrics"].get("zorro/fallback_batches"))
     dist.barrier()
     return out
 

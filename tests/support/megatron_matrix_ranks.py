@@ -18,10 +18,8 @@ import time
 import traceback
 from functools import partial
 
-import torch
-
 from tests.support.megatron_matrix import case_name, cases_of_world, dp_of
-from tests.support.multi_rank import rank_main
+from tests.support.multi_rank import first_metric, rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 #: verl's Megatron LoRA on every linear layer, B initialised like A (the adapters act from the first step on), as
@@ -66,14 +64,6 @@ def _grads(engine) -> dict:
     return out
 
 
-def _first(v):
-    if isinstance(v, (list, tuple)):
-        v = v[0] if v else None
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    return v
-
-
 def _built(engine) -> dict:
     """What the engine was really built as (the test checks it against the case)."""
     from megatron.core import parallel_state as mpu
@@ -109,8 +99,8 @@ def _compare(E, stock, zorro, td_of) -> dict:
             out[key] = (z - s).abs().max().item()
         out["n_tokens"] = int(s.numel())
         m = res["zorro"].get("metrics", {})
-        out["dedup_ratio"] = _first(m.get("zorro/dedup_ratio"))
-        out["fallback"] = _first(m.get("zorro/fallback_batches"))
+        out["dedup_ratio"] = first_metric(m.get("zorro/dedup_ratio"))
+        out["fallback"] = first_metric(m.get("zorro/fallback_batches"))
     ps, pz = _params(stock), _params(zorro)
     assert ps.keys() == pz.keys()
     out["init_params"] = max((pz[k] - ps[k]).abs().max().item() for k in ps)
@@ -128,10 +118,10 @@ def _compare(E, stock, zorro, td_of) -> dict:
         if last:
             ls, lz = sum(train["stock"]["loss"]), sum(train["zorro"]["loss"])
             out[f"step{step}/loss_rel"] = abs(lz - ls) / abs(ls)
-            out[f"step{step}/train_fallback"] = _first(train["zorro"]["metrics"].get("zorro/fallback_batches"))
+            out[f"step{step}/train_fallback"] = first_metric(train["zorro"]["metrics"].get("zorro/fallback_batches"))
         if "grad_norm" in train["stock"].get("metrics", {}):
-            gn_s = _first(train["stock"]["metrics"]["grad_norm"])
-            gn_z = _first(train["zorro"]["metrics"]["grad_norm"])
+            gn_s = first_metric(train["stock"]["metrics"]["grad_norm"])
+            gn_z = first_metric(train["zorro"]["metrics"]["grad_norm"])
             out[f"step{step}/grad_norm_rel"] = abs(gn_z - gn_s) / gn_s
     out["n_grads"] = len(gs)
     out["grad_chunks"] = sorted({k.split(".")[0] for k in gs})

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from tests.support.multi_rank import rank_main
+from tests.support.multi_rank import first_metric, rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 #: layout -> (TP size, dynamic micro-batches)
@@ -43,14 +43,6 @@ def make_value_batch(E, *, seed: int, rows: slice | None, dynamic: bool):
     td["values"] = values * m
     td["returns"] = returns * m
     return td
-
-
-def _first(v):
-    if isinstance(v, (list, tuple)):
-        v = v[0] if v else None
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    return v
 
 
 def _steps(E, stock, zorro, batch_of, rank: int) -> dict:
@@ -75,8 +67,8 @@ def _steps(E, stock, zorro, batch_of, rank: int) -> dict:
             r["values_scale"] = s.abs().max().item()
             r["n_values"] = int(s.numel())
             m = inf["zorro"].get("metrics", {})
-            r["infer_dedup_ratio"] = _first(m.get("zorro/dedup_ratio"))
-            r["infer_fallback"] = _first(m.get("zorro/fallback_batches"))
+            r["infer_dedup_ratio"] = first_metric(m.get("zorro/dedup_ratio"))
+            r["infer_fallback"] = first_metric(m.get("zorro/fallback_batches"))
         tr = {}
         for name, eng in (("stock", stock), ("zorro", zorro)):
             with eng.train_mode(zero_grad_on_exit=False):
@@ -96,14 +88,15 @@ def _steps(E, stock, zorro, batch_of, rank: int) -> dict:
             r["loss"] = ls
             r["loss_rel"] = abs(lz - ls) / abs(ls)
             mz = tr["zorro"]["metrics"]
-            r["train_dedup_ratio"] = _first(mz.get("zorro/dedup_ratio"))
-            r["train_fallback"] = _first(mz.get("zorro/fallback_batches"))
+            r["train_dedup_ratio"] = first_metric(mz.get("zorro/dedup_ratio"))
+            r["train_fallback"] = first_metric(mz.get("zorro/fallback_batches"))
             r["zorro_metrics"] = sorted(k for k in mz if k.startswith("zorro/"))
             # verl's value loss metrics beside zorro's
             r["stock_metrics"] = sorted(k for k in tr["stock"]["metrics"] if not k.startswith("zorro/"))
             r["zorro_stock_metrics"] = sorted(k for k in mz if not k.startswith("zorro/"))
         if "grad_norm" in tr["stock"].get("metrics", {}):  # the model-parallel source rank's outputs
-            gn_s, gn_z = _first(tr["stock"]["metrics"]["grad_norm"]), _first(tr["zorro"]["metrics"]["grad_norm"])
+            gn_s = first_metric(tr["stock"]["metrics"]["grad_norm"])
+            gn_z = first_metric(tr["zorro"]["metrics"]["grad_norm"])
             r["grad_norm"] = gn_s
             r["grad_norm_rel"] = abs(gn_z - gn_s) / gn_s
         out[f"step{step}"] = r

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["run_ranks", "rank_main"]
+__all__ = ["run_ranks", "rank_main", "first_metric"]
 
 
 def run_ranks(module: str, world: int, args: list, tmp_path, timeout_s: int) -> list:
@@ -59,3 +59,15 @@ def rank_main(run_rank, *arg_types) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def first_metric(v):
+    """A metric as an engine returns it (a value, or a list of one per micro-batch / rank; tensors or floats) ->
+    its first value as a Python number (for a rank's JSON result); an empty list -> None."""
+    import torch
+
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    return v
