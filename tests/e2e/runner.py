@@ -327,12 +327,36 @@ def _shm_entries() -> set:
         return set()
 
 
+def _shm_in_use() -> set:
+    """Names of the ``/dev/shm`` entries that a live process (any, not only this run's) has mapped or open. Two runs
+    side by side share ``/dev/shm``: a segment that appeared during one run may be the other's (vLLM's, or verl's
+    weight bucket, which its receiver opens by name later), and unlinking it would break that run."""
+    used = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", errors="replace") as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        used.add(line[i + 9:].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target[9:].split()[0])
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return used
+
+
 def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, python: str = sys.executable,
                  config_path: Path | None = None, config_name: str = "zorro_ppo_trainer",
                  timeout_s: int = 420) -> RunResult:
     """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` (time limit ``timeout_s``), in its own process
     group and Ray temp dir; afterwards kill what is left of the group, remove the Ray temp dir and the vLLM
-    ``/dev/shm/psm_*`` segments that appeared during the run. Log in ``work/<name>.log``."""
+    ``/dev/shm/psm_*`` segments that appeared during the run and no live process holds (a run beside may). Log in
+    ``work/<name>.log``."""
     import psutil
 
     config_path = config_path or (REPO_ROOT / "configs")
@@ -389,7 +413,9 @@ def run_main_ppo(name: str, overrides: list[str], *, work: Path, env: dict, pyth
                 proc.wait(timeout=30)
     seconds = time.time() - t0
     shutil.rmtree(ray_tmp, ignore_errors=True)
-    for e in _shm_entries() - shm_before:
+    # this run's processes are gone (its group was killed): what it left is no live process's; what another run
+    # side by side made is still mapped by that run, and stays
+    for e in _shm_entries() - shm_before - _shm_in_use():
         try:
             os.unlink(os.path.join("/dev/shm", e))
         except OSError:
