@@ -34,6 +34,8 @@ MEGATRON_ENGINE_LINE = re.compile(r"zorro: Megatron engine active \((deduplicate
 # it is stopped FATAL_GRACE_S seconds later instead of at its time limit
 FATAL = re.compile(r"Worker failed with error|EngineDeadError|Error executing job")
 FATAL_GRACE_S = 20.0
+# lines that name a cause: what RunResult.tail shows of a failed run's log besides its last lines
+_CAUSE = re.compile(r"Error|Exception|Killed|[Ss]ignal|Traceback|No such file")
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 
 
@@ -53,8 +55,12 @@ class RunResult:
     role_peak_gb: dict = field(default_factory=dict)  # process role -> peak RSS of one process of that role (GiB)
 
     def tail(self, n: int = 60) -> str:
+        """The log's last ``n`` lines, after its first lines that name an error (a failed run's last lines are often
+        the driver's own traceback; the cause, e.g. a vLLM engine process's, came earlier)."""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        first = [ln for ln in lines[:-n] if _CAUSE.search(ln)][:12]
+        head = ["[first error lines of the log]", *first, "[last lines]"] if first else []
+        return "\n".join(head + lines[-n:])
 
 
 #: FSDP strategies of verl's FSDP engine: FSDP2, and FSDP1 (``fsdp``, verl's default); ``megatron``: verl's Megatron
