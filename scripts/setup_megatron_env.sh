@@ -31,7 +31,7 @@ TRITON="triton==3.9.0"
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-STAMP_SRC="$(cat pyproject.toml scripts/setup_megatron_env.sh scripts/new_torch_venv.sh | sha256sum | cut -d' ' -f1)"
+STAMP_SRC="$(cat pyproject.toml scripts/setup_megatron_env.sh scripts/check_megatron_env.py scripts/new_torch_venv.sh | sha256sum | cut -d' ' -f1)"
 if [ -x "$PY" ] && [ "$(cat "$VENV/.zorro-megatron-stamp" 2>/dev/null || true)" = "$STAMP_SRC" ]; then
   echo "[setup-megatron] $VENV up to date"
   exit 0
@@ -53,28 +53,6 @@ echo "[setup-megatron] 4/5 $MEGATRON_BRIDGE (no deps, --ignore-requires-python),
 rm -f "$constraints"
 echo "[setup-megatron] 5/5 zorro_verl (editable, no deps)"
 "$PY" -m pip install -q --no-compile --no-warn-conflicts --no-deps -e .
-"$PY" - <<'PY'
-import importlib.metadata as md
-import sys
-import torch
-want = {"torch": "2.13.0", "megatron-core": "0.19.2", "verl": "0.9.1", "mbridge": "0.15.1",
-        "megatron-bridge": "0.6.2", "megatron-energon": "7.4.1", "transformers": "5.10.4"}
-bad = []
-for name, v in want.items():
-    try:
-        got = md.version(name)
-    except md.PackageNotFoundError:
-        got = None
-    if got is None or not got.startswith(v):
-        bad.append(f"{name}: want {v}, got {got}")
-if torch.version.cuda is not None:
-    bad.append(f"torch is a CUDA build ({torch.__version__})")
-if bad:
-    sys.exit("[setup-megatron] broken environment:\n  " + "\n  ".join(bad))
-import megatron.core  # noqa: F401  (an import error fails the script)
-from tests.support import megatron_bridge_cpu  # the bridge imports with the tests' CPU stand-ins
-megatron_bridge_cpu.install()
-print("[setup-megatron] ok:", ", ".join(f"{k} {md.version(k)}" for k in want))
-PY
+"$PY" scripts/check_megatron_env.py
 echo "$STAMP_SRC" > "$VENV/.zorro-megatron-stamp"
 echo "[setup-megatron] built $VENV in $(( $(date +%s) - start )) s"

@@ -3,10 +3,10 @@
 # benchmark's CPU targets (zorro-verl bench --tree), the verl 0.7.1 legacy-actor tests in their own environment
 # (.venv-verl07: verl 0.7.1 pins numpy<2, see setup_verl07_env.sh), the OpenRLHF integration tests in theirs
 # (.venv-openrlhf: openrlhf 0.11.2 pins transformers 5.15, see test_openrlhf.sh), the TRL GRPOTrainer tests in theirs
-# (.venv-trl: trl 1.16 on transformers 5.15, see test_trl.sh), the Megatron tests in theirs
-# (.venv-megatron: megatron-core 0.19.2, see test_megatron.sh), the built wheel installed with verl in a fresh
-# environment (.venv-wheel, see test_wheel.sh), the end-to-end GRPO runs (verl main_ppo + the CPU build of vLLM,
-# zorro vs stock) in theirs (.venv-e2e, see setup_e2e_env.sh), and the CI version of the e2e speed benchmark in the
+# (.venv-trl: trl 1.16 on transformers 5.15, see test_trl.sh), the Megatron tests in .venv-e2e (it holds the
+# Megatron stack of .venv-megatron, megatron-core 0.19.2, see test_megatron.sh), the built wheel installed with verl
+# in a fresh environment (.venv-wheel, see test_wheel.sh), the end-to-end GRPO runs (verl main_ppo + the CPU build
+# of vLLM, zorro vs stock) in .venv-e2e (see setup_e2e_env.sh), and the CI version of the e2e speed benchmark in the
 # same environment (scripts/bench_e2e.sh --quick).
 #
 # Two cores, used both, in two lanes (most stages are single-threaded Python: imports, pip, small tensors; none of
@@ -97,7 +97,7 @@ wait_for() {
   done
   [[ "$(cat "$f")" == ok || "$(cat "$f")" == "0 "* ]] || { echo "[test] $f: $(cat "$f")"; return 1; }
 }
-ENVS="environments (verl 0.7.1, OpenRLHF, TRL, Megatron, e2e)"
+ENVS="environments (verl 0.7.1, OpenRLHF, TRL, e2e + Megatron)"
 # Lane A, in the background: the verl integration tests (engines over gloo, the pairwise matrix; the whole main suite
 # when arguments were given, see below), then, once the environments are built and the OpenRLHF Ray test is over
 # (its raylet timed out at start-up beside a main_ppo run's Ray cluster), the e2e main_ppo runs: one at a time while
@@ -124,9 +124,11 @@ mark() {
   { [[ $rc == 0 ]] && echo ok || echo "failed (exit $rc)"; } > "$f.tmp" && mv "$f.tmp" "$f"
   return $rc
 }
+# (no .venv-megatron: the Megatron suite runs in .venv-e2e, which holds the same Megatron stack for the Megatron
+# main_ppo runs; scripts/test_megatron.sh checks it, ZORRO_MEGATRON_VENV)
 in_background "$ENVS" sequence \
   bash scripts/setup_verl07_env.sh -- bash scripts/setup_openrlhf_env.sh -- bash scripts/setup_trl_env.sh -- \
-  bash scripts/setup_megatron_env.sh -- bash scripts/setup_e2e_env.sh
+  bash scripts/setup_e2e_env.sh
 in_background "lane A: the verl integration tests, then the e2e main_ppo runs" lane_a "$@"
 # Lane B, here: the rest of the main suite, then (environments built) the OpenRLHF tests that start a Ray cluster of
 # their own, then the verl 0.7.1, OpenRLHF, TRL and Megatron suites and the wheel check (their tests assert numbers,
@@ -141,7 +143,8 @@ join "$ENVS"
 mark "$LOGS/ray.done" timed "OpenRLHF on a real Ray cluster" bash scripts/test_openrlhf.sh -k test_ray_loader
 mark "$LOGS/suites.done" timed "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check" sequence \
   bash scripts/test_verl07.sh -- bash scripts/test_openrlhf.sh -k "not test_ray_loader" -- \
-  bash scripts/test_trl.sh -- bash scripts/test_megatron.sh -- bash scripts/test_wheel.sh
+  bash scripts/test_trl.sh -- env ZORRO_MEGATRON_VENV=.venv-e2e bash scripts/test_megatron.sh -- \
+  bash scripts/test_wheel.sh
 join "lane A: the verl integration tests, then the e2e main_ppo runs"
 # The two benchmarks run alone, last.
 timed "prefix-tree benchmark" tree_bench

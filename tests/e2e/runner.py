@@ -459,6 +459,14 @@ def format_table(rows: list[tuple], header: tuple) -> str:
     return "\n".join(lines)
 
 
+def recordings_first(names: list, recorder) -> list:
+    """``names`` with the runs that another of them replays (``recorder(name)``) first, each group in list order:
+    started in that order, the recordings are over by the time the replays run, so the last runs to go are replays
+    that wait for nothing, side by side (not one replay alone after its late recording)."""
+    recs = {recorder(n) for n in names} - {None}
+    return [n for n in names if n in recs] + [n for n in names if n not in recs]
+
+
 def schedule(names: list, parallel, start, recorder, poll_s: float = 2.0) -> None:
     """Runs ``start(name)`` for every name, at most ``parallel`` at a time (threads; an int, or a callable giving the
     current width, read again every ``poll_s`` seconds), in list order except that a run starts only after

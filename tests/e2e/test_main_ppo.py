@@ -65,6 +65,7 @@ from tests.e2e.runner import (  # noqa: E402
     format_table,
     micro_batch_overrides,
     read_rollouts,
+    recordings_first,
     rel_diff,
     run_main_ppo,
     schedule,
@@ -261,7 +262,7 @@ def runs(work, assets):
             print(f"[e2e] {name} log tail ({res.log_path}):\n{res.tail(80)}", flush=True)
         results[name] = res
 
-    schedule(SELECTED, _width, start, _recorder)
+    schedule(recordings_first(SELECTED, _recorder), _width, start, _recorder)
     _report({name: results[name] for name in SELECTED}, assets)
     return results
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.e2e.runner import schedule
+from tests.e2e.runner import recordings_first, schedule
 
 HANG_GUARD_S = 60
 RECORDS = {"zorro": "stock", "zorro_lora": "stock_lora"}
@@ -75,3 +75,10 @@ def test_width_grows_while_runs_go():
 
     schedule(["a", "b", "c"], lambda: 2 if flag.is_set() else 1, start, RECORDS.get, poll_s=0.01)
     assert events[:2] == [("a", 1), ("b", 2)], events
+
+
+def test_recordings_first():
+    names = ["stock", "zorro", "zorro_v0", "stock_lora", "zorro_lora", "lonely"]
+    rec = {"zorro": "stock", "zorro_v0": "stock", "zorro_lora": "stock_lora"}.get
+    assert recordings_first(names, rec) == ["stock", "stock_lora", "zorro", "zorro_v0", "zorro_lora", "lonely"]
+    assert recordings_first([], rec) == []
