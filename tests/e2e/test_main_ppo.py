@@ -4,13 +4,16 @@ FSDP actor and reference model over gloo), stock engine vs the zorro preset.
 Runs (each a subprocess with a time limit, 4 prompts x ``rollout.n`` = 4, reference model + KL loss, entropy bonus,
 fp32 actor/ref, the same seed):
 
-* ``stock``       — the preset with ``zorro.enable=false`` (verl's stock engine), V1 trainer, two training workers
+* ``stock``       — the preset with ``zorro.enable=false`` (verl's stock engines), V1 trainer, two training workers
   (data parallel 2), dynamic batch size, **3 steps of 4 mini-batches x ``ppo_epochs: 2``** (8 optimizer steps per
-  training step, 4 rows each: a prompt's 4 rollouts cannot all sit on one rank of one step); it records every
-  response vLLM returns;
-* ``zorro``       — the same with the zorro preset (default ``group_balance_mode: keep_minibatches``), replaying the
-  stock run's responses, so both runs train on identical rollouts at every step: every step's actor metrics must
-  agree (run-level exactness: same rows in every optimizer step, same normalisers);
+  training step, 4 rows each: a prompt's 4 rollouts cannot all sit on one rank of one step), PPO with a critic
+  (``algorithm.adv_estimator=gae``: verl builds its value-model worker; FSDP2, the critic's mini-batches as the
+  actor's); it records every response vLLM returns;
+* ``zorro``       — the same with the zorro preset (default ``group_balance_mode: keep_minibatches``; the critic's
+  engine follows the actor's zorro switch), replaying the stock run's responses, so both runs train on identical
+  rollouts at every step: every step's actor and critic metrics must agree (run-level exactness: same rows in every
+  optimizer step, same normalisers), and the critic's passes log deduplication without fallback (measured: every
+  bounded metric within 1.6e-5, critic dedup 1.38 as the actor's);
 * ``zorro_v0``    — the preset with the V0 trainer (``trainer.use_v1=false``) on verl's default strategy ``fsdp``
   (FSDP1), one worker, fixed micro-batches, 2 steps of 4 mini-batches (one prompt's rows each; verl's V0 balancing
   orders rows by length, so a prompt's rollouts land in several mini-batches), AdamW;
@@ -26,11 +29,10 @@ fp32 actor/ref, the same seed):
   engines (actor, reference) log zorro's Megatron engine line, every step's metrics agree.
   ``stock_megatron_tp2`` / ``zorro_megatron_tp2`` (opt-in, only when named in ``ZORRO_E2E_RUNS``): the same on two
   workers with TP=2 + sequence parallel.
-* ``stock_critic`` / ``zorro_critic`` — PPO with a critic (``algorithm.adv_estimator=gae``: verl builds its
-  value-model worker, the critic's engine follows the actor's zorro switch in the preset), FSDP2, one worker, V1
-  trainer, dynamic batch size, 2 steps of 2 mini-batches (actor and critic), SGD for both: stock records, zorro
-  replays; every step's actor and critic metrics agree, and the critic's update logs deduplication without
-  fallback (measured: 131 s and 126 s wall, peak 10.4 GiB each, every bounded metric within 1.9e-5).
+
+The GRPO runs (advantages from each prompt's group; no critic) are the V0, LoRA and Megatron runs; the pair above
+carries the critic (one pair of runs fewer than a critic pair of its own, and the critic on two ranks, where
+group-aware balancing has something to keep together).
 
 ``ZORRO_E2E_RUNS`` (comma-separated names) picks a subset; ``ZORRO_E2E_KEEP`` keeps the work dir;
 ``ZORRO_E2E_PARALLEL`` (default 2) runs that many side by side (each its own Ray cluster; a replaying run starts
@@ -101,8 +103,10 @@ def _width() -> int:
 # the level of float rounding get full +-lr updates whose sign follows that rounding; two runs whose sums are merely
 # reassociated (stock with another micro-batch size, measured: 1e-4 grad-norm drift after 5 AdamW steps, 0 with SGD)
 # leave 1e-4 within a few steps. With SGD, rounding stays rounding and any change of which rows share an optimizer
-# step shows at once (the whole_groups run).
-PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=1, epochs=2, strategy="fsdp2", optimizer="SGD")
+# step shows at once (the whole_groups run). With a critic (GAE): its value model on FSDP2, its mini-batches as the
+# actor's, SGD at the actor's lr (0.1; the value head starts random, so its first steps move the values visibly).
+PAIR = dict(v1=True, workers=2, dynamic=True, steps=3, mini=1, epochs=2, strategy="fsdp2", optimizer="SGD",
+            critic=True)
 V0 = dict(zorro=True, v1=False, workers=1, dynamic=False, steps=2, mini=1, epochs=1, strategy="fsdp", optimizer="AdamW")
 # LoRA (rank 8, all-linear) on verl's defaults otherwise: FSDP1, one worker, V1 trainer, 2 mini-batches per step,
 # dynamic batch size; the reference is the actor with its adapter disabled (verl's ref_in_actor); SGD as the pair.
@@ -117,12 +121,6 @@ LORA = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strateg
 MEGATRON = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strategy="megatron", optimizer="SGD",
                 recording="megatron", config="zorro_megatron_trainer", tp=1)
 MEGATRON_TP2 = dict(MEGATRON, workers=2, tp=2, recording="megatron_tp2")
-# PPO with a critic (GAE): the smallest run that exercises every critic phase twice (values, update_critic; the second
-# step's values come from the first step's update): one worker, FSDP2, V1 trainer, dynamic batch size, 2 steps of 2
-# mini-batches for actor and critic (8 rows of 2 whole prompt groups each: one micro-batch per mini-batch), SGD for
-# both (lr 0.1; the value head starts random, so its first steps move the values visibly)
-CRITIC = dict(v1=True, workers=1, dynamic=True, steps=2, mini=2, epochs=1, strategy="fsdp2", optimizer="SGD",
-              critic=True, recording="critic")
 RUNS = {
     "stock": dict(PAIR, zorro=False, rollouts="record"),
     "zorro": dict(PAIR, zorro=True, rollouts="replay"),
@@ -137,14 +135,12 @@ RUNS = {
     # as the TP=1 pair, ~8 min on two cores, and peaks at ~15 GiB): TP=2 + sequence parallel over 2 workers
     "stock_megatron_tp2": dict(MEGATRON_TP2, zorro=False, rollouts="record"),
     "zorro_megatron_tp2": dict(MEGATRON_TP2, zorro=True, rollouts="replay"),
-    "stock_critic": dict(CRITIC, zorro=False, rollouts="record"),
-    "zorro_critic": dict(CRITIC, zorro=True, rollouts="replay"),
 }
 #: runs that only an explicit ZORRO_E2E_RUNS selects
 OPT_IN = ("stock_megatron_tp2", "zorro_megatron_tp2")
 #: (stock run, zorro run) pairs compared step by step on identical (replayed) rollouts
 PAIRS = (("stock", "zorro"), ("stock_lora", "zorro_lora"), ("stock_megatron", "zorro_megatron"),
-         ("stock_megatron_tp2", "zorro_megatron_tp2"), ("stock_critic", "zorro_critic"))
+         ("stock_megatron_tp2", "zorro_megatron_tp2"))
 SELECTED = [r.strip() for r in os.environ.get("ZORRO_E2E_RUNS", ",".join(r for r in RUNS if r not in OPT_IN)).split(",")
             if r.strip()]
 ZORRO_RUNS = [r for r in SELECTED if RUNS[r]["zorro"]]
@@ -352,9 +348,9 @@ def test_engine_and_dedup(e2e_required, runs, name):
         fallbacks = list(fallback_metrics(m).values())
         assert fallbacks and all(v == 0 for v in fallbacks), f"{name} step {step}: fallbacks {fallbacks}"
         saved = [v for k, v in m.items() if k.endswith("zorro/prompt_tokens_saved")]
-        if spec.get("mode") == "whole_groups" or spec["workers"] > 1 or megatron or spec.get("critic"):
+        if spec.get("mode") == "whole_groups" or spec["workers"] > 1 or megatron:
             # whole groups per mini-batch, or rows regrouped across the 2 ranks inside each of verl's mini-batches, or
-            # (Megatron, the critic runs: one rank) mini-batches of 2 whole prompt groups in key order: siblings there
+            # (Megatron: one rank) mini-batches of 2 whole prompt groups in key order: siblings there
             # share a prompt (the logged ratio is a mean over mini-batches and ranks)
             assert dedup > 1.0 and saved and all(v > 0 for v in saved), f"{name} step {step}: {dedup}, {saved}"
         else:  # one rank, verl's own mini-batches: dedup only where verl put siblings together
@@ -398,11 +394,11 @@ def test_rollout_matches_actor_and_kl(e2e_required, runs, name):
 def test_zorro_vs_stock_every_step(e2e_required, runs, pair):
     """Run-level exactness on identical rollouts (replayed): every step's metrics agree within RTOL — the optimizer
     steps saw the same rows, normalisers and reductions, so the weights stay equal up to float rounding. ``stock`` /
-    ``zorro``: 2 DP ranks, verl's balancing, 4 mini-batches x 2 epochs per step, 3 steps; ``stock_lora`` /
+    ``zorro``: 2 DP ranks, verl's balancing, 4 mini-batches x 2 epochs per step, 3 steps, GAE with a critic (also
+    every step's critic metrics: value loss, grad norm, the values and returns of the batch); ``stock_lora`` /
     ``zorro_lora``: LoRA rank 8 on FSDP1 (verl's default strategy), the reference = the actor with its adapter
     disabled, 2 mini-batches per step, 2 steps (the adapter reaches vLLM as verl sends it: the rollout-vs-actor
-    checks above hold on the trained adapter); ``stock_critic`` / ``zorro_critic``: GAE with a critic, also every
-    step's critic metrics (value loss, grad norm, the values and returns of the batch)."""
+    checks above hold on the trained adapter)."""
     s, z = _get(runs, pair[0]), _get(runs, pair[1])
     steps = RUNS[pair[0]]["steps"]
     for step in range(1, steps + 1):
