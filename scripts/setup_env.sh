@@ -18,9 +18,9 @@ STAMP_SRC="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1
 if [ "$(cat .venv/.zorro-stamp 2>/dev/null || true)" != "$STAMP_SRC" ]; then
   echo "[setup] installing torch==2.13.0 (CPU) first, then zorro_verl[dev,verl] (verl 0.9.1)"
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  # --no-compile: Python compiles a module when it is first imported (the tests import a small part of the ~20k
-  # files; compiling all at install took ~1 core-minute, before anything else could start)
-  .venv/bin/python -m pip install -q --no-compile -e ".[dev,verl]" "torch==2.13.0"
+  # compiled at install (no --no-compile): under PYTHONDONTWRITEBYTECODE=1, as on CI, Python never caches what it
+  # compiles at import, and every test process would compile each module it imports again
+  .venv/bin/python -m pip install -q -e ".[dev,verl]" "torch==2.13.0"
   echo "$STAMP_SRC" > .venv/.zorro-stamp
 else
   echo "[setup] .venv up to date"
