@@ -14,5 +14,7 @@ new_torch_venv() {
       fi
     done
   fi
-  "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
+  # compiled at install (torch's dependencies; torch's own files come compiled from MAIN_VENV): under
+  # PYTHONDONTWRITEBYTECODE=1, as on CI, every process would compile sympy again (torch._dynamo imports it)
+  "$venv/bin/python" -m pip install -q "torch==2.13.0"
 }

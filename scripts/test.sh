@@ -11,14 +11,17 @@
 #
 # Two cores, used both, in two lanes (most stages are single-threaded Python: imports, pip, small tensors; none of
 # them measures time). Lane A (background): the verl integration tests, then the e2e main_ppo runs. Lane B (here):
-# the rest of the main suite, then the OpenRLHF tests that start a Ray cluster of their own, then the verl 0.7.1,
-# OpenRLHF, TRL and Megatron suites and the wheel check. The other environments are built (pip) beside both while the
-# main suite runs. The e2e runs start once the environments are built and the Ray test is over, one at a time while
-# lane B's suites run, two side by side after. The two benchmarks run alone, last. A stage in the background writes
-# to a log that is printed when it is joined; a failed stage stops the script (with its log).
+# the rest of the main suite, then the OpenRLHF tests that start a Ray cluster of their own, then the OpenRLHF, TRL,
+# Megatron and verl 0.7.1 suites and the wheel check. The other environments are built (pip) beside both while the
+# main suite runs, in the order the lanes need them; each stage waits only for the environment it runs in. The e2e
+# runs start once .venv-e2e is built and the Ray test is over, one at a time while lane B's suites run, two side by
+# side after. The two benchmarks run alone, last. A stage in the background writes to a log that is printed when it
+# is joined; a failed stage stops the script (with its log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+# .venv with torch first: the other environments hard-link its torch (scripts/new_torch_venv.sh) and start building
+# while the rest of .venv installs (below)
+ZORRO_SETUP_TORCH_ONLY=1 bash scripts/setup_env.sh
 export ZORRO_REQUIRE_VERL=1  # the verl 0.9 tests fail instead of skipping if verl is missing
 LOGS="$(mktemp -d)"
 # a stage that stops the script ends the background ones too, with everything they started (pytest, main_ppo runs)
@@ -97,25 +100,8 @@ wait_for() {
   done
   [[ "$(cat "$f")" == ok || "$(cat "$f")" == "0 "* ]] || { echo "[test] $f: $(cat "$f")"; return 1; }
 }
-ENVS="environments (verl 0.7.1, OpenRLHF, TRL, e2e + Megatron)"
-# Lane A, in the background: the verl integration tests (engines over gloo, the pairwise matrix; the whole main suite
-# when arguments were given, see below), then, once the environments are built and the OpenRLHF Ray test is over
-# (its raylet timed out at start-up beside a main_ppo run's Ray cluster), the e2e main_ppo runs: one at a time while
-# lane B runs the other environments' suites, two side by side after (ZORRO_E2E_WIDEN_AFTER; each run keeps ~1.2 of
-# the two cores busy alone). The runs' time limit is the tests' hang guard (tests.support.HANG_TIMEOUT_S).
-lane_a() {
-  if [[ $# -eq 0 ]]; then
-    timed "main suite: tests/integrations/verl" \
-      python -m pytest -q -p no:cacheprovider --durations=15 tests/integrations/verl || return $?
-  else
-    timed "main suite" python -m pytest -q -p no:cacheprovider --durations=15 tests "$@" || return $?
-  fi
-  wait_for "$LOGS/$(log_key "$ENVS").done" && wait_for "$LOGS/ray.done" || return $?
-  ZORRO_E2E_WIDEN_AFTER="$LOGS/suites.done" timed "e2e main_ppo runs" \
-    .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
-}
-# mark FILE CMD...: runs CMD, then writes "ok" or "failed (exit N)" to FILE (what lane A waits for) and returns CMD's
-# exit status.
+# mark FILE CMD...: runs CMD, then writes "ok" or "failed (exit N)" to FILE (what the other lane waits for) and
+# returns CMD's exit status.
 mark() {
   local f="$1" rc=0
   shift
@@ -124,27 +110,69 @@ mark() {
   { [[ $rc == 0 ]] && echo ok || echo "failed (exit $rc)"; } > "$f.tmp" && mv "$f.tmp" "$f"
   return $rc
 }
+# The environments, built one after another in the background, each marking $LOGS/env-NAME.done when built (or
+# failed): OpenRLHF first (lane B's Ray test needs it when the rest of the main suite is over), then e2e + Megatron
+# (lane A's e2e runs, after the verl integration tests, and the Megatron suite), then TRL and verl 0.7.1 (lane B's
+# later suites). Each stage waits for the environment it needs, not for all of them. An environment that is not
+# built because an earlier one failed is marked failed, so no lane waits for it.
+ENVS="environments (OpenRLHF, e2e + Megatron, TRL, verl 0.7.1)"
+ENV_ORDER=(openrlhf e2e trl verl07)
+build_envs() {
+  local e rc=0
+  for e in "${ENV_ORDER[@]}"; do
+    if [[ $rc == 0 ]]; then
+      echo "[test] > bash scripts/setup_${e}_env.sh"
+      mark "$LOGS/env-$e.done" bash "scripts/setup_${e}_env.sh" || rc=$?
+    else
+      echo "failed (not built: an earlier environment failed)" > "$LOGS/env-$e.done.tmp"
+      mv "$LOGS/env-$e.done.tmp" "$LOGS/env-$e.done"
+    fi
+  done
+  return $rc
+}
+# need_env NAME: waits for the environment NAME (one of ENV_ORDER); when it failed, prints the environments' log.
+need_env() {
+  wait_for "$LOGS/env-$1.done" && return 0
+  join "$ENVS" || true
+  return 1
+}
+# Lane A, in the background: the verl integration tests (engines over gloo, the pairwise matrix; the whole main suite
+# when arguments were given, see below), then, once .venv-e2e is built and the OpenRLHF Ray test is over (its raylet
+# timed out at start-up beside a main_ppo run's Ray cluster), the e2e main_ppo runs: one at a time while lane B runs
+# the other environments' suites, two side by side after (ZORRO_E2E_WIDEN_AFTER; each run keeps ~1.2 of the two
+# cores busy alone). The runs' time limit is the tests' hang guard (tests.support.HANG_TIMEOUT_S).
+lane_a() {
+  if [[ $# -eq 0 ]]; then
+    timed "main suite: tests/integrations/verl" \
+      python -m pytest -q -p no:cacheprovider --durations=15 tests/integrations/verl || return $?
+  else
+    timed "main suite" python -m pytest -q -p no:cacheprovider --durations=15 tests "$@" || return $?
+  fi
+  need_env e2e && wait_for "$LOGS/ray.done" || return $?
+  ZORRO_E2E_WIDEN_AFTER="$LOGS/suites.done" timed "e2e main_ppo runs" \
+    .venv-e2e/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e
+}
 # (no .venv-megatron: the Megatron suite runs in .venv-e2e, which holds the same Megatron stack for the Megatron
 # main_ppo runs; scripts/test_megatron.sh checks it, ZORRO_MEGATRON_VENV)
-in_background "$ENVS" sequence \
-  bash scripts/setup_verl07_env.sh -- bash scripts/setup_openrlhf_env.sh -- bash scripts/setup_trl_env.sh -- \
-  bash scripts/setup_e2e_env.sh
+in_background "$ENVS" build_envs
+source scripts/setup_env.sh  # the rest of .venv (zorro_verl[dev,verl]), beside the environments' builds
 in_background "lane A: the verl integration tests, then the e2e main_ppo runs" lane_a "$@"
-# Lane B, here: the rest of the main suite, then (environments built) the OpenRLHF tests that start a Ray cluster of
-# their own, then the verl 0.7.1, OpenRLHF, TRL and Megatron suites and the wheel check (their tests assert numbers,
-# never durations). A failure here stops the script, and with it lane A (the EXIT trap).
+# Lane B, here: the rest of the main suite, then the OpenRLHF tests that start a Ray cluster of their own, then the
+# OpenRLHF, TRL, Megatron and verl 0.7.1 suites and the wheel check (their tests assert numbers, never durations),
+# each once its environment is built. A failure here stops the script, and with it lane A (the EXIT trap).
 lane_b_rest=0
 if [[ $# -eq 0 ]]; then
   timed "main suite: the rest" python -m pytest -q -p no:cacheprovider --durations=15 tests \
     --ignore=tests/integrations/verl || lane_b_rest=$?
 fi
 [[ $lane_b_rest == 0 ]] || exit $lane_b_rest
-join "$ENVS"
+need_env openrlhf
 mark "$LOGS/ray.done" timed "OpenRLHF on a real Ray cluster" bash scripts/test_openrlhf.sh -k test_ray_loader
-mark "$LOGS/suites.done" timed "verl 0.7.1, OpenRLHF, TRL and Megatron suites, wheel check" sequence \
-  bash scripts/test_verl07.sh -- bash scripts/test_openrlhf.sh -k "not test_ray_loader" -- \
-  bash scripts/test_trl.sh -- env ZORRO_MEGATRON_VENV=.venv-e2e bash scripts/test_megatron.sh -- \
-  bash scripts/test_wheel.sh
+mark "$LOGS/suites.done" timed "OpenRLHF, TRL, Megatron and verl 0.7.1 suites, wheel check" sequence \
+  bash scripts/test_openrlhf.sh -k "not test_ray_loader" -- need_env trl -- bash scripts/test_trl.sh -- \
+  need_env e2e -- env ZORRO_MEGATRON_VENV=.venv-e2e bash scripts/test_megatron.sh -- \
+  need_env verl07 -- bash scripts/test_verl07.sh -- bash scripts/test_wheel.sh
+join "$ENVS"
 join "lane A: the verl integration tests, then the e2e main_ppo runs"
 # The two benchmarks run alone, last.
 timed "prefix-tree benchmark" tree_bench
