@@ -6,7 +6,8 @@
 # is missed). See tests/e2e/bench.py and docs/BENCHMARKS.md ("A real GRPO step").
 #   bash scripts/bench_e2e.sh                # the full run (~10 min on 2 cores)
 #   bash scripts/bench_e2e.sh --docs         # ... and write the table and plot into docs/BENCHMARKS.md
-#   bash scripts/bench_e2e.sh --quick        # the CI version (1 warm-up + 2 measured steps, efficiency >= 0.6)
+#   bash scripts/bench_e2e.sh --quick        # the CI version (stock and zorro with sharing=prompt, 1 warm-up + 2
+#                                            # measured steps, efficiency >= 0.6)
 # Sets up .venv-e2e first (scripts/setup_e2e_env.sh: reused when up to date). Work dir: --out DIR (default: a new
 # temporary directory, printed at the end).
 set -euo pipefail

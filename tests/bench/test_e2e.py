@@ -433,6 +433,19 @@ def test_report_command_line():
         "bash scripts/bench_e2e.sh --quick --compute fp32 --steps 3 --warmup 2"
     assert cmd("--gpu", "qwen3-0.6b") == "bash scripts/gpu_e2e.sh --bench qwen3-0.6b"
     assert cmd("--quick", "--critic") == "bash scripts/bench_e2e.sh --quick --critic"
+    assert cmd("--quick", "--runs", "stock,zorro_prefix") == \
+        "bash scripts/bench_e2e.sh --quick --runs stock,zorro_prefix"
+
+
+def test_quick_runs_the_default_sharing_only():
+    """The CI version (``--quick``) runs stock and zorro with sharing=prompt; the full run adds sharing=prefix;
+    ``--runs`` picks any."""
+    from tests.e2e import bench
+
+    names = lambda *argv: bench.run_names(bench.parser().parse_args(list(argv)))  # noqa: E731
+    assert names("--quick") == ["stock", "zorro"]
+    assert names() == ["stock", "zorro", "zorro_prefix"]
+    assert names("--quick", "--runs", "stock,zorro_prefix") == ["stock", "zorro_prefix"]
 
 
 def test_after_import_runs_every_hook(tmp_path, monkeypatch):

@@ -21,7 +21,8 @@ fp32 actor/ref, the same seed):
   stock by design), one step: on the same step-1 rollouts (seeded by sample), a higher training dedup ratio than
   ``zorro_v0``, and finite, plausible metrics;
 * ``stock_lora`` / ``zorro_lora`` — LoRA (``model.lora_rank=8``, all-linear) on FSDP1, one worker, V1 trainer,
-  dynamic batch size, 2 steps of 2 mini-batches, SGD: stock records, zorro replays; every step's metrics agree.
+  dynamic batch size, 2 steps of 2 mini-batches, SGD: stock records, zorro (``sharing=prefix``, ``min_shared_len``
+  2: the prompts' common chat-template head is a tree node of its own) replays; every step's metrics agree.
 * ``stock_megatron`` / ``zorro_megatron`` — verl's Megatron engine through the ``zorro_megatron_trainer`` preset
   (Megatron-Bridge, verl's default builder; TP=1, fp32), one worker, V1 trainer, dynamic batch size, 2 steps of 2
   mini-batches, SGD: stock (``megatron.zorro.enable=false``, on verl's padded path with megatron's own attention:
@@ -128,7 +129,10 @@ RUNS = {
     # one step: what it checks is step 1's placement (its training dedup against zorro_v0's on the same rollouts)
     "zorro_whole": dict(V0, mode="whole_groups", steps=1),
     "stock_lora": dict(LORA, zorro=False, rollouts="record"),
-    "zorro_lora": dict(LORA, zorro=True, rollouts="replay"),
+    # sharing=prefix: the prompts' common chat-template head ("<|im_start|>user\n") becomes a tree node of its own
+    # (min_shared_len 2; the preset's 64 is longer than these prompts), so the pair checks the prefix tree's run-level
+    # exactness beside LoRA (the benchmark measures its speed, not its numbers)
+    "zorro_lora": dict(LORA, zorro=True, rollouts="replay", sharing="prefix", min_shared=2),
     "stock_megatron": dict(MEGATRON, zorro=False, rollouts="record"),
     "zorro_megatron": dict(MEGATRON, zorro=True, rollouts="replay"),
     # opt-in (not in the default selection, to keep the CI's e2e stage short: the pair costs about as much wall time
@@ -189,6 +193,9 @@ def _overrides(name: str, assets: dict, work: Path) -> list[str]:
         o.append("actor_rollout_ref.actor.fsdp_config.zorro.enable=false")
     if spec.get("mode"):
         o.append(f"actor_rollout_ref.actor.fsdp_config.zorro.group_balance_mode={spec['mode']}")
+    if spec.get("sharing"):  # the reference's zorro settings follow the actor's (the preset's interpolations)
+        o += [f"actor_rollout_ref.actor.fsdp_config.zorro.sharing={spec['sharing']}",
+              f"actor_rollout_ref.actor.fsdp_config.zorro.min_shared_len={spec['min_shared']}"]
     if spec.get("critic"):  # after the actor's keys: adv_estimator replaces base_overrides' grpo
         for item in critic_overrides(assets, strategy=spec["strategy"], optimizer=spec["optimizer"],
                                      lr=spec.get("lr", 0.1), mini=spec["mini"]):
@@ -355,6 +362,9 @@ def test_engine_and_dedup(e2e_required, runs, name):
             assert dedup > 1.0 and saved and all(v > 0 for v in saved), f"{name} step {step}: {dedup}, {saved}"
         else:  # one rank, verl's own mini-batches: dedup only where verl put siblings together
             assert dedup >= 1.0, f"{name} step {step}: {dedup}"
+        if spec.get("sharing") == "prefix":  # a tree above the prompts: their common head is a node of its own
+            depth = [v for k, v in m.items() if k.endswith("zorro/tree_depth")]
+            assert depth and all(v >= 2 for v in depth), f"{name} step {step}: tree depth {depth}"
         hooks = [v for k, v in m.items() if k.endswith("zorro/balance_hooks_missing")]
         assert hooks and all(v == 0 for v in hooks), f"{name} step {step}: the trainer's balance hook did not run"
         # the critic's passes (its update, as verl logs it; its values pass, which zorro's trainer hook routes):
