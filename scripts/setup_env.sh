@@ -16,7 +16,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $PY"
   "$PY" -m venv .venv
 fi
-STAMP_SRC="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+STAMP_SRC="$(cat pyproject.toml scripts/setup_env.sh scripts/uv_install.sh | sha256sum | cut -d' ' -f1)"
 if [ "$(cat .venv/.zorro-stamp 2>/dev/null || true)" != "$STAMP_SRC" ]; then
   if [[ "${ZORRO_SETUP_TORCH_ONLY:-}" == 1 ]]; then
     echo "[setup] installing torch==2.13.0 (CPU) into .venv"
@@ -25,9 +25,8 @@ if [ "$(cat .venv/.zorro-stamp 2>/dev/null || true)" != "$STAMP_SRC" ]; then
   fi
   echo "[setup] installing torch==2.13.0 (CPU) first, then zorro_verl[dev,verl] (verl 0.9.1)"
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  # compiled at install (no --no-compile): under PYTHONDONTWRITEBYTECODE=1, as on CI, Python never caches what it
-  # compiles at import, and every test process would compile each module it imports again
-  .venv/bin/python -m pip install -q -e ".[dev,verl]" "torch==2.13.0"
+  source scripts/uv_install.sh  # through uv, compiled at install (see there)
+  uv_install .venv -e ".[dev,verl]" "torch==2.13.0"
   echo "$STAMP_SRC" > .venv/.zorro-stamp
 else
   echo "[setup] .venv up to date"

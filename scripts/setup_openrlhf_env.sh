@@ -17,6 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/new_torch_venv.sh
+source scripts/uv_install.sh
 VENV="${VENV_OPENRLHF:-.venv-openrlhf}"
 PY="$VENV/bin/python"
 OPENRLHF="openrlhf==0.11.2"
@@ -28,7 +29,7 @@ DEPS=("$TRANSFORMERS" "peft" "einops" "numpy" "sympy" "pylatexenc" "packaging" "
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-STAMP_SRC="$(cat pyproject.toml scripts/setup_openrlhf_env.sh | sha256sum | cut -d' ' -f1)"
+STAMP_SRC="$(cat pyproject.toml scripts/setup_openrlhf_env.sh scripts/uv_install.sh | sha256sum | cut -d' ' -f1)"
 if [ -x "$PY" ] && [ "$(cat "$VENV/.zorro-openrlhf-stamp" 2>/dev/null || true)" = "$STAMP_SRC" ]; then
   echo "[setup-openrlhf] $VENV up to date"
   exit 0
@@ -36,15 +37,15 @@ fi
 start=$(date +%s)
 rm -rf "$VENV"
 new_torch_venv "$VENV" "${MAIN_VENV:-.venv}"  # torch first: nothing below may pull a CUDA build
-"$PY" -m pip install -q --no-compile --no-deps "$OPENRLHF"
+# through uv, compiled at install (scripts/uv_install.sh)
+uv_install "$VENV" --no-deps "$OPENRLHF"
 constraints="$(mktemp)"
 printf 'torch==2.13.0\n%s\n' "$TRANSFORMERS" > "$constraints"
-"$PY" -m pip install -q --no-compile --no-warn-conflicts -c "$constraints" "${DEPS[@]}"  # openrlhf: --no-deps
+uv_install "$VENV" -c "$constraints" "${DEPS[@]}"  # openrlhf: --no-deps
 # an sdist: DS_BUILD_OPS=0 builds no op (DeepSpeed would JIT-compile one on first use), DS_ACCELERATOR=cpu
-DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$PY" -m pip install -q --no-compile --no-warn-conflicts -c "$constraints" \
-  "$DEEPSPEED" torchdata accelerate
+DS_BUILD_OPS=0 DS_ACCELERATOR=cpu uv_install "$VENV" -c "$constraints" "$DEEPSPEED" torchdata accelerate
 rm -f "$constraints"
-"$PY" -m pip install -q --no-compile --no-warn-conflicts --no-deps -e .
+uv_install "$VENV" --no-deps -e .
 "$PY" -m zorro_verl.cli openrlhf install
 "$PY" - <<'PY'
 import importlib.metadata as md

@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/new_torch_venv.sh
+source scripts/uv_install.sh
 VENV="${VENV_TRL:-.venv-trl}"
 PY="$VENV/bin/python"
 TRL="trl==1.16.0"
@@ -17,7 +18,7 @@ DEPS=("$TRL" "$TRANSFORMERS" "peft" "datasets" "accelerate" "pytest" "hypothesis
 [ -d /opt/wheels ] && export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-STAMP_SRC="$(cat pyproject.toml scripts/setup_trl_env.sh | sha256sum | cut -d' ' -f1)"
+STAMP_SRC="$(cat pyproject.toml scripts/setup_trl_env.sh scripts/uv_install.sh | sha256sum | cut -d' ' -f1)"
 if [ -x "$PY" ] && [ "$(cat "$VENV/.zorro-trl-stamp" 2>/dev/null || true)" = "$STAMP_SRC" ]; then
   echo "[setup-trl] $VENV up to date"
   exit 0
@@ -27,9 +28,9 @@ rm -rf "$VENV"
 new_torch_venv "$VENV" "${MAIN_VENV:-.venv}"  # torch first: nothing below may pull a CUDA build
 constraints="$(mktemp)"
 printf 'torch==2.13.0\n%s\n' "$TRANSFORMERS" > "$constraints"
-"$PY" -m pip install -q --no-compile -c "$constraints" "${DEPS[@]}"
+uv_install "$VENV" -c "$constraints" "${DEPS[@]}"  # through uv, compiled at install (scripts/uv_install.sh)
 rm -f "$constraints"
-"$PY" -m pip install -q --no-compile --no-warn-conflicts --no-deps -e .
+uv_install "$VENV" --no-deps -e .
 "$PY" - <<'PY'
 import importlib.metadata as md
 import sys

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/new_torch_venv.sh
+source scripts/uv_install.sh
 VENV="${VENV_VERL07:-.venv-verl07}"
 PY="$VENV/bin/python"
 # What the legacy actor path needs on CPU, and nothing else (verl is installed without its dependencies: its full
@@ -19,12 +20,13 @@ STAMP="$VENV/.zorro-verl07-ready-$(printf '%s\n' "${DEPS[@]}" | md5sum | cut -c1
 if [[ ! -f "$STAMP" ]]; then
   start=$(date +%s)
   [[ -x "$PY" ]] || new_torch_venv "$VENV" "${MAIN_VENV:-.venv}"  # torch first: nothing below may pull a CUDA build
-  "$PY" -m pip install -q --no-compile --no-deps verl==0.7.1
+  # through uv, compiled at install (scripts/uv_install.sh)
+  uv_install "$VENV" --no-deps verl==0.7.1
   constraints="$(mktemp)"
   printf 'torch==2.13.0\nnumpy<2\n' > "$constraints"
-  "$PY" -m pip install -q --no-compile -c "$constraints" "${DEPS[@]}"
+  uv_install "$VENV" -c "$constraints" "${DEPS[@]}"
   rm -f "$constraints"
-  "$PY" -m pip install -q --no-deps -e .
+  uv_install "$VENV" --no-deps -e .
   "$PY" - <<'PY'
 import importlib.metadata as md
 import numpy, torch, transformers, verl.workers.actor.dp_actor  # noqa: F401  the actor path imports
