@@ -12,7 +12,7 @@
 # Two cores, used both, in two lanes (most stages are single-threaded Python: imports, pip, small tensors; none of
 # them measures time). Lane A (background): the verl integration tests, then the e2e main_ppo runs. Lane B (here):
 # the rest of the main suite, then the OpenRLHF tests that start a Ray cluster of their own, then the OpenRLHF, TRL,
-# Megatron and verl 0.7.1 suites and the wheel check. The other environments are built (pip) beside both while the
+# Megatron and verl 0.7.1 suites and the wheel check. The other environments are built (uv) beside both while the
 # main suite runs, in the order the lanes need them; each stage waits only for the environment it runs in. The e2e
 # runs start once .venv-e2e is built and the Ray test is over, one at a time while lane B's suites run, two side by
 # side after. The two benchmarks run alone, last. A stage in the background writes to a log that is printed when it
@@ -100,14 +100,15 @@ wait_for() {
   done
   [[ "$(cat "$f")" == ok || "$(cat "$f")" == "0 "* ]] || { echo "[test] $f: $(cat "$f")"; return 1; }
 }
-# mark FILE CMD...: runs CMD, then writes "ok" or "failed (exit N)" to FILE (what the other lane waits for) and
-# returns CMD's exit status.
+# put_mark FILE TEXT: writes TEXT to FILE whole, then renames it: the other lane never reads a half-written mark.
+put_mark() { echo "$2" > "$1.tmp" && mv "$1.tmp" "$1"; }
+# mark FILE CMD...: runs CMD, then marks FILE "ok" or "failed (exit N)" (what the other lane waits for) and returns
+# CMD's exit status.
 mark() {
   local f="$1" rc=0
   shift
   "$@" || rc=$?
-  # written whole, then renamed: the other lane never reads a half-written mark
-  { [[ $rc == 0 ]] && echo ok || echo "failed (exit $rc)"; } > "$f.tmp" && mv "$f.tmp" "$f"
+  put_mark "$f" "$([[ $rc == 0 ]] && echo ok || echo "failed (exit $rc)")"
   return $rc
 }
 # The environments, built one after another in the background, each marking $LOGS/env-NAME.done when built (or
@@ -124,8 +125,7 @@ build_envs() {
       echo "[test] > bash scripts/setup_${e}_env.sh"
       mark "$LOGS/env-$e.done" bash "scripts/setup_${e}_env.sh" || rc=$?
     else
-      echo "failed (not built: an earlier environment failed)" > "$LOGS/env-$e.done.tmp"
-      mv "$LOGS/env-$e.done.tmp" "$LOGS/env-$e.done"
+      put_mark "$LOGS/env-$e.done" "failed (not built: an earlier environment failed)"
     fi
   done
   return $rc
