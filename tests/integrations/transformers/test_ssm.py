@@ -14,11 +14,13 @@ Tolerances:
 
 import contextlib
 import copy
+import sys
 
 import pytest
 import torch
 
 from tests.recurrent.test_recurrent import _batch
+from tests.support import mamba_ssm_cpu
 from tests.support.recurrent_checks import (
     GRAD_REL_TOL,
     LP_ABS_TOL,
@@ -134,6 +136,68 @@ def test_gradient_checkpointing_refused_where_only_the_root_gets_the_context(kin
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with pytest.raises(ValueError, match="whose model does not pass zorro's step context"):
         zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 3))
+
+
+def _fused_scan_on_cpu(monkeypatch, model):
+    """Where transformers puts mamba-ssm's scan (the mixer module's ``mamba_chunk_scan_combined``), the CPU stand-in;
+    and the stock mixer's fused-path decision (CUDA with mamba-ssm and causal-conv1d) made true on this CPU."""
+    mod = sys.modules[type(ssm.mamba_modules(model)[0][2]).__module__]
+    monkeypatch.setattr(mod, "mamba_chunk_scan_combined", mamba_ssm_cpu.mamba_chunk_scan_combined, raising=False)
+    monkeypatch.setattr(ssm, "stock_runs_fused", lambda m, h: True)
+    mamba_ssm_cpu.CALLS.clear()
+
+
+@pytest.mark.parametrize("kind,groups", [("mamba2", 1), ("bamba", 1), ("falcon_h1", 2)])
+def test_fused_scan_path_fp64(kind, groups, monkeypatch):
+    """Where the stock mixer runs its fused path, zorro's Mamba-2 scan runs mamba-ssm's ``mamba_chunk_scan_combined``
+    as the model's module loaded it (here the CPU stand-in, tests/support/mamba_ssm_cpu.py): per layer one call for
+    the prompts (with their final states) and one for the responses (from them); values and every gradient equal the
+    ordinary per-row forward; nothing counted as a fallback. ``n_groups = 1`` for Mamba2 / Bamba (with more groups
+    their fused norm is grouped: refused by name, below); Falcon-H1 (no gated norm) with 2 groups."""
+    batch = _batch(B=6, G=2, P=11, R=7, seed=11)
+    model = tiny_ssm_model(kind, seed=1, groups=groups)
+    model.train()
+    lp_ref, ent_ref, g_ref = _oracle(model, batch, 7)
+    _fused_scan_on_cpu(monkeypatch, model)
+    install_zorro(model)  # its probe runs the fused path too
+    plan = build_plan(batch["input_ids"], batch["attention_mask"], 7, position_ids=batch["position_ids"])
+    calls = LayerCalls()
+    mamba_ssm_cpu.CALLS.clear()
+    assert_exact_fp64(model, plan, lp_ref, ent_ref, g_ref, calls)
+    assert not calls.fallbacks and calls.recurrent == 2
+    log = mamba_ssm_cpu.CALLS
+    assert [(c["initial_states"], c["final"], c["batch"]) for c in log] == [(False, True, plan.G),
+                                                                          (True, False, plan.B)] * 2
+    assert all(c["x"] == c["B"] == c["dt"] == torch.float64 for c in log)
+
+
+def test_fused_scan_path_keeps_the_model_dtype(monkeypatch):
+    """bf16 model: the fused kernel gets ``x`` / ``B`` / ``C`` in bf16 (no fp32 copies of the row) and the step size in
+    fp32 (softplus and clamp in fp32, as mamba-ssm's kernel computes them)."""
+    batch = _batch(B=4, G=2, P=9, R=5, seed=3)
+    model = tiny_ssm_model("bamba", dtype=torch.bfloat16, seed=1, exact=False, groups=1)
+    model.train()
+    _fused_scan_on_cpu(monkeypatch, model)
+    install_zorro(model)
+    lp, _ = zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 5))
+    assert torch.isfinite(lp).all() and lp.dtype == torch.float32
+    assert mamba_ssm_cpu.CALLS and all(c["x"] == c["B"] == torch.bfloat16 and c["dt"] == torch.float32
+                                       for c in mamba_ssm_cpu.CALLS)
+
+
+def test_fused_path_with_grouped_norm_is_refused(monkeypatch):
+    """Mamba2 with ``n_groups = 2`` where the stock mixer runs fused: its fused norm is grouped, the torch norm zorro
+    calls is not — refused by name."""
+    batch = _batch(B=3, G=1, P=5, R=3)
+    model = tiny_ssm_model("mamba2", seed=0, groups=2)
+    _fused_scan_on_cpu(monkeypatch, model)
+    with pytest.raises(ValueError, match="n_groups = 2 on CUDA with mamba-ssm"):  # at install, by its probe
+        install_zorro(model)
+    uninstall_zorro(model)
+    monkeypatch.setattr(ssm, "stock_runs_fused", lambda m, h: False)  # the torch path: runs
+    install_zorro(model)
+    lp, _ = zorro_step(model, build_plan(batch["input_ids"], batch["attention_mask"], 3))
+    assert torch.isfinite(lp).all()
 
 
 # ---------------------------------------------------------------------------------------------------- fp32
@@ -300,3 +364,40 @@ def test_fused_path_with_grouped_norm_refused_where_the_torch_norm_is_not_groupe
         assert (reason is not None) == refused, (kind, groups, reason)
         if refused:
             assert "normalises the scan output per group" in reason
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ("mamba2", "bamba"))
+def test_gpu_mamba_ssm_bf16_relative_rule(kind):
+    """bf16 on CUDA with mamba-ssm and causal-conv1d installed: the stock mixer runs its fused path (in training
+    mamba-ssm's ``mamba_split_conv1d_scan_combined``), zorro the same library's ``mamba_chunk_scan_combined`` from
+    each prompt's final state; nothing counted as a fallback, and zorro's error vs the fp64 oracle <= 2x (log-probs) /
+    3x (grads) that of the stock bf16 forward."""
+    pytest.importorskip("mamba_ssm", reason="mamba-ssm is not installed here (its fused kernels are the subject)")
+    pytest.importorskip("causal_conv1d", reason="causal-conv1d is not installed here")
+    batch = {k: v.cuda() for k, v in _batch(B=8, G=2, P=150, R=90, seed=6).items()}
+    R = 90
+    # Triton tiles: head dim 32, state 16, 32-token chunks (prompts and responses cross several)
+    m16 = tiny_ssm_model(kind, dtype=torch.float32, seed=5, exact=False, groups=1, hidden=64, ssm_head_dim=32,
+                         state=16, chunk=32).to("cuda", torch.bfloat16)
+    m64 = copy.deepcopy(m16).to(torch.float64)
+    exact_fp64_ssm(m64)
+    mixer = ssm.mamba_modules(m16)[0][2]
+    if not ssm.stock_runs_fused(mixer, torch.zeros(1, device="cuda")):
+        pytest.skip("transformers did not load mamba-ssm's fused path for this family here")
+    for m in (m16, m64):
+        m.train()
+    lp64, _, g64 = _oracle(m64, batch, R)
+    lp_o, _, g_o = _oracle(m16, batch, R)
+    install_zorro(m16)
+    calls = LayerCalls()
+    lp_z, ent_z = zorro_step(m16, build_plan(batch["input_ids"], batch["attention_mask"], R), calculate_entropy=True,
+                             calls=calls)
+    g_z = _grads(m16, lp_z, ent_z)
+    assert "mamba-ssm" not in calls.fallbacks and "causal-conv1d" not in calls.fallbacks, calls.fallbacks
+    up = lambda g: {n: t.double() for n, t in g.items()}  # noqa: E731
+    ref_lp, z_lp = (lp_o.double() - lp64).abs().max().item(), (lp_z.double() - lp64).abs().max().item()
+    ref_g, z_g = max_rel_grad_error(g64, up(g_o))[0], max_rel_grad_error(g64, up(g_z))[0]
+    print(f"{kind} bf16 mamba-ssm: log-probs zorro {z_lp:.3g} vs stock {ref_lp:.3g}; grads {z_g:.3g} vs {ref_g:.3g}")
+    assert z_lp <= 2 * ref_lp and z_g <= 3 * ref_g, (z_lp, ref_lp, z_g, ref_g)

@@ -18,12 +18,18 @@ blocks get kwargs) set it on the mixer for the duration of their call. A layer r
 re-runs its carrier, so checkpointing works where the layer gets the kwarg; where only the root carries it,
 checkpointing is refused.
 
-Kernels: the Mamba-2 scan runs :func:`~zorro_verl.recurrent.chunk_ssd` (torch, fp64 kept in fp64, else fp32 as the
-models' torch path computes), the Mamba v1 scan :func:`~zorro_verl.recurrent.selective_scan` (step by step, as
-transformers' torch path): mamba-ssm's fused kernels are not used by zorro, which on CUDA is warned about once per
-process and counted per layer call in ``LayerCalls.fallbacks["mamba-ssm"]``. The Mamba-2 conv runs causal-conv1d's
-``causal_conv1d_fn`` when the model's module has it (the same contract as the gated delta-net's), else torch's conv1d
-(counted as ``"causal-conv1d"`` on CUDA).
+Kernels follow the path the stock mixer takes. Where it runs its fused CUDA path (mamba-ssm and causal-conv1d
+installed, :func:`stock_runs_fused`), the Mamba-2 scan runs mamba-ssm's ``mamba_chunk_scan_combined`` as the model's
+module loaded it (:func:`~zorro_verl.recurrent.fused_ssd_kernel`: prompts as one batch, then every response from its
+prompt's final state through the kernel's ``initial_states``, whose gradient its backward returns), with ``x`` / ``B``
+/ ``C`` in the model's dtype and the step size in fp32, as the fused kernel computes it. Elsewhere it runs
+:func:`~zorro_verl.recurrent.chunk_ssd` (torch; fp64 kept in fp64, else fp32 as the models' torch path computes); on
+CUDA without mamba-ssm that is warned once per process and counted per layer call in
+``LayerCalls.fallbacks["mamba-ssm"]``, as flash-linear-attention is for the delta-net. The Mamba v1 scan runs
+:func:`~zorro_verl.recurrent.selective_scan` (step by step, as transformers' torch path) on every device: mamba-ssm's
+``selective_scan_fn`` takes no initial state, so a response cannot start from its prompt's state in it (on CUDA warned
+and counted as ``"mamba-ssm"``). The Mamba-2 conv runs causal-conv1d's ``causal_conv1d_fn`` when the model's module has
+it (the same contract as the gated delta-net's), else torch's conv1d (counted as ``"causal-conv1d"`` on CUDA).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch.nn.functional as F
 from zorro_verl.attention.ulysses import heads_to_sequence, sequence_to_heads
 from zorro_verl.integrations.transformers.context import LayerCalls, StepContext, require_context
 from zorro_verl.integrations.transformers.hybrid import _report_fallback, text_config
-from zorro_verl.recurrent import chunk_ssd, packed_causal_conv, packed_selective_scan, packed_ssd
+from zorro_verl.recurrent import chunk_ssd, fused_ssd_kernel, packed_causal_conv, packed_selective_scan, packed_ssd
 
 __all__ = ["MAMBA", "HYBRID", "check_hybrid_supported", "mamba2_gated_output", "mamba_modules", "mamba_sp_unsupported",
            "check_mamba_supported", "is_mamba1", "wrap_mamba",
@@ -357,9 +363,15 @@ def fused_path_unsupported(mod) -> str | None:
 
 
 def ssm_step_size(mod, dt: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """``clamp(softplus(dt + dt_bias))`` ``[.., H]`` in the model's dtype, as the stock mixer computes it: clamped to
-    ``time_step_limit``, or (Nemotron-H's torch path, ``fused`` False) from below at ``time_step_min``."""
-    dt = F.softplus(dt + mod.dt_bias)
+    """``clamp(softplus(dt + dt_bias))`` ``[.., H]`` as the stock mixer computes it: in the model's dtype on its torch
+    path; on its fused path (``fused``) in fp32 (fp64 kept), as mamba-ssm's kernel adds the bias and applies the
+    softplus after loading ``dt``. Clamped to ``time_step_limit``, or (Nemotron-H's torch path, ``fused`` False) from
+    below at ``time_step_min``."""
+    if fused:
+        cdt = torch.float64 if dt.dtype == torch.float64 else torch.float32
+        dt = F.softplus(dt.to(cdt) + mod.dt_bias.to(cdt))
+    else:
+        dt = F.softplus(dt + mod.dt_bias)
     if not fused and type(mod).__name__ in _CLAMP_AT_TIME_STEP_MIN:
         return torch.clamp(dt, mod.time_step_min)
     if mod.time_step_limit is None:  # Zamba2's default: its fused path passes no dt_limit (no clamp)
@@ -373,12 +385,19 @@ def _conv_fn(mod):
     return getattr(sys.modules.get(type(mod).__module__), "causal_conv1d_fn", None)
 
 
-def _report_unused_kernel(calls: LayerCalls) -> None:
+def _scan_fn(mod):
+    """mamba-ssm's ``mamba_chunk_scan_combined`` as the model's module loaded it (None when not installed)."""
+    return getattr(sys.modules.get(type(mod).__module__), "mamba_chunk_scan_combined", None)
+
+
+def _report_mamba1_scan(calls: LayerCalls) -> None:
+    """A Mamba v1 scan on CUDA: zorro runs its torch scan (module docstring); warn once, count every layer call."""
     calls.fallbacks["mamba-ssm"] = calls.fallbacks.get("mamba-ssm", 0) + 1
-    if "mamba-ssm" not in _warned:
-        _warned.add("mamba-ssm")
-        warnings.warn("zorro: on GPU the Mamba-2 scan runs zorro's torch chunked kernel (exact, slower than "
-                      "mamba-ssm's fused kernels, which zorro does not use).", RuntimeWarning, stacklevel=3)
+    if "mamba-ssm-v1" not in _warned:
+        _warned.add("mamba-ssm-v1")
+        warnings.warn("zorro: on GPU the Mamba (v1) scan runs zorro's torch scan (exact, slower): mamba-ssm's "
+                      "selective_scan_fn takes no initial state, so a response cannot start from its prompt's state "
+                      "in it.", RuntimeWarning, stacklevel=3)
 
 
 def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
@@ -429,10 +448,13 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     ctx.calls.recurrent += 1
     dtype = hidden_states.dtype
     gate, xBC, dt = mamba2_projections(self, hidden_states)  # [1, n, I], [1, n, conv_dim], [1, n, H]
-    dt = ssm_step_size(self, dt, fused)  # [1, n, H], model dtype; token-wise, so before any exchange
+    dt = ssm_step_size(self, dt, fused)  # [1, n, H]; token-wise, so before any exchange
     conv_fn = _conv_fn(self) if self.activation in ("silu", "swish") else None
+    scan_fn = _scan_fn(self) if fused else None  # the stock mixer's own scan kernel, where it runs fused
     if hidden_states.is_cuda:
-        _report_unused_kernel(ctx.calls)
+        if scan_fn is None and _scan_fn(self) is None:
+            _report_fallback(ctx.calls, "mamba-ssm", "the Mamba-2 scan runs zorro's torch chunked kernel (exact, "
+                             "slower)", "mamba-ssm")
         if conv_fn is None:
             _report_fallback(ctx.calls, "causal-conv1d", "the packed conv runs torch's conv1d (exact, a little slower)",
                              "causal-conv1d")
@@ -449,13 +471,17 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
         xBC = self.act(packed_causal_conv(xBC, weight, bias, plan))  # [T, conv_dim (this rank's channels)]
     x, B, C = torch.split(xBC, [H * P, G * N, G * N], dim=-1)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x = x.reshape(T, H, P).to(cdt)
     A, D = ssm_decay_rate(self, cdt), self.D
     if heads is not None:
         A, D = A[heads], D[heads]
-    kernel = functools.partial(chunk_ssd, chunk_size=self.chunk_size)
+    if scan_fn is not None:  # x, B, C in the model's dtype (the fused kernel loads them so; no fp32 copies)
+        x = x.reshape(T, H, P)
+        kernel = fused_ssd_kernel(scan_fn, self.chunk_size)
+    else:
+        x = x.reshape(T, H, P).to(cdt)
+        kernel = functools.partial(chunk_ssd, chunk_size=self.chunk_size)
     y = packed_ssd(kernel, x, dt, A, B.reshape(T, G, N), C.reshape(T, G, N), plan)
-    y = y + D[:, None] * x  # the skip term, token-wise, as the model adds it
+    y = y.to(cdt) + D[:, None] * x.to(cdt)  # the skip term, token-wise, as the model adds it
     if shard is not None:
         y = heads_to_sequence(y, shard)  # [L, H, P]
     out = mamba2_gated_output(self, y.reshape(1, n, -1), gate)
@@ -529,8 +555,8 @@ def mamba1_selection(mod, x: torch.Tensor):
 def _mamba_v1_plan(mixer, hidden_states: torch.Tensor, cache_params, attention_mask, zorro_ctx, what: str):
     """The checks every Mamba (v1) mixer wrapper makes before its packed forward, and its plan: the step context
     (passed, or held for the call by the layer / root carrier), no cache or mask, no Ulysses shard (Mamba v1 has no
-    SP path), ``hidden_states [1, T, hidden]`` the packed row; counts the recurrent call (and, on CUDA, the unused
-    mamba-ssm kernel). ``what`` names the layer in the messages."""
+    SP path), ``hidden_states [1, T, hidden]`` the packed row; counts the recurrent call (and, on CUDA, the torch
+    scan: module docstring). ``what`` names the layer in the messages."""
     ctx = zorro_ctx or mixer.__dict__.get("_zorro_layer_ctx") or mixer.__dict__.get("_zorro_root_ctx")
     ctx = require_context(ctx, what)
     if cache_params is not None or attention_mask is not None:
@@ -545,7 +571,7 @@ def _mamba_v1_plan(mixer, hidden_states: torch.Tensor, cache_params, attention_m
                          f"{tuple(hidden_states.shape)}.")
     ctx.calls.recurrent += 1
     if hidden_states.is_cuda:
-        _report_unused_kernel(ctx.calls)
+        _report_mamba1_scan(ctx.calls)
     return plan
 
 
@@ -557,7 +583,7 @@ def zorro_mamba1_forward(self, hidden_states: torch.Tensor, cache_params=None, a
 
     Args: hidden_states ``[1, T, hidden]``. Returns ``[1, T, hidden]`` equal, token for token, to the mixer's output
     on each ordinary row. The scan runs step by step in torch (transformers' torch path does too); mamba-ssm's
-    ``selective_scan_fn`` is not used (counted on CUDA as for Mamba-2).
+    ``selective_scan_fn`` takes no initial state, so it is not used (warned and counted on CUDA).
     """
     plan = _mamba_v1_plan(self, hidden_states, cache_params, attention_mask, zorro_ctx, "zorro Mamba layer")
     dtype = hidden_states.dtype
