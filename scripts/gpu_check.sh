@@ -28,7 +28,9 @@
 #      NCCL), zorro vs stock at the same sharding on 16K prompts x 16 rollouts and 32K x 8 (responses 1-2K tokens),
 #      Qwen3-0.6B-shaped, bf16, flash-attention 2 for stock, gradient checkpointing on both sides: step and log-prob
 #      pass times, ideal, efficiency, tokens and all-to-all bytes per rank (counted = cost model is checked). Needs
-#      2+ GPUs, verl 0.9 and flash-attn; skipped otherwise (the CPU run, --long, covers the row's bookkeeping).
+#      2+ GPUs, verl 0.9 and flash-attn; skipped otherwise (the CPU run, --long, covers the row's bookkeeping);
+#      and verl 0.9's Megatron engine at CP = 2 (--long-engine verl-megatron: stock = Transformer Engine's CP
+#      attention, zorro = its varlen CP attention on the flash kernels; needs Megatron-Bridge and TE).
 # The tables are printed last. Results go to $OUT (the device tool's folder) or ./bench-out.
 # Needs only torch + transformers (+ pytest) on the machine; nothing is downloaded.
 set -uo pipefail
@@ -122,6 +124,18 @@ else
         --json "$OUT_DIR/gpu_long.json" 2>&1 | tee "$OUT_DIR/gpu_long.log"
     LONG_RC=${PIPESTATUS[0]}
 fi
+echo "== long-context rows (--long --long-engine verl-megatron --preset gpu: verl Megatron engine, CP = 2)"
+if [ "$NGPU" -lt 2 ]; then
+    echo "skipped: CP = 2 runs one rank per GPU and $NGPU GPU(s) are visible" | tee "$OUT_DIR/gpu_long_megatron.log"
+elif ! "$PY" -c "import verl, megatron.bridge, transformer_engine" 2>/dev/null; then
+    echo "skipped: verl 0.9, Megatron-Bridge and Transformer Engine are needed for the stock CP engine" \
+        | tee "$OUT_DIR/gpu_long_megatron.log"
+else
+    timeout 900 "$PY" -m zorro_verl.bench --long --long-engine verl-megatron --preset gpu --reps 3 --warmup 1 \
+        --json "$OUT_DIR/gpu_long_megatron.json" 2>&1 | tee "$OUT_DIR/gpu_long_megatron.log"
+    MCORE_RC=${PIPESTATUS[0]}
+    [ "$MCORE_RC" -eq 0 ] || LONG_RC=$MCORE_RC
+fi
 
 echo
 echo "== summary: tests rc=$TESTS_RC (Ulysses: $SP_NOTE, rc=$SP_RC), ops rc=$OPS_RC, bench rc=$BENCH_RC (1: a target failed), tree rc=$TREE_RC, memory rc=$MEM_RC (1: flash_copyfree over stock), long rc=$LONG_RC (1: a count off its cost model), $(( $(date +%s) - T0 )) s; backends: $BACKENDS"
@@ -158,15 +172,17 @@ for line in check_memory_rule(rows):
 else
     echo "(no gpu_memory table: that run did not finish)"
 fi
-if [ -f "$OUT_DIR/gpu_long.json" ]; then
-    echo
-    "$PY" -c "
+for f in gpu_long gpu_long_megatron; do
+    if [ -f "$OUT_DIR/$f.json" ]; then
+        echo
+        "$PY" -c "
 import json, sys
 from zorro_verl.bench.long_context import check_long_rows, format_long_table
 rows = json.load(open(sys.argv[1]))
 print(format_long_table(rows))
 for line in check_long_rows(rows, 'bfloat16'):
-    print(line)" "$OUT_DIR/gpu_long.json"
-fi
+    print(line)" "$OUT_DIR/$f.json"
+    fi
+done
 [ "$TESTS_RC" -eq 0 ] && [ "$OPS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TREE_RC" -eq 0 ] && [ "$MEM_RC" -eq 0 ] \
     && [ "$LONG_RC" -eq 0 ]

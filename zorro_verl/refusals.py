@@ -258,9 +258,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("mcore.context_parallel_moe", _MCORE, "context parallelism with MoE router statistics on",
             "the per-token multiplicities are not wired to the CP layout", "call", _MEG + "step",
             "multiplicities are not wired to the CP layout yet"),
-    Refusal("mcore.context_parallel_backend", _MCORE, "attention backends other than `sdpa` / `eager` under "
-            "context parallelism", "the CP attention all-gathers K/V and runs one dense masked call per rank",
-            "call", "zorro_verl.attention.context_parallel", "under context parallelism, got"),
+    Refusal("mcore.context_parallel_backend", _MCORE, "attention backends other than `flash_copyfree` / `flash` / "
+            "`sdpa` / `eager` under context parallelism (`flex`)", "the CP attention all-gathers K/V and runs "
+            "varlen flash calls over the visible keys or one dense masked call per rank on them", "call",
+            "zorro_verl.attention.context_parallel", "under context parallelism, got"),
+    Refusal("mcore.context_parallel_varlen_features", _MCORE, "windows, chunks or sinks with the varlen (flash) "
+            "CP attention", "its flash calls are cut by node, not by position rule; the dense `sdpa` CP call takes "
+            "them", "call", "zorro_verl.attention.context_parallel", "under context parallelism runs varlen flash"),
     Refusal("mcore.softmax_type", _MCORE, "`softmax_type` other than vanilla (sinks)", "not wired on Megatron",
             "call", _MEG + "attention", "softmax_type: expected 'vanilla' with zorro"),
     Refusal("mcore.window", _MCORE, "sliding windows (`window_size`)", "not wired on Megatron", "call",

@@ -21,7 +21,7 @@ def two_ranks(tmp_path_factory):
 
 def test_two_ranks_equal_single_process_fp64(two_ranks):
     for rank, res in enumerate(two_ranks):
-        assert len(res) == 8, sorted(res)  # 2 plans x 2 head / window layouts x 2 backends
+        assert len(res) == 12, sorted(res)  # 2 plans x (GQA: 4 backends, window: the 2 dense ones)
         for key, r in res.items():
             for f in ("out", "dq", "dk", "dv"):
                 assert r[f] <= TOL, (rank, key, f, r[f])
@@ -52,8 +52,40 @@ def test_cp1_in_process_equals_attend():
 
 def test_other_backends_refused():
     from tests.support.cp_attention_ranks import plans
+    from zorro_verl.attention import AttentionFeatures
 
     plan = plans()["prompt"]
     q = torch.zeros(1, 2, plan.T, 8)
     with pytest.raises(ValueError, match="under context parallelism"):
-        cp_attend(plan, "flash", cp_shard(plan, 1, 0), q, q, q, 1.0)
+        cp_attend(plan, "flex", cp_shard(plan, 1, 0), q, q, q, 1.0)
+    with pytest.raises(ValueError, match="without windows, chunks or sinks; this layer has a window"):
+        cp_attend(plan, "flash_copyfree", cp_shard(plan, 1, 0), q, q, q, 1.0, AttentionFeatures(window=3))
+
+
+@pytest.mark.parametrize("name", ["prompt", "prefix"])
+@pytest.mark.parametrize("cp", [2, 3])
+def test_varlen_calls_compute_exactly_the_visible_pairs(name, cp):
+    """The varlen CP attention's FLOPs are the causal share: on every rank, the (query, key) pairs its calls compute
+    (the own call's bottom-right causal blocks, the ancestor calls' full blocks) are exactly the pairs the dense
+    call's mask keeps for its valid queries, none twice; and every key a call reads is a key the mask keeps."""
+    from tests.support.cp_attention_ranks import plans
+    from zorro_verl.attention.context_parallel import cp_varlen_index, cp_visible_mask
+
+    plan = plans()[name]
+    for rank in range(cp):
+        shard = cp_shard(plan, cp, rank)
+        ix, mask = cp_varlen_index(plan, shard), cp_visible_mask(plan, shard)
+        ql = ix["q_local"]
+        seen = torch.zeros(ql.numel(), plan.T, dtype=torch.long)
+        ki, cu_q, cu_k, _, _ = ix["own"]
+        for s in range(cu_q.numel() - 1):
+            q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+            lq, lk = q1 - q0, k1 - k0
+            for i in range(lq):  # bottom-right causal: query i sees keys 0 .. lk - lq + i
+                seen[q0 + i, ki[k0: k0 + lk - lq + i + 1]] += 1
+        for qi, ka, cq, ck, _, _ in ix["ancestors"]:
+            for s in range(cq.numel() - 1):
+                for j in qi[int(cq[s]): int(cq[s + 1])].tolist():
+                    seen[j, ka[int(ck[s]): int(ck[s + 1])]] += 1
+        assert seen.max() == 1
+        assert torch.equal(seen.bool(), mask[ql]), (name, cp, rank)

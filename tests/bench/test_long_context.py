@@ -125,11 +125,13 @@ def cp_registered():
             m[side].update(rank_tokens=[t, t], comm_bytes=[b, b])
         return m
 
+    saved = lc.SHARDINGS["cp"]
     lc.register_sharding(lc.ShardingModel("cp", "context parallel (test model)", "K/V exchange", rank_tokens,
                                           step_bytes))
     lc.register_long_engine(lc.LongEngine("cp-test", "cp", run))
     yield
-    del lc.LONG_ENGINES["cp-test"], lc.SHARDINGS["cp"]
+    del lc.LONG_ENGINES["cp-test"]
+    lc.register_sharding(saved)
 
 
 def test_another_sharding_plugs_in_with_the_same_columns(cfg, cp_registered):
@@ -144,13 +146,38 @@ def test_another_sharding_plugs_in_with_the_same_columns(cfg, cp_registered):
 
 
 def test_unregistered_sharding_and_engine_are_named():
-    with pytest.raises(ValueError, match="no cost model registered for sharding 'cp'.*register_sharding"):
-        lc.sharding_model("cp")
+    with pytest.raises(ValueError, match="no cost model registered for sharding 'pp'.*register_sharding"):
+        lc.sharding_model("pp")
     with pytest.raises(ValueError, match="no cost model registered"):
-        lc.register_long_engine(lc.LongEngine("megatron", "cp", lambda sc, s: {}))
-    with pytest.raises(ValueError, match="no long-context run registered for 'verl-megatron'.*verl-fsdp"):
-        lc.long_engine("verl-megatron")
-    assert "megatron" not in lc.LONG_ENGINES
+        lc.register_long_engine(lc.LongEngine("megatron-pp", "pp", lambda sc, s: {}))
+    with pytest.raises(ValueError, match="no long-context run registered for 'deepspeed'.*verl-fsdp.*verl-megatron"):
+        lc.long_engine("deepspeed")
+    assert "megatron-pp" not in lc.LONG_ENGINES
+    assert lc.long_engine("verl-megatron").sharding == "cp"
+
+
+def test_cp_bytes_and_tokens_equal_the_hand_formula(cfg):
+    """Megatron CP: a micro-batch's CP buffer (stock: verl's THD rows padded to 2 cp; zorro: cp slices of L) over
+    the ranks; each rank receives the other ranks' K and V once per layer in the forward (again in a recompute)."""
+    assert lc.cp_rank_tokens(2184, 2) == 1092
+    # 2 layers x (cp - 1) = 1 other rank x 1,092 tokens x (K + V) x 2 KV heads x 16 x 4 bytes
+    assert lc.cp_step_bytes(2184, 2, DIMS, 4) == 2 * 1092 * 2 * 2 * 16 * 4
+    assert lc.cp_step_bytes(2184, 2, DIMS, 4, recompute=True) == 2 * lc.cp_step_bytes(2184, 2, DIMS, 4)
+    qwen = lc.AttentionDims(layers=36, heads=32, kv_heads=8, head_dim=128)
+    assert lc.cp_step_bytes(4 * 1000, 4, qwen, 2) == 36 * 3 * 1000 * 2 * 8 * 128 * 2
+    # a stock side whose exchange is not counted (Transformer Engine's on a GPU): the model's bytes, flagged
+    m = _measured()
+    m["sharding"] = "cp"
+    for side, mbs in (("stock", [16, 16, 16, 16]), ("zorro", [18, 20])):
+        t = sum(x // 2 for x in mbs)
+        b = sum(lc.cp_step_bytes(x, 2, lc.AttentionDims.of(cfg), 4) for x in mbs)
+        m[side].update(mb_tokens=mbs, rank_tokens=[t, t], comm_bytes=[b, b])
+    m["stock"]["comm_bytes"] = [None, None]
+    row = lc.long_row("verl-megatron", SC, m, cfg)
+    assert row["parallel"] == "CP=2" and row["collective"] == "K/V all-gather (fwd)"
+    assert not row["stock_comm_counted"] and row["zorro_comm_counted"]
+    assert row["stock_comm_bytes"] == row["stock_comm_bytes_model"] == 2 * 32 * 2 * 2 * 16 * 4
+    assert row["stock_counts_match"] and row["zorro_counts_match"]
 
 
 def test_scenarios_and_rows():

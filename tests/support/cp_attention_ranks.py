@@ -1,6 +1,8 @@
 """One rank of the 2-process context-parallel attention check (tests/attention/test_context_parallel.py): gloo with
 a ``file://`` rendezvous; for prompt and prefix-tree plans, with and without a sliding window and GQA, zorro's CP
-split attention (keys / values all-gathered, this rank's queries at their global packed positions) against the
+split attention (keys / values all-gathered, this rank's queries at their global packed positions; the dense
+``eager`` / ``sdpa`` kernels, and without a window the varlen ones: ``flash_copyfree`` on the plain-torch varlen
+primitives, ``flash`` on PyTorch's CPU flash kernels) against the
 single-process split attention of the whole row, fp64: this rank's outputs, its queries', keys' and values'
 gradients (keys / values summed over both ranks' queries by the backward's reduce-scatter), and the bytes the
 all-gather moved against :func:`~zorro_verl.packing.context_parallel.cp_kv_bytes`.
@@ -37,6 +39,7 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from zorro_verl.attention import AttentionFeatures, attend
     from zorro_verl.attention.context_parallel import cp_attend
+    from zorro_verl.attention.primitives import torch_primitives
     from zorro_verl.packing.context_parallel import cp_kv_bytes, cp_shard
 
     moved = []
@@ -62,10 +65,13 @@ def run_rank(rank: int, world: int, init_file: str) -> dict:
             idx, ok = shard.index, shard.valid
             ql, kl, vl = (torch.cat([x.detach(), x.new_zeros(1, x.shape[1], 1, D)], 2)[:, :, idx].requires_grad_(True)
                           for x in (q, k, v))  # this rank's tokens, pad slots 0
-            for backend in ("eager", "sdpa"):
+            backends = ("eager", "sdpa") if window is not None else ("eager", "sdpa", "flash_copyfree", "flash")
+            for backend in backends:
                 ql.grad = kl.grad = vl.grad = None
                 moved.clear()
-                o = cp_attend(plan, backend, shard, ql, kl, vl, 0.3, feats)  # [1, L, Hq, D]
+                # flash_copyfree on the plain-torch varlen kernels, flash on PyTorch's CPU flash kernels (fp64)
+                prims = torch_primitives() if backend == "flash_copyfree" else None
+                o = cp_attend(plan, backend, shard, ql, kl, vl, 0.3, feats, prims=prims)  # [1, L, Hq, D]
                 wl = torch.cat([w, w.new_zeros(1, 1, hq, D)], 1)[:, idx]
                 (o * wl).sum().backward()
                 key = f"{name}_h{hq}_{hkv}_w{window}_{backend}"

@@ -14,9 +14,9 @@ brackets as in the code).
   of ``AutoBridge.to_megatron_provider``; a provider whose spec is a whole decoder block (DeepSeek's:
   ``get_gpt_decoder_block_spec``, dense first layers, multi-latent attention) gets that block without TE.
 * [B2] under context parallelism (``context_parallel_size > 1``) the local spec's core attention is zorro's subclass
-  of megatron's ``DotProductAttention`` (``zorro_layer_spec``), which is built on a CP = 1 copy of the config past
-  the local class's CP assertion and refuses every non-zorro call: only zorro runs at CP > 1 on the CPU (megatron's
-  CP attention is Transformer Engine's).
+  (``zorro_layer_spec``) of the CPU stand-in of Transformer Engine's CP attention on verl's THD path
+  (:class:`tests.support.megatron_cp_stock.ThdCpCoreAttention`; megatron's local ``DotProductAttention`` has no CP
+  exchange): zorro's calls run zorro's CP attention, the stock engine's (``use_remove_padding=True``) the stand-in.
 * [L1] the bridge's PEFT module decides ``HAVE_TE`` from names that megatron-core defines as ``None`` without TE;
   set it False so its ``isinstance`` checks skip TE classes.
 
@@ -144,9 +144,10 @@ def _local_or_cp_spec(config):
 
     spec = local_layer_spec(config)
     if getattr(config, "context_parallel_size", 1) > 1:
+        from tests.support.megatron_cp_stock import with_stock_cp_attention
         from zorro_verl.integrations.megatron import zorro_layer_spec
 
-        spec = zorro_layer_spec(spec)
+        spec = zorro_layer_spec(with_stock_cp_attention(spec))
     return spec
 
 

@@ -13,10 +13,13 @@ the CP = 2 engines run and are compared with them.
 
 Cases (``CASES``): ``cp2tp2/fixed`` and ``cp2pp2/fixed`` (PP = 2: each stage sends its CP share of the packed row;
 per-token loss regime), ``cp2/fixed`` (megatron's ordinary regime),
-``cp2/dynamic`` and ``cp2/prefix`` (``sharing=prefix``, dynamic budget; both per-token), and ``cp2/floor_count``:
+``cp2/dynamic`` and ``cp2/prefix`` (``sharing=prefix``, dynamic budget; both per-token; both on the varlen CP
+attention, ``flash_copyfree`` on PyTorch's CPU flash kernels, against references on ``sdpa``), and ``cp2/floor_count``:
 ``cp2/fixed`` per-token with verl's own CP token count (``n // cp`` on every CP rank) instead of zorro's exact share,
-the control that shows the comparison sees the count; the critic (verl's value-head engine, :func:`_critic_run`) at
-CP = 2 x DP = 2 in both regimes. Then the model-time refusals (:func:`_refusals`).
+the control that shows the comparison sees the count; ``stock_cp2/fixed``: verl's **stock** engine at CP = 2 (its THD
+path, the CPU stand-in of Transformer Engine's CP attention, tests/support/megatron_cp_stock.py) against stock at
+CP = 1, and ``cp2/fixed`` also against it (zorro and stock at the same sharding); the critic (verl's value-head
+engine, :func:`_critic_run`) at CP = 2 x DP = 2 in both regimes. Then the model-time refusals (:func:`_refusals`).
 
 Run as ``python -m tests.support.megatron_engine_cp_ranks RANK 4 INIT_FILE CKPT_DIR OUT_JSON``.
 """
@@ -32,8 +35,12 @@ from tests.support.multi_rank import first_metric, rank_main
 
 ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "sdpa"}
 PREFIX = {**ZORRO, "sharing": "prefix", "min_shared_len": 1}
+#: the CP = 2 dynamic and prefix cases run the varlen CP attention (PyTorch's CPU flash kernels), compared with the
+#: CP = 1 references on the dense one
+FLASH, PREFIX_FLASH = ({**z, "attention_backend": "flash_copyfree"} for z in (ZORRO, PREFIX))
 PER_TOKEN = {"calculate_per_token_loss": True}
 STEPS = 2
+_LAST_RUN: list = []  # the last recorded run (compared with a further reference)
 
 
 def _run(E, eng, td_of) -> dict:
@@ -154,6 +161,7 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
 
     def record(name, eng, td_of, ref_stock, ref_zorro1):
         run = _run(E, eng, td_of)
+        _LAST_RUN[:] = [run]
         gpt = E.gpt_of(eng)
         out[name] = {"vs_stock": _diff(run, ref_stock), "vs_zorro_cp1": _diff(run, ref_zorro1),
                      "cp": mpu.get_context_parallel_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
@@ -199,11 +207,22 @@ def run_rank(rank: int, world: int, init_file: str, ckpt: str) -> dict:
     ref_critic = {"stock": _critic_run(E, stock_critic, head),
                   "zorro": _critic_run(E, build(ckpt, zorro=ZORRO, **value_kw), head)}
     seconds["cp1_references"] = time.time() - t0
+    # stock CP = 2 (DP = 2): verl's stock engine on its THD path with the CPU stand-in of TE's CP attention
+    # (tests/support/megatron_cp_stock.py), checked against the stock CP = 1 reference, then zorro's CP = 2 against it
+    t0 = time.time()
+    stock_cp2 = _run(E, build(ckpt, zorro=None, tp=1, remove_padding=True,
+                              engine_kwargs={"context_parallel_size": 2}), plain)
+    assert mpu.get_context_parallel_world_size() == 2
+    out["stock_cp2/fixed"] = {"vs_stock": _diff(stock_cp2, ref[("stock", "plain")]),
+                              "cp": mpu.get_context_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
+    seconds["stock_cp2"] = time.time() - t0
     t0 = time.time()
     for name, zorro, td_of, batch, overrides in (("cp2/fixed", ZORRO, plain, "plain", {}),
-                                                  ("cp2/dynamic", ZORRO, dynamic, "plain", PER_TOKEN),
-                                                  ("cp2/prefix", PREFIX, prefix, "prefix", PER_TOKEN)):
+                                                  ("cp2/dynamic", FLASH, dynamic, "plain", PER_TOKEN),
+                                                  ("cp2/prefix", PREFIX_FLASH, prefix, "prefix", PER_TOKEN)):
         record(name, cp_engine(zorro, 1, overrides), td_of, ref[("stock", batch)], ref[("zorro", batch)])
+        if name == "cp2/fixed":  # the same sharding on both sides: zorro CP = 2 vs stock CP = 2
+            out[name]["vs_stock_cp2"] = _diff(_LAST_RUN[0], stock_cp2)
     # the critic at CP = 2 (DP = 2), ordinary and per-token regimes
     for name, overrides in (("critic_cp2/fixed", {}), ("critic_cp2_per_token/fixed", PER_TOKEN)):
         eng = build(ckpt, zorro=ZORRO, engine_kwargs={"context_parallel_size": 2}, transformer_overrides=overrides,

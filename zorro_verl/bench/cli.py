@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --long: a named scenario (2k-n8, 16k-n16, 32k-n8) or G prompts of P tokens x n "
                         "rollouts of R_MIN..R_MAX tokens, BUDGET tokens per rank and micro-batch; repeatable")
     p.add_argument("--long-engine", default="verl-fsdp",
-                   help="with --long: the engine whose row runs (verl-fsdp: verl's FSDP engine under Ulysses SP)")
+                   help="with --long: the engine whose row runs (verl-fsdp: verl's FSDP engine under Ulysses SP; "
+                        "verl-megatron: its Megatron engine under context parallelism)")
     p.add_argument("--long-degree", type=int, default=2, help="with --long: the sharding degree (ranks)")
     p.add_argument("--ops", action="store_true",
                    help="run the op-level attention benchmark (each backend's attend vs the ordinary per-row SDPA) "

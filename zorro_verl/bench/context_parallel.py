@@ -6,8 +6,9 @@ rank, zigzag: causal costs balanced), Transformer Engine's CP attention passing 
 ``cp - 1`` times. Zorro: the packed row (each prompt once) split by
 :func:`~zorro_verl.packing.context_parallel.cp_split`, the keys / values all-gathered. Counted from the lengths
 alone (no model runs): tokens and bytes exactly as the code moves them; FLOPs with :mod:`.flops`' per-token and
-per-pair costs — ``ideal`` is the causal share (a rank's pairs = the sum of ``p + 1`` over its tokens), ``dense``
-what zorro's first CP attention computes (every local query against all ``T`` keys, masked).
+per-pair costs — ``ideal`` is the causal share (a rank's pairs = the sum of ``p + 1`` over its tokens), which the
+varlen CP attention (``flash_copyfree`` / ``flash``) computes, ``dense`` what the dense CP call (``sdpa`` /
+``eager``) computes (every local query against all ``T`` keys, masked).
 """
 
 from __future__ import annotations

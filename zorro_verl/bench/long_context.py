@@ -23,10 +23,12 @@ zorro's for zorro), and ``logprob_max_abs_diff`` (zorro vs stock log-probs of th
 :class:`ShardingModel` (:data:`SHARDINGS`; ``sp``: Ulysses, :func:`ulysses_rank_tokens` / :func:`ulysses_step_bytes`)
 says what one rank holds and sends for one micro-batch's packed row, and a :class:`LongEngine`
 (:data:`LONG_ENGINES`; ``verl-fsdp``: :mod:`zorro_verl.bench.long_verl`, verl 0.9's FSDP engine under Ulysses SP)
-runs the two engines and returns the measured dict of :func:`long_row`. A Megatron context-parallel row registers
-``ShardingModel("cp", ...)`` (its rank tokens and its K/V exchange bytes per micro-batch) and
-``LongEngine("verl-megatron", "cp", run)`` with :func:`register_sharding` / :func:`register_long_engine`; nothing
-else changes. Until then ``--long-engine verl-megatron`` is answered with the registered names.
+runs the two engines and returns the measured dict of :func:`long_row`. The Megatron row is
+``ShardingModel("cp", ...)`` (:func:`cp_rank_tokens`, :func:`cp_step_bytes`: its rank tokens and the K/V bytes its
+all-gathers receive per micro-batch) and ``LongEngine("verl-megatron", "cp", ...)`` (:mod:`zorro_verl.bench.
+long_megatron`: verl 0.9's Megatron engine, stock vs zorro at the same context-parallel size; on the CPU stock's CP
+attention is the test support's stand-in of Transformer Engine's). Another engine registers its own with
+:func:`register_sharding` / :func:`register_long_engine`.
 
 The CPU run needs the repository checkout on ``PYTHONPATH`` (verl's CPU platform and the plain-torch stand-in of
 flash-attention's varlen kernel that verl's stock Ulysses path calls live in the test support, never shipped).
@@ -180,9 +182,29 @@ def ulysses_step_bytes(tokens: int, sp: int, dims: AttentionDims, element_size: 
     return passes * dims.layers * all_to_all_bytes(local, sp, dims.heads, dims.kv_heads, dims.head_dim, element_size)
 
 
-#: The registered shardings by kind (``sp``: Ulysses). A context-parallel engine adds ``cp``.
+def cp_rank_tokens(tokens: int, cp: int) -> int:
+    """Context parallelism: ``tokens`` is a micro-batch's CP buffer (stock: verl's THD rows, each padded to a multiple
+    of ``2 cp``; zorro: its packed row as :func:`~zorro_verl.packing.context_parallel.cp_split` cuts it, ``cp`` slices
+    of ``L``), of which each rank holds ``1 / cp``."""
+    return tokens // cp
+
+
+def cp_step_bytes(tokens: int, cp: int, dims: AttentionDims, element_size: int, recompute: bool = False) -> int:
+    """Context parallelism: the keys / values each rank receives per attention layer in the forward (and again in
+    the recompute of gradient checkpointing), ``(1 | 2) layers x`` :func:`~zorro_verl.packing.context_parallel.
+    cp_kv_bytes` of its ``tokens / cp`` (zorro's all-gather; Transformer Engine's exchange moves the same volume).
+    The backward's ``dk`` / ``dv`` reduction moves as much again; not counted on either side."""
+    from zorro_verl.packing.context_parallel import cp_kv_bytes
+
+    passes = 2 if recompute else 1
+    return passes * dims.layers * cp_kv_bytes(cp_rank_tokens(tokens, cp), cp, dims.kv_heads, dims.head_dim,
+                                              element_size)
+
+
+#: The registered shardings by kind (``sp``: Ulysses; ``cp``: Megatron's context parallelism).
 SHARDINGS: dict[str, ShardingModel] = {
     "sp": ShardingModel("sp", "Ulysses SP", "all-to-all", ulysses_rank_tokens, ulysses_step_bytes),
+    "cp": ShardingModel("cp", "context parallelism", "K/V all-gather (fwd)", cp_rank_tokens, cp_step_bytes),
 }
 
 
@@ -229,8 +251,17 @@ def _run_verl_fsdp(sc: LongScenario, settings: dict) -> dict:
     return run_verl_fsdp(sc, settings, cfg, long_rows(sc, cfg.vocab_size))
 
 
-#: The registered engines (``verl-fsdp``: verl 0.9's FSDP engine under Ulysses SP). Megatron's CP row adds its own.
-LONG_ENGINES: dict[str, LongEngine] = {"verl-fsdp": LongEngine("verl-fsdp", "sp", _run_verl_fsdp)}
+def _run_verl_megatron(sc: LongScenario, settings: dict) -> dict:
+    from zorro_verl.bench.long_megatron import run_verl_megatron
+
+    cfg = long_config(settings["model"])
+    return run_verl_megatron(sc, settings, cfg, long_rows(sc, cfg.vocab_size))
+
+
+#: The registered engines: ``verl-fsdp`` (verl 0.9's FSDP engine under Ulysses SP, :mod:`.long_verl`) and
+#: ``verl-megatron`` (its Megatron engine under context parallelism, :mod:`.long_megatron`).
+LONG_ENGINES: dict[str, LongEngine] = {"verl-fsdp": LongEngine("verl-fsdp", "sp", _run_verl_fsdp),
+                                       "verl-megatron": LongEngine("verl-megatron", "cp", _run_verl_megatron)}
 
 
 def register_long_engine(engine: LongEngine) -> None:
@@ -313,13 +344,15 @@ def long_row(engine: str, sc: LongScenario, measured: dict, cfg) -> dict:
         m = measured[side]
         tokens, sent = rank_totals(kind, m["mb_tokens"], degree, dims, measured["element_size"],
                                    measured["recompute"])
+        counted = all(b is not None for b in m["comm_bytes"])  # (stock CP on a GPU: TE's exchange is not wrapped)
+        comm = list(m["comm_bytes"]) if counted else [sent]
         row.update({f"{side}_train_ms": statistics.median(m["train_ms"]),
                     f"{side}_infer_ms": statistics.median(m["infer_ms"]),
                     f"{side}_train_runs_ms": list(m["train_ms"]), f"{side}_infer_runs_ms": list(m["infer_ms"]),
                     f"{side}_micro_batches": len(m["mb_tokens"]), f"{side}_tokens": int(sum(m["mb_tokens"])),
                     f"{side}_rank_tokens": max(m["rank_tokens"]), f"{side}_rank_tokens_model": tokens,
-                    f"{side}_comm_bytes": max(m["comm_bytes"]), f"{side}_comm_bytes_model": sent,
-                    f"{side}_counts_match": set(m["rank_tokens"]) == {tokens} and set(m["comm_bytes"]) == {sent}})
+                    f"{side}_comm_bytes": max(comm), f"{side}_comm_bytes_model": sent, f"{side}_comm_counted": counted,
+                    f"{side}_counts_match": set(m["rank_tokens"]) == {tokens} and set(comm) == {sent}})
     for phase in ("train", "infer"):
         row[f"speedup_{phase}"] = row[f"stock_{phase}_ms"] / row[f"zorro_{phase}_ms"]
         row[f"speedup_{phase}_paired"] = _paired(measured["stock"][f"{phase}_ms"], measured["zorro"][f"{phase}_ms"])
@@ -337,7 +370,9 @@ def check_long_rows(rows: list[dict], dtype: str = "float32") -> list[str]:
         ok = r["stock_counts_match"] and r["zorro_counts_match"]
         out.append(f"{'PASS' if ok else 'FAIL'} {r['engine']} {r['parallel']} {r['scenario']}: counted tokens / "
                    f"{r['collective']} bytes per rank = cost model (stock {r['stock_rank_tokens']} / "
-                   f"{r['stock_comm_bytes']}, zorro {r['zorro_rank_tokens']} / {r['zorro_comm_bytes']})")
+                   f"{r['stock_comm_bytes']}, zorro {r['zorro_rank_tokens']} / {r['zorro_comm_bytes']})"
+                   + ("" if r.get("stock_comm_counted", True) else "; stock's bytes: the cost model (its exchange "
+                      "is not counted on this device)"))
         if dtype == "float32":
             ok = r["logprob_max_abs_diff"] <= LONG_LOGPROB_TOL
             out.append(f"{'PASS' if ok else 'FAIL'} {r['engine']} {r['parallel']} {r['scenario']}: log-probs max "
@@ -374,7 +409,9 @@ def run_long_bench(scenarios: Sequence[LongScenario], *, engine: str = "verl-fsd
     cfg = long_config(model)
     settings = {"degree": degree, "model": model, "dtype": dtype, "device": device, "reps": reps,
                 "warmup": warmup, "clock": clock or ("wall" if cuda else "cpu"),
-                "backend": backend or ("flash" if cuda else "sdpa"), "timeout_s": timeout_s,
+                # Megatron CP: the varlen CP attention (flash kernels; PyTorch's CPU ones on the CPU), as stock's
+                "backend": backend or ("flash_copyfree" if eng.sharding == "cp" else "flash" if cuda else "sdpa"),
+                "timeout_s": timeout_s,
                 "grad_ckpt": cuda if grad_ckpt is None else grad_ckpt}
     rows = []
     for sc in scenarios:

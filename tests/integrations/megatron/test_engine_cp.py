@@ -84,6 +84,21 @@ def test_zorro_cp_engine_equals_cp1(results, case):
     assert last == (2 if pp > 1 else 4)  # the ranks with outputs: the last stage's CP ranks (PP = 2), else all
 
 
+def test_stock_cp2_standin_and_zorro_at_the_same_sharding(results):
+    """verl's **stock** engine at CP = 2 on its THD path (the CPU stand-in of Transformer Engine's CP attention,
+    tests/support/megatron_cp_stock.py) equals stock at CP = 1 (so the stand-in computes TE's CP attention), and
+    zorro at CP = 2 equals it: zorro and stock at the same sharding, two SGD steps, the bounds above."""
+    for rank, res in enumerate(results):
+        r = res["stock_cp2/fixed"]
+        assert (r["cp"], r["dp"]) == (2, 2), (rank, r)
+        _check(r["vs_stock"], (rank, "stock_cp2 vs stock cp1", r["vs_stock"]))
+        z = res["cp2/fixed"]["vs_stock_cp2"]
+        _check(z, (rank, "zorro cp2 vs stock cp2", z))
+        print(f"rank {rank}: stock CP=2 (stand-in) vs stock CP=1: "
+              + ", ".join(f"{k} {v:.2g}" for k, v in r["vs_stock"].items())
+              + "; zorro CP=2 vs stock CP=2: " + ", ".join(f"{k} {v:.2g}" for k, v in z.items()))
+
+
 @pytest.mark.parametrize("case, per_token", [("critic_cp2/fixed", False), ("critic_cp2_per_token/fixed", True)])
 def test_zorro_cp_critic_equals_cp1(results, case, per_token):
     """verl's Megatron critic (value-head engine) at CP = 2 x DP = 2, two compute_values + update_critic steps: the

@@ -1,0 +1,255 @@
+"""The ``verl-megatron`` long-context run (:mod:`zorro_verl.bench.long_context`): verl 0.9's stock Megatron engine
+and the zorro engine, both under context parallelism (CP), one process per rank.
+
+:func:`run_verl_megatron` (the launcher) saves the model (random weights) as a checkpoint, writes the rows and the
+settings to a spec file and starts ``degree`` processes (``python -m zorro_verl.bench.long_megatron RANK WORLD
+INIT_FILE SPEC OUT``; a ``file://`` rendezvous, gloo on CPU, NCCL on CUDA, one rank per GPU). Each rank
+(:func:`run_rank`) builds both engines through Megatron-Bridge (verl's default builder) at ``context_parallel_size =
+degree`` (TP = PP = 1, so DP = 1: one CP group), verl's packed (THD) path for stock, the same jagged batch on every
+rank, dynamic micro-batches at the scenario's per-GPU budget (verl's Megatron engine multiplies it by CP), and times,
+run by run and interleaved, one inference pass and one training step of each (a barrier before each timed call). In
+the first (warm-up) run it counts, per training step: the tokens each model forward embeds (a pre-hook on the
+embedding), the bytes of keys / values each rank receives from the CP all-gathers (a counting subclass of the
+gather zorro's CP attention calls), each side's micro-batches (cp x what a rank embeds of each: verl's THD buffer
+for stock, every row padded to ``2 cp``; zorro's packed row as its CP layout cuts it), and the log-probs of both.
+
+Stock's CP attention is Transformer Engine's on CUDA (verl's zigzag split, TE's exchange; its bytes are not counted
+there: the row takes the cost model's, flagged). On the CPU it is the test support's stand-in,
+``tests.support.megatron_cp_stock.ThdCpCoreAttention`` (TE's ``all_gather`` exchange and each row's causal
+attention at its zigzag positions, checked against stock at CP = 1 by the engine tests), with the CPU patches of
+``tests.support.megatron_engines``: a CPU run needs the repository checkout on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from zorro_verl.bench.long_verl import REPO_HINT, _support
+
+__all__ = ["run_verl_megatron", "run_rank"]
+
+
+def _repo_root() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "tests" / "support" / "megatron_engines.py").is_file():
+        raise RuntimeError(f"--long-engine verl-megatron: zorro_verl is imported from {root}, which is not a "
+                           f"repository checkout; {REPO_HINT}")
+    return root
+
+
+def run_verl_megatron(sc, settings: dict, cfg, rows: list) -> dict:
+    """The measured dict of :func:`~zorro_verl.bench.long_context.long_row` for one scenario (rank 0's times;
+    every rank's counts): the model of config ``cfg`` (random weights), the batch of ``rows`` (``[(prompt ids,
+    response ids)]``)."""
+    import torch
+
+    root = _repo_root()
+    degree = int(settings["degree"])
+    with tempfile.TemporaryDirectory(prefix="zorro-long-mcore-") as tmp:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.config.architectures = [type(model).__name__]
+        model.save_pretrained(os.path.join(tmp, "ckpt"))
+        del model
+        spec = {**settings, "ckpt": os.path.join(tmp, "ckpt"), "rows": rows, "budget": sc.budget}
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        procs, outs, logs = [], [], []
+        for rank in range(degree):
+            out, log = os.path.join(tmp, f"rank{rank}.json"), os.path.join(tmp, f"rank{rank}.log")
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen([sys.executable, "-m", "zorro_verl.bench.long_megatron", str(rank),
+                                               str(degree), os.path.join(tmp, "init"), spec_path, out],
+                                              cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT))
+            outs.append(out)
+            logs.append(log)
+        try:
+            for p in procs:
+                p.wait(timeout=settings["timeout_s"])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"--long: the {degree} ranks did not finish within {settings['timeout_s']} s; rank 0 "
+                               f"log:\n{Path(logs[0]).read_text()[-3000:]}") from None
+        for rank, p in enumerate(procs):
+            if p.returncode != 0:
+                raise RuntimeError(f"--long: rank {rank} exited with {p.returncode}:\n"
+                                   f"{Path(logs[rank]).read_text()[-4000:]}")
+        results = [json.loads(Path(o).read_text()) for o in outs]
+    m = results[0]
+    for side in ("stock", "zorro"):
+        m[side]["rank_tokens"] = [r[side]["rank_tokens"] for r in results]
+        m[side]["comm_bytes"] = [r[side]["comm_bytes"] for r in results]
+    return m
+
+
+class _Counters:
+    """Per training step: tokens embedded, bytes received by the CP K/V all-gathers (zorro's, and the CPU stand-in
+    of stock's, both go through ``zorro_verl.attention.context_parallel._GatherKV``, replaced here by a counting
+    subclass)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        from zorro_verl.attention import context_parallel
+
+        self.on = False
+        self.bytes = 0
+        self.calls: list[int] = []  # tokens of each model forward (one per micro-batch)
+        base = context_parallel._GatherKV
+        counters = self
+
+        class _Counted(base):
+            @staticmethod
+            def forward(ctx, x, group):
+                if counters.on:
+                    counters.bytes += x.numel() * x.element_size() * (dist.get_world_size(group) - 1)
+                return base.forward(ctx, x, group)
+
+        context_parallel._GatherKV = _Counted
+
+    def hook(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.on and ids is not None:
+            self.calls.append(int(ids.numel()))
+
+    def start(self) -> None:
+        self.bytes = 0
+        self.calls = []
+        self.on = True
+
+
+def _gpu_engine(ckpt: str, zorro, cp: int, budget: int, grad_ckpt: bool):
+    """verl's Megatron LM engine on this rank's GPU through Megatron-Bridge (its Transformer Engine spec, bf16)."""
+    from types import SimpleNamespace
+
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
+
+    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=True)
+    object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # a checkpoint without one
+    kw = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp,
+              use_mbridge=True, vanilla_mbridge=False, use_distributed_optimizer=False, use_remove_padding=True,
+              max_token_len_per_gpu=budget, infer_max_token_len_per_gpu=budget, seed=1,
+              override_transformer_config=_recompute(grad_ckpt))
+    cfg = (McoreEngineConfig(dtype="bfloat16", **kw) if zorro is None
+           else ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw))
+    optim = McoreOptimizerConfig(optimizer="adam", lr=0.0, total_training_steps=10, weight_decay=0.0)
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # megatron asserts them per build
+        os.environ.pop(var, None)
+    engine = EngineRegistry.get_engine_cls("language_model", "megatron")(
+        model_config=model_config, engine_config=cfg, optimizer_config=optim, checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def _recompute(on: bool) -> dict:
+    """Megatron's full activation recompute of every layer (the gradient checkpointing the FSDP row turns on)."""
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if on else {}
+
+
+def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    cuda = spec["device"].startswith("cuda")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    from zorro_verl.bench.timing import Clock
+    from zorro_verl.testing import batch_from_rows
+
+    cp, budget, grad_ckpt = int(spec["degree"]), int(spec["budget"]), bool(spec["grad_ckpt"])
+    rollouts = sum(1 for p, _ in spec["rows"] if p == spec["rows"][0][0])  # n: each prompt's rows
+    zorro = {"enable": True, "rollout_n": rollouts, "attention_backend": spec["backend"]}
+    E = _support("megatron_engines")
+    if cuda:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        engines = {"stock": _gpu_engine(spec["ckpt"], None, cp, budget, grad_ckpt),
+                   "zorro": _gpu_engine(spec["ckpt"], zorro, cp, budget, grad_ckpt)}
+    else:
+        E.start_rank(rank, world, init_file, spec["ckpt"])  # the CPU patches, gloo; the checkpoint exists
+        common = dict(tp=1, remove_padding=True, max_tokens=budget, engine_kwargs={"context_parallel_size": cp},
+                      transformer_overrides=_recompute(grad_ckpt))
+        engines = {"stock": E.build_engine(spec["ckpt"], zorro=None, **common),
+                   "zorro": E.build_engine(spec["ckpt"], zorro=zorro, **common)}
+    eng = _support("verl_engines")
+    counters = _Counters()
+    rows = [(p, r) for p, r in spec["rows"]]
+    td = eng.make_engine_batch(base=batch_from_rows(rows, include_training_fields=True, seed=1), temperature=1.0,
+                               calculate_entropy=False, use_dynamic_bsz=True, max_token_len=budget,
+                               global_batch_size=len(rows))
+    for e in engines.values():
+        E.gpt_of(e).embedding.register_forward_pre_hook(counters.hook, with_kwargs=True)
+    loss = E.ppo_loss_fn()
+    clock = Clock(spec["clock"], cuda)
+    names = list(engines)
+    res = {k: {"train_ms": [], "infer_ms": []} for k in names}
+    log_probs = {}
+    for i in range(int(spec["warmup"]) + int(spec["reps"])):
+        timed = i >= int(spec["warmup"])
+        for name in names[i % 2:] + names[:i % 2]:  # each side first in every other run
+            e = engines[name]
+            dist.barrier()
+            t0 = clock.now()
+            with e.eval_mode():
+                out = e.infer_batch(td.clone(), loss_function=None)
+            t1 = clock.now()
+            if i == 0:
+                log_probs[name] = E.response_values(out["model_output"]["log_probs"], td)  # [N]
+                counters.start()
+            dist.barrier()
+            t2 = clock.now()
+            with e.train_mode():
+                e.train_batch(td.clone(), loss_function=loss)
+            t3 = clock.now()
+            if i == 0:
+                counters.on = False
+                # each micro-batch's CP buffer (stock: verl's THD rows padded to 2 cp; zorro: its packed row as its
+                # CP layout cuts it) is cp x what one rank embeds of it
+                res[name].update(comm_bytes=None if cuda and name == "stock" else counters.bytes,
+                                 rank_tokens=sum(counters.calls), mb_tokens=[cp * n for n in counters.calls])
+                if name == "zorro":
+                    res[name]["mb_rows"] = [list(b) for b in e.zorro_last_micro_batches.batches]
+            if timed:
+                res[name]["infer_ms"].append((t1 - t0) * 1e3)
+                res[name]["train_ms"].append((t3 - t2) * 1e3)
+    from zorro_verl.integrations.verl.v09.batching import row_group_ids, row_lengths
+
+    p, r = row_lengths(td)
+    from zorro_verl.bench.report import device_name
+
+    lp_s, lp_z = log_probs["stock"].float().cpu(), log_probs["zorro"].float().cpu()
+    out = {**res, "sharding": "cp", "degree": cp, "clock": spec["clock"],
+           "device": device_name(torch.device("cuda" if cuda else "cpu")),
+           "element_size": 2 if cuda else 4, "recompute": grad_ckpt,
+           "p_len": p.tolist(), "r_len": r.tolist(), "group": row_group_ids(td, p).tolist(),
+           "logprob_max_abs_diff": (lp_s - lp_z).abs().max().item(), "logprob_max_abs": lp_s.abs().max().item(),
+           "logprob_count": int(lp_s.numel())}
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    rank, world, init_file, spec_path, out_path = sys.argv[1:]
+    result = run_rank(int(rank), int(world), init_file, spec_path)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is on disk: skip the teardown where gloo's threads can abort a finished rank
