@@ -202,10 +202,14 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("megatron.memory", _MCORE_ENGINE, "`logits_optimization: memory`",
             "megatron's head is vocabulary parallel (use `none` / `compute`)", "start", _V09 + "megatron_checks",
             "logits_optimization=memory on the Megatron engine"),
-    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models", "Megatron-Bridge builds them as their own "
-            "modules (vision tower + a language model with 3-D mrope positions); zorro's Megatron step runs a "
-            "`GPTModel` with 1-D RoPE and has no per-unique-prompt vision tower on Megatron yet (the FSDP engine "
-            "runs VLMs)", "start", _V09 + "megatron_checks", "vision-language models on the Megatron engine"),
+    Refusal("megatron.vlm", _MCORE_ENGINE, "vision-language models other than Qwen2.5-VL built by Megatron-Bridge "
+            "at TP = PP = CP = 1 (Qwen3-VL / Qwen3.5-VL, vanilla mbridge's build, tensor / pipeline / context "
+            "parallelism, virtual pipeline stages, `use_fused_kernels`); Qwen2.5-VL runs deduplicated",
+            "other families are other modules (a deepstack vision tower feeding several decoder layers) that "
+            "zorro's Megatron step does not run; the Qwen2.5-VL path (vision tower once per unique image, the packed "
+            "row's 3-D positions) is checked against the stock engine on one rank per model only (the FSDP engine "
+            "runs all Qwen-VL families)", "start", _V09 + "megatron_checks",
+            "vision-language models on the Megatron engine"),
     Refusal("megatron.mamba", _MCORE_ENGINE, "Mamba hybrid models (`layer_types` with `mamba`)",
             "zorro's Megatron step runs attention and gated delta-net layers only (gated delta-net hybrids such as "
             "Qwen3.5 run; the FSDP engine runs Mamba hybrids)", "start", _V09 + "megatron_checks",
@@ -218,8 +222,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("megatron.legacy_fused", _MCORE_ENGINE, "`use_fused_kernels` with verl's legacy fused forward "
             "(megatron-core without `output_processor`)", "it replaces `GPTModel.forward`", "model",
             _V09 + "megatron_engine", "verl's legacy fused forward"),
-    Refusal("megatron.multimodal", _MCORE_ENGINE, "multimodal inputs / 3-D position ids", "VLMs do not run on "
-            "Megatron", "batch", _V09 + "megatron_engine",
+    Refusal("megatron.vlm_build", _MCORE_ENGINE, "a vision-language model built as another class than "
+            "Megatron-Bridge's `Qwen25VLModel`", "zorro's Megatron step runs that class's forward only", "model",
+            _V09 + "megatron_engine", "on the Megatron engine: zorro runs Megatron-Bridge's Qwen25VLModel only"),
+    Refusal("megatron.multimodal", _MCORE_ENGINE, "multimodal inputs / 3-D position ids on a text-only model",
+            "nothing would encode the images", "batch", _V09 + "megatron_engine",
             "multimodal inputs / 3-D position ids on the Megatron engine"),
     Refusal("megatron.temperatures", _MCORE_ENGINE, "per-sample temperatures", "zorro's Megatron head takes one "
             "float", "batch", _V09 + "megatron_engine", "per-sample temperatures on the Megatron engine"),
@@ -269,9 +276,15 @@ REFUSALS: tuple[Refusal, ...] = (
             "call", _MEG + "attention", "softmax_type: expected 'vanilla' with zorro"),
     Refusal("mcore.window", _MCORE, "sliding windows (`window_size`)", "not wired on Megatron", "call",
             _MEG + "attention", "window_size: expected None with zorro"),
-    Refusal("mcore.position_embedding", _MCORE, "position embeddings other than `rope` (MLA has its own)",
-            "the step positions RoPE by the plan's positions", "model", _MEG + "step",
-            "position_embedding_type: expected 'rope' with zorro"),
+    Refusal("mcore.position_embedding", _MCORE, "position embeddings other than `rope` (MLA has its own; `mrope` "
+            "in Megatron-Bridge's Qwen2.5-VL only)", "the step positions RoPE by the plan's positions", "model",
+            _MEG + "step", "yarn / learned positions are not wired yet"),
+    Refusal("mcore.vlm_parallel", _MCORE, "a vision-language model under tensor / pipeline / context parallelism "
+            "or virtual pipeline stages", "the vision tower, the embedding merge and the packed row's 3-D positions "
+            "are checked on one rank per model only", "model", _MEG + "vlm",
+            "with a vision-language model on zorro's Megatron engine"),
+    Refusal("mcore.vlm_value", _MCORE, "a vision-language value model (critic)", "not wired to the step", "model",
+            _MEG + "step", "a vision-language value model is not wired"),
     Refusal("mcore.mtp", _MCORE, "multi-token prediction (`mtp_num_layers`)", "MTP rolls the row one token; the "
             "packed row's neighbours are not a response's next tokens", "model", _MEG + "step",
             "mtp_num_layers: expected 0/None with zorro"),

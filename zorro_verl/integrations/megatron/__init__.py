@@ -24,8 +24,10 @@ from zorro_verl.integrations.megatron.step import (
     zorro_gpt_step,
     zorro_gpt_values,
 )
+from zorro_verl.integrations.megatron.vlm import VlmCall, find_vlm_model
 
 __all__ = ["ZorroCoreAttention", "ZorroPackedSeqParams", "install_zorro_megatron", "zorro_attention_modules",
            "zorro_core_attention", "zorro_layer_spec", "zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs",
            "padded_length", "find_gpt_model", "has_output_processor", "ZorroMLA", "zorro_mla_attention",
-           "ZorroGatedDeltaNet", "zorro_gated_delta_net", "zorro_gpt_values", "check_value_head"]
+           "ZorroGatedDeltaNet", "zorro_gated_delta_net", "zorro_gpt_values", "check_value_head",
+           "VlmCall", "find_vlm_model"]

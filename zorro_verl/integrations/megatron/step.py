@@ -55,6 +55,7 @@ from zorro_verl.integrations.megatron.moe import (
     moe_routers,
     token_multiplicity,
 )
+from zorro_verl.integrations.megatron.vlm import VlmCall, find_vlm_model, vlm_unsupported
 from zorro_verl.integrations.megatron.vocab_parallel import vocab_parallel_logprobs
 from zorro_verl.logprob import (
     DEFAULT_CHUNK,
@@ -65,6 +66,7 @@ from zorro_verl.logprob import (
 )
 from zorro_verl.packing import ZorroPlan
 from zorro_verl.packing.context_parallel import CPShard, cp_shard
+from zorro_verl.packing.multimodal import PackedMedia
 
 __all__ = ["zorro_gpt_step", "zorro_gpt_forward", "zorro_gpt_logprobs", "zorro_gpt_values", "padded_length",
            "find_gpt_model", "has_output_processor", "check_zorro_gpt", "check_value_head", "stochastic_unsupported"]
@@ -76,11 +78,15 @@ def has_output_processor() -> bool:
 
 
 def find_gpt_model(model: torch.nn.Module) -> GPTModel:
-    """The ``GPTModel`` inside ``model`` (itself, or under megatron's ``.module`` wrappers: DDP, Float16Module)."""
+    """The ``GPTModel`` inside ``model`` (itself, or under megatron's ``.module`` wrappers: DDP, Float16Module; of a
+    vision-language model zorro runs, :mod:`.vlm`, its ``language_model``)."""
     m = model
     for _ in range(8):
         if isinstance(m, GPTModel):
             return m
+        vlm = find_vlm_model(m)
+        if vlm is not None and isinstance(getattr(vlm, "language_model", None), GPTModel):
+            return vlm.language_model
         m = getattr(m, "module", None)
         if m is None:
             break
@@ -95,7 +101,12 @@ def check_zorro_gpt(model: torch.nn.Module, *, require_installed: bool = True) -
     count by multiplicity (:mod:`.moe`), a megatron-core without ``output_processor``; with ``require_installed``
     also no zorro core attention (or an MLA layer that is not a ``ZorroMLA``) in it."""
     gpt = find_gpt_model(model)
-    _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None)
+    vlm = find_vlm_model(model)
+    if vlm is not None:
+        reason = vlm_unsupported(vlm)
+        if reason is not None:
+            raise ValueError(f"model: {reason}.")
+    _check_model(gpt, len(zorro_attention_modules(gpt)) if require_installed else None, mrope=vlm is not None)
 
 
 def stochastic_unsupported(cfg) -> Optional[str]:
@@ -118,17 +129,21 @@ def stochastic_unsupported(cfg) -> Optional[str]:
     return None
 
 
-def _check_model(gpt: GPTModel, n_layers: Optional[int]) -> set:
+def _check_model(gpt: GPTModel, n_layers: Optional[int], mrope: bool = False) -> set:
     """The checks of :func:`check_zorro_gpt`; returns the MoE statistics to count by multiplicity
-    (:func:`~zorro_verl.integrations.megatron.moe.check_moe_statistics`)."""
+    (:func:`~zorro_verl.integrations.megatron.moe.check_moe_statistics`). ``mrope``: ``gpt`` is the language model
+    of a vision-language model zorro runs (:mod:`.vlm`): 3-D rotary positions, given by the packed row's media."""
     cfg = gpt.config
     if n_layers == 0:
         raise ValueError("model: no zorro core attention found. Build the model with zorro_layer_spec(spec) or call "
                          "install_zorro_megatron(model) first.")
     _check_mixers(gpt, installed=n_layers is not None)
-    if gpt.position_embedding_type != "rope":
-        raise ValueError(f"position_embedding_type: expected 'rope' with zorro, got {gpt.position_embedding_type!r} "
-                         "(yarn / mrope / learned positions are not wired yet).")
+    expected = "mrope" if mrope else "rope"
+    if gpt.position_embedding_type != expected:
+        raise ValueError(f"position_embedding_type: expected {expected!r} with zorro"
+                         f"{' in a vision-language model' if mrope else ''}, got {gpt.position_embedding_type!r} "
+                         "(yarn / learned positions are not wired yet; 3-D 'mrope' positions run in Megatron-Bridge's "
+                         "Qwen25VLModel only).")
     _check_mla(gpt, cfg, installed=n_layers is not None)
     if getattr(cfg, "mtp_num_layers", None):
         raise ValueError(f"mtp_num_layers: expected 0/None with zorro, got {cfg.mtp_num_layers}: megatron's "
@@ -321,7 +336,7 @@ def check_value_head(model: torch.nn.Module) -> None:
 
 
 def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa",
-                      value_head: bool = False) -> torch.Tensor:
+                      value_head: bool = False, media: Optional[PackedMedia] = None) -> torch.Tensor:
     """Run this pipeline stage of a zorro ``GPTModel`` on ``plan`` (inside megatron's pipeline schedule, a stage
     after the first receives its input through ``set_input_tensor`` as usual).
 
@@ -332,10 +347,29 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
     returns the values at the response-predicting rows ``[Nh, 1, 1]`` (fp32, as the head casts) for
     :func:`zorro_gpt_values`. Every TP rank and every stage (every model chunk under virtual pipeline stages) calls
     with the same plan. A model in training mode with per-token random ops is refused
-    (:func:`stochastic_unsupported`)."""
+    (:func:`stochastic_unsupported`).
+
+    ``media``: for a vision-language model (Megatron-Bridge's ``Qwen25VLModel``, :mod:`.vlm`; required there,
+    refused otherwise) the packed row's media and 3-D positions, from a plan built on the media's keyed ids
+    (:func:`~zorro_verl.packing.multimodal.build_media_plan`): the model's own forward runs the vision tower on
+    ``media``'s images (each unique one once), scatters the features and runs the language model at
+    ``media.position_ids [3, 1, T]``."""
     gpt = find_gpt_model(model)
+    vlm = find_vlm_model(model)
     layers = zorro_attention_modules(gpt)
-    moe_stats = _check_model(gpt, len(layers))
+    if (vlm is None) != (media is None):
+        want = ("the packed row's PackedMedia (build_media_plan) for a vision-language model" if vlm is not None
+                else "None for a text model")
+        raise ValueError(f"media: expected {want} ({type(vlm if vlm is not None else gpt).__name__}), got "
+                         f"{type(media).__name__ if media is not None else None}.")
+    if vlm is not None:
+        reason = vlm_unsupported(vlm)
+        if reason is not None:
+            raise ValueError(f"model: {reason}.")
+        if value_head:
+            raise ValueError("value_head: a vision-language value model is not wired to zorro's Megatron step; run "
+                             "the critic without zorro.")
+    moe_stats = _check_model(gpt, len(layers), mrope=vlm is not None)
     if value_head:
         check_value_head(gpt)
     reason = stochastic_unsupported(gpt.config) if gpt.training else None
@@ -383,7 +417,25 @@ def zorro_gpt_forward(model: torch.nn.Module, plan: ZorroPlan, *, backend: str =
             return scale_logits(_head_rows(hidden_states, output_layer, output_weight, keep, output_layer))
 
         rows = _RowsOutputLayer(gpt, keep)
-    if has_output_processor():
+    if vlm is not None:
+        # the model's own forward on the packed row: its embedding, the tower on the packed media, its merge; the
+        # 3-D positions and zorro's params / head handed to its language model for the call (.vlm.VlmCall)
+        positions = media.position_ids.to(ids.device)
+        if positions.shape != (3, 1, plan.T):
+            raise ValueError(f"media.position_ids: expected [3, 1, {plan.T}] for this plan, got "
+                             f"{tuple(positions.shape)}; pack the media of this plan (pack_media).")
+        if pad:
+            positions = torch.cat([positions, positions.new_zeros(3, 1, pad)], dim=-1)
+        processor = head if has_output_processor() else None
+        call = VlmCall(vlm, positions, zp, processor)
+        with call, routers, (rows if processor is None else contextlib.nullcontext()):
+            out = model(input_ids=ids[None], attention_mask=None, **media.model_kwargs())
+        if call.rope_calls != 1:
+            raise ValueError(f"get_rope_index: expected one call by the vision-language model's forward, got "
+                             f"{call.rope_calls}; this model's forward is not the one zorro's step was checked with.")
+        if processor is None:
+            out = out.transpose(0, 1)
+    elif has_output_processor():
         with _model_rope(gpt, pos), routers:
             out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None, packed_seq_params=zp,
                         output_processor=head)
@@ -460,8 +512,8 @@ def zorro_gpt_logprobs(model: torch.nn.Module, plan: ZorroPlan, logits: torch.Te
 
 def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "sdpa", temperature: float = 1.0,
                    calculate_entropy: bool = False, logits_optimization: str = "none",
-                   chunk_size: int = DEFAULT_CHUNK,
-                   temperature_op: str = "upcast") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   chunk_size: int = DEFAULT_CHUNK, temperature_op: str = "upcast",
+                   media: Optional[PackedMedia] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Deduplicated forward of ``plan`` on a megatron-core ``GPTModel`` held by one pipeline stage: log-probs (and
     entropy) of every valid response token, original row order — what
     :func:`~zorro_verl.integrations.transformers.zorro_step` returns for a transformers model. Under pipeline
@@ -479,6 +531,7 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
             vocabulary-parallel head yet: refused).
         chunk_size: rows per block of the log-prob computation (at most ``ceil(rows / LEAN_BLOCKS)``).
         temperature_op: where the temperature divides (:data:`~zorro_verl.logprob.TEMPERATURE_OPS`).
+        media: a vision-language model's packed media and 3-D positions (:func:`zorro_gpt_forward`).
 
     Returns:
         ``(log_probs [N], entropy [N] | None)`` in the logits' precision (fp32, fp64 for fp64 models), identical on
@@ -491,7 +544,7 @@ def zorro_gpt_step(model: torch.nn.Module, plan: ZorroPlan, *, backend: str = "s
                          f"pre_process={gpt.pre_process}, post_process={gpt.post_process}. Under pipeline "
                          "parallelism call zorro_gpt_forward in megatron's schedule and zorro_gpt_logprobs in its "
                          "loss function.")
-    logits = zorro_gpt_forward(model, plan, backend=backend)
+    logits = zorro_gpt_forward(model, plan, backend=backend, media=media)
     return zorro_gpt_logprobs(model, plan, logits, temperature=temperature, calculate_entropy=calculate_entropy,
                               logits_optimization=logits_optimization, chunk_size=chunk_size,
                               temperature_op=temperature_op)

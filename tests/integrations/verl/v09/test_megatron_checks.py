@@ -34,12 +34,30 @@ def test_verl_defaults_pass():
     ({}, {"mtp": {"enable": True}}, "model.mtp.enable=False"),
     ({}, {"lora": {"rank": 8, "dropout": 0.1}}, "model.lora.dropout=0"),
     ({}, {"hf_config": SimpleNamespace(vision_config={})}, "vision-language"),
-    ({}, {"hf_config": SimpleNamespace(vision_config={})}, "3-D mrope positions"),
+    ({}, {"hf_config": SimpleNamespace(vision_config={})}, "other than Qwen2.5-VL"),
+    ({}, {"hf_config": SimpleNamespace(vision_config={}, model_type="qwen3_vl")}, "Qwen3-VL / Qwen3.5-VL"),
+    ({}, {"hf_config": SimpleNamespace(vision_config={}, model_type="qwen2_5_vl")}, "tensor_model_parallel_size=2"),
+    ({"tensor_model_parallel_size": 1}, {"hf_config": SimpleNamespace(vision_config={}, model_type="qwen2_5_vl")},
+     "pipeline_model_parallel_size=2"),
+    ({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 2},
+     {"hf_config": SimpleNamespace(vision_config={}, model_type="qwen2_5_vl")}, "context_parallel_size=2"),
+    ({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "vanilla_mbridge": True},
+     {"hf_config": SimpleNamespace(vision_config={}, model_type="qwen2_5_vl")}, "vanilla_mbridge=False"),
+    ({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "use_fused_kernels": True},
+     {"hf_config": SimpleNamespace(vision_config={}, model_type="qwen2_5_vl")}, "use_fused_kernels=False"),
     ({}, {"hf_config": SimpleNamespace(layer_types=["mamba", "attention"])}, "Mamba hybrid"),
 ])
 def test_refusals_name_the_setting(engine, model, says):
     reason = megatron_setup_unsupported({**DEFAULT_ENGINE, **engine}, {**DEFAULT_MODEL, **model})
     assert reason is not None and says in reason, reason
+
+
+def test_qwen25_vl_runs():
+    """Qwen2.5-VL built by Megatron-Bridge, one rank per model, is no start-time refusal (exact through the engine:
+    tests/integrations/megatron/test_engine_vlm.py)."""
+    engine = {**DEFAULT_ENGINE, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+    hf = SimpleNamespace(vision_config={}, model_type="qwen2_5_vl")
+    assert megatron_setup_unsupported(engine, {**DEFAULT_MODEL, "hf_config": hf}) is None
 
 
 def test_static_context_parallelism_runs():

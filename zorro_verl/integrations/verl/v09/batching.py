@@ -201,12 +201,13 @@ def sft_split(data) -> None:
                                                                torch.cat([zero, (lens - p).cumsum(0)]))
 
 
-def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None):
+def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None, positions_of=None):
     """The plan of one jagged micro-batch: ``(plan, media, p)`` with ``p [B] int64`` the prompt lengths. Text
     batches: :func:`~zorro_verl.packing.build_plan` on verl's positions (checked to count ``0, 1, ...`` per row by the
     batch checks); vision-language batches (``media_of(micro_batch, ids_pad, am, rw)`` gives their
     :class:`~zorro_verl.packing.multimodal.BatchMedia`, None for text): images once per unique prompt and 3-D positions
-    from the rows (:func:`~zorro_verl.packing.multimodal.build_media_plan`)."""
+    from the rows (:func:`~zorro_verl.packing.multimodal.build_media_plan`): verl's ``position_ids``, or
+    ``positions_of(micro_batch, ids_pad, am) -> [3, B, S]`` when given (``ids_pad`` / ``am`` the padded layout)."""
     p, r = row_lengths(micro_batch)
     pw, rw = int(p.max()), int(r.max())
     ids_pad, row, col = _to_verl_padded(micro_batch["input_ids"], p, r, pw, rw)
@@ -214,8 +215,9 @@ def micro_batch_plan(micro_batch, plan_kwargs: dict, media_of=None):
     am[row, col] = 1
     media = None if media_of is None else media_of(micro_batch, ids_pad, am, rw)
     if media is not None:
-        plan, media = build_media_plan(ids_pad, am, rw, media, None,
-                                       _positions_3d(micro_batch["position_ids"], row, col, pw + rw), **plan_kwargs)
+        pos = (_positions_3d(micro_batch["position_ids"], row, col, pw + rw) if positions_of is None
+               else positions_of(micro_batch, ids_pad, am))
+        plan, media = build_media_plan(ids_pad, am, rw, media, None, pos, **plan_kwargs)
     else:
         pos_pad = None
         if "position_ids" in micro_batch.keys():
@@ -310,6 +312,14 @@ class ZorroBatchingMixin:
         # _zorro_decide: the rows' tensors stay alive through one forward_backward_batch)
         return batch_media(ids_pad, am, rw, _row_media(data), media_tokens(self.module),
                            memo=getattr(self, "_zorro_media_memo", None))
+
+    def _zorro_rows_positions(self, data, ids_pad, am, row, col):
+        """The rows' 3-D rotary positions ``[k, B, S]`` in the padded layout of ``ids_pad [B, S]`` (verl's
+        ``position_ids``; None without them), which the micro-batches' plans will read. ``row`` / ``col``: each jagged
+        token's place in that layout."""
+        if "position_ids" not in data.keys():
+            return None
+        return _positions_3d(data["position_ids"], row, col, ids_pad.shape[1])
 
     # ------------------------------------------------------------------ model
     def _zorro_agreed_reason(self, reason, error=None):
@@ -409,10 +419,10 @@ class ZorroBatchingMixin:
             # a vision-language batch groups on keyed ids: rows share only where tokens and images are equal
             media = self._zorro_media(data, ids_pad, am, int(r.max()))
             if media is not None:
+                pos = self._zorro_rows_positions(data, ids_pad, am, row, col)
                 ids_pad = media.keyed_ids
-                if "position_ids" in data.keys():  # what the plans will require, checked before the ranks agree
-                    check_shared_positions(ids_pad, p + r, _positions_3d(data["position_ids"], row, col,
-                                                                         ids_pad.shape[1]),
+                if pos is not None:  # what the plans will require, checked before the ranks agree
+                    check_shared_positions(ids_pad, p + r, pos,
                                            shared_cap=None if self.zorro.sharing == "prefix" else p)
         if self.zorro.sharing == "prefix":  # trie clusters: the root once, each inner node paid by one row
             tc = tree_row_costs(ids_pad, am, int(r.max()), self.zorro.min_shared_len)

@@ -7,13 +7,36 @@ from typing import Optional
 
 __all__ = ["megatron_setup_unsupported"]
 
-#: hf_config attributes of model families zorro's Megatron path does not run yet, with the reason.
-_HF_REFUSALS = (
-    ("vision_config", "vision-language models on the Megatron engine: Megatron-Bridge builds them as their own "
-                      "modules (Qwen25VLModel / Qwen3VLModel: a vision tower beside a language model with 3-D mrope "
-                      "positions), and zorro's Megatron step runs a GPTModel with 1-D RoPE positions and has no "
-                      "vision tower run once per unique prompt yet; run VLMs with zorro in the FSDP engine"),
-)
+#: The vision-language families zorro's Megatron engine runs (hf_config.model_type), built by Megatron-Bridge.
+_VLM_TYPES = ("qwen2_5_vl",)
+
+
+def _vlm_unsupported(get, engine_config, model_config, hf) -> Optional[str]:
+    """Why zorro's Megatron engine cannot run this vision-language model (``hf.vision_config`` set), or None:
+    Qwen2.5-VL built by Megatron-Bridge, one rank per model, runs (docs/design/megatron.md "Vision-language
+    models")."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in _VLM_TYPES:
+        return (f"vision-language models on the Megatron engine other than Qwen2.5-VL (model_type={model_type!r}): "
+                "Megatron-Bridge builds them as other modules (Qwen3-VL / Qwen3.5-VL: a deepstack vision tower "
+                "feeding several decoder layers, their own language model and positions) that zorro's Megatron step "
+                "does not run; run them with zorro in the FSDP engine or without zorro")
+    if get(engine_config, "vanilla_mbridge", False):
+        return ("vision-language models on the Megatron engine built by vanilla mbridge (vanilla_mbridge=True): "
+                "zorro runs Megatron-Bridge's Qwen25VLModel only (verl's default builder); set vanilla_mbridge=False")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        v = int(get(engine_config, key, 1) or 1)
+        if v != 1:
+            return (f"vision-language models on the Megatron engine with {key}={v}: zorro's vision tower, embedding "
+                    f"merge and 3-D positions on the packed row are checked against the stock engine at {key}=1 "
+                    f"only; set {key}=1 or run this job without zorro")
+    if get(engine_config, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
+        return ("vision-language models on the Megatron engine with virtual pipeline stages: not checked; unset "
+                "virtual_pipeline_model_parallel_size")
+    if get(engine_config, "use_fused_kernels", False) or get(model_config, "use_fused_kernels", False):
+        return ("vision-language models on the Megatron engine with use_fused_kernels=True: not checked against "
+                "verl's fused vision-language forward; set use_fused_kernels=False")
+    return None
 
 
 def megatron_setup_unsupported(engine_config, model_config, logits_optimization: str = "none") -> Optional[str]:
@@ -58,8 +81,9 @@ def megatron_setup_unsupported(engine_config, model_config, logits_optimization:
                 "compute")
     hf = get(model_config, "hf_config", None)
     if hf is not None:
-        for attr, reason in _HF_REFUSALS:
-            if getattr(hf, attr, None) is not None:
+        if getattr(hf, "vision_config", None) is not None:
+            reason = _vlm_unsupported(get, engine_config, model_config, hf)
+            if reason is not None:
                 return reason
         # gated delta-net hybrids (Qwen3.5, Qwen3-Next: "linear_attention" layers) run; the built model's mixers are
         # checked at initialize (zorro_verl.integrations.megatron.step: any other sequence mixer is refused there)

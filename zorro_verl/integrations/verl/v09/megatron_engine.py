@@ -29,9 +29,16 @@ finalize then reduce the gradients over DP x CP as for the stock engine. In mega
 (``calculate_per_token_loss``) the count each CP rank reports is its exact share of the micro-batch's ordinary
 tokens (:func:`_cp_token_share`; docs/design/megatron.md "The Megatron engine under context parallelism").
 
+Vision-language models (Megatron-Bridge's ``Qwen25VLModel``, one rank per model: TP = PP = CP = 1): a micro-batch's
+plan groups rows on their tokens and images (keyed ids), the rows' 3-D positions come from the model's own
+``get_rope_index`` as in the stock forward (which ignores the batch's ``position_ids``), and the model's forward runs
+on the packed row with each unique image once (:mod:`zorro_verl.integrations.megatron.vlm`; docs/design/megatron.md
+"Vision-language models").
+
 With ``zorro.enable = false`` (or a stock ``McoreEngineConfig``) every method is the stock one. Settings zorro cannot
 run exactly are refused at engine start (dynamic context parallelism,
-multi-token prediction, router replay, LoRA dropout, vision-language and hybrid models; when the model is built, MoE
+multi-token prediction, router replay, LoRA dropout, vision-language models other than Qwen2.5-VL on one rank per
+model, Mamba hybrids; when the model is built, MoE
 router statistics zorro does not count by multiplicity — sequence-level aux loss, token dropping, ... —, MoE models
 under CP, MoE router losses in the per-token loss regime, MLA settings zorro has not checked (fused MLA RoPE, CP) and
 per-token random ops in training: dropout, MoE input jitter), or with ``on_unsupported = warn`` run the stock
@@ -63,16 +70,20 @@ from zorro_verl.integrations.megatron import (
 )
 from zorro_verl.integrations.megatron.moe import check_moe_statistics
 from zorro_verl.integrations.megatron.step import check_zorro_gpt, stochastic_unsupported
+from zorro_verl.integrations.megatron.vlm import find_vlm_model, vlm_unsupported
+from zorro_verl.integrations.transformers.vision import media_tokens, rope_positions
 from zorro_verl.integrations.verl.common import ZorroActorMixin
 from zorro_verl.integrations.verl.settings import settings_of
 from zorro_verl.integrations.verl.v09.batching import (
     ZorroBatchingMixin,
+    _row_media,
     _standard_positions,
     common_batch_unsupported,
     micro_batch_plan,
     predict_next_outputs,
 )
 from zorro_verl.integrations.verl.v09.megatron_checks import megatron_setup_unsupported
+from zorro_verl.packing.multimodal import batch_media
 
 __all__ = ["ZorroMegatronEngineWithLMHead", "MEGATRON_FIX_HINT"]
 
@@ -118,10 +129,26 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         per-token loss regime, per-token random ops (dropout, MoE input jitter) on an engine that trains, verl's fused
         forward patched over ``GPTModel.forward``."""
         cp = self.engine_config.context_parallel_size
+        vision = getattr(getattr(self.model_config, "hf_config", None), "vision_config", None) is not None
         for chunk in self.module:
+            vlm = find_vlm_model(chunk)
+            if vision and vlm is None:
+                inner = chunk
+                while hasattr(inner, "module"):
+                    inner = inner.module
+                return (f"a vision-language model built as {type(inner).__name__} on the Megatron engine: zorro runs "
+                        "Megatron-Bridge's Qwen25VLModel only (Qwen2.5-VL built by verl's default builder, "
+                        "vanilla_mbridge=False); run this model without zorro")
+            if vlm is not None:
+                reason = vlm_unsupported(vlm)
+                if reason is None and self._zorro_value_model:
+                    reason = ("a vision-language critic (value model) on zorro's Megatron engine: not wired; run the "
+                              "critic without zorro")
+                if reason is not None:
+                    return reason
             gpt = find_gpt_model(chunk)
             try:
-                check_zorro_gpt(gpt, require_installed=False)
+                check_zorro_gpt(chunk, require_installed=False)
             except ValueError as e:
                 return str(e)
             if cp > 1 and getattr(gpt.config, "num_moe_experts", None):
@@ -152,8 +179,9 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         reason = common_batch_unsupported(data)
         if reason is not None:
             return reason
-        if self._zorro_multimodal(data):
-            return "multimodal inputs / 3-D position ids on the Megatron engine"
+        vlm = self._zorro_vlm()
+        if self._zorro_multimodal(data) and vlm is None:
+            return "multimodal inputs / 3-D position ids on the Megatron engine with a text-only model"
         if tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False) \
                 or "routed_experts" in data.keys():
             return ("router replay data in the batch (routed_experts / enable_routing_replay): routes recorded per "
@@ -164,7 +192,9 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             if t.numel() > 1 and not bool((t == t[0]).all()):
                 return "per-sample temperatures on the Megatron engine (zorro's Megatron head takes one float)"
         # checked here, before the ranks agree: the plan build would raise on one rank, inside the schedule
-        if "position_ids" in data.keys() and not _standard_positions(data["position_ids"]):
+        # a vision-language model computes its own 3-D positions from the ids and grids (the stock forward ignores
+        # the batch's), and so does zorro (_zorro_rows_positions)
+        if vlm is None and "position_ids" in data.keys() and not _standard_positions(data["position_ids"]):
             return ("position_ids that do not count 0, 1, 2, ... along each row (verl's text layout): zorro recomputes "
                     "the positions on its packed row, so other positions would change results")
         for chunk in self.module:  # a model put in training mode with per-token random ops (a forward-only engine)
@@ -173,6 +203,29 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
             if reason is not None:
                 return reason
         return None
+
+    # ------------------------------------------------------------------ vision-language models
+    def _zorro_vlm(self):
+        """The vision-language model zorro runs (Megatron-Bridge's ``Qwen25VLModel``) of this engine, else None."""
+        return find_vlm_model(self.module[0]) if getattr(self, "module", None) else None
+
+    def _zorro_media(self, data, ids_pad, am, rw):
+        """A vision-language model's :class:`~zorro_verl.packing.multimodal.BatchMedia` of ``data`` (every batch,
+        also one without images: the packed row's 3-D positions come with it), else the text engine's None."""
+        vlm = self._zorro_vlm()
+        if vlm is None:
+            return None if not self._zorro_multimodal(data) else super()._zorro_media(data, ids_pad, am, rw)
+        return batch_media(ids_pad, am, rw, _row_media(data), media_tokens(vlm),
+                           memo=getattr(self, "_zorro_media_memo", None))
+
+    def _zorro_rows_positions(self, data, ids_pad, am, row=None, col=None):
+        """A vision-language model's rows' 3-D positions ``[3, B, S] int64`` as its own forward computes them
+        (transformers' ``get_rope_index`` on each row's valid ids and its images' grids; the stock engine ignores
+        the batch's ``position_ids``): ``ids_pad [B, S]`` the real ids, ``am [B, S]`` their valid mask."""
+        vlm = self._zorro_vlm()
+        if vlm is None:
+            return super()._zorro_rows_positions(data, ids_pad, am, row, col)
+        return rope_positions(vlm, ids_pad, am, _row_media(data))
 
     # ------------------------------------------------------------------ model
     def initialize(self):
@@ -271,16 +324,21 @@ class ZorroMegatronEngineWithLMHead(ZorroBatchingMixin, ZorroActorMixin, Megatro
         memo = None if plans is None else plans.get(id(mb))
         if memo is None:
             batch = mb.to(get_device_id())
-            plan, _, p = micro_batch_plan(batch, self.zorro.plan_kwargs())
+            vlm = self._zorro_vlm() is not None
+            plan, media, p = micro_batch_plan(batch, self.zorro.plan_kwargs(),
+                                              self._zorro_media if vlm else None,
+                                              self._zorro_rows_positions if vlm else None)
             self._zorro_count_plan(plan)
-            memo = [batch, plan, p, 0]  # the device batch, its plan, prompt lengths, chunks that have run it
+            memo = [batch, plan, p, 0, media]  # device batch, plan, prompt lengths, chunks that ran it, VLM media
             if plans is not None and len(self.module) > 1:
                 plans[id(mb)] = memo
         batch, plan, p = memo[:3]
+        media = memo[4]
         memo[3] += 1
         if plans is not None and memo[3] == len(self.module):  # the stage's last chunk has run it
             plans.pop(id(mb), None)
-        out = zorro_gpt_forward(model, plan, backend=self._zorro_backend, value_head=self._zorro_value_model)
+        out = zorro_gpt_forward(model, plan, backend=self._zorro_backend, value_head=self._zorro_value_model,
+                                media=media)
         loss_func = partial(postprocess_micro_batch_func, data=batch)
         if self.engine_config.context_parallel_size > 1 and self._zorro_per_token_loss():
             loss_func = partial(_cp_token_share, loss_func, int(self._routed_num_tokens(batch)))
