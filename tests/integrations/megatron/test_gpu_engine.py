@@ -39,7 +39,7 @@ def _init(tmp_path) -> None:
         torch.cuda.set_device(0)
 
 
-def _engine(ckpt: str, zorro: dict | None, micro_batch: int = 2):
+def _engine(ckpt: str, zorro: dict | None, micro_batch: int = 2, max_tokens: int = 48):
     """verl's Megatron LM engine on this GPU through Megatron-Bridge (its TE spec, bf16, fused RoPE)."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -51,7 +51,8 @@ def _engine(ckpt: str, zorro: dict | None, micro_batch: int = 2):
     object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # a checkpoint without one
     kw = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_mbridge=True, vanilla_mbridge=False,
               use_distributed_optimizer=False, use_remove_padding=True, micro_batch_size_per_gpu=micro_batch,
-              infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=48, infer_max_token_len_per_gpu=48,
+              infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=max_tokens,
+              infer_max_token_len_per_gpu=max_tokens,
               seed=1, override_transformer_config={"apply_rope_fusion": True})
     cfg = (McoreEngineConfig(dtype="bfloat16", **kw) if zorro is None
            else ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw))
@@ -113,4 +114,49 @@ def test_megatron_bridge_te_engine_relative_rule(tmp_path):
           f"gradients zorro vs stock {e_grad:.2e} (stock's own noise {noise:.2e})")
     assert e_zorro <= 2 * e_stock, f"log-probs: {e_zorro:.2e} > 2 x {e_stock:.2e}"
     # the noise floored at bf16's unit roundoff (2^-8): two runs whose sums happen to round alike give 0
+    assert e_grad <= 3 * max(noise, 2.0 ** -8), f"gradients: {e_grad:.2e} > 3 x {noise:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatron_bridge_te_engine_qwen25_vl_relative_rule(tmp_path):
+    """Qwen2.5-VL (Megatron-Bridge's ``Qwen25VLModel`` on its Transformer Engine spec, bf16, the CPU test's tiny
+    checkpoint and batch, tests/support/megatron_vlm.py): zorro's engine — the vision tower once per unique image, the
+    packed row's 3-D positions, TE's core attention wrapped — against the stock engine by the relative rule:
+    log-probs against transformers' fp32 Qwen2.5-VL within 2x stock's error, gradients (the vision tower's included)
+    against stock within 3x stock's own bf16 noise (stock at another micro-batch size)."""
+    from tests.support import megatron_engines as E
+    from tests.support import megatron_vlm as V
+
+    _init(tmp_path)
+    os.environ.pop("NVTE_FUSED_ATTN", None)
+    ckpt = V.save_tiny_qwen25vl(str(tmp_path / "vlm"))
+    cfg = V.tiny_qwen25vl_config()
+
+    def batch():
+        return V.make_vlm_batch(cfg, dynamic=False, micro_batch=4, max_tokens=160)
+
+    engines = {"stock": _engine(ckpt, None, micro_batch=4, max_tokens=160),
+               "stock_mb2": _engine(ckpt, None, micro_batch=2, max_tokens=160),
+               "zorro": _engine(ckpt, ZORRO, micro_batch=4, max_tokens=160)}
+    assert type(E.gpt_of(engines["zorro"])).__name__ == "Qwen25VLModel"
+    td = batch()
+    ref = V.hf_vlm_log_probs(ckpt, td).double()
+    lp, g, fallback = {}, {}, None
+    for name, eng in engines.items():
+        with eng.eval_mode():
+            res = eng.infer_batch(batch(), loss_function=None)
+        lp[name] = E.response_values(res["model_output"]["log_probs"], td).cpu()
+        with eng.train_mode(zero_grad_on_exit=False):
+            tr = eng.train_batch(batch(), loss_function=E.ppo_loss_fn())
+        g[name] = E.grads(eng)
+        if name == "zorro":
+            v = tr["metrics"].get("zorro/fallback_batches", 0.0)
+            fallback = float(v[0] if isinstance(v, (list, tuple)) else v)
+    e_stock, e_zorro = _rel(lp["stock"], ref), _rel(lp["zorro"], ref)
+    noise = max(_rel(g["stock_mb2"][k], g["stock"][k]) for k in g["stock"])
+    e_grad = max(_rel(g["zorro"][k], g["stock"][k]) for k in g["stock"])
+    print(f"Qwen2.5-VL Megatron-Bridge TE engine bf16: log-probs zorro {e_zorro:.2e} (stock {e_stock:.2e}) vs HF "
+          f"fp32; gradients zorro vs stock {e_grad:.2e} (stock's own noise {noise:.2e}); fallback {fallback}")
+    assert fallback == 0.0
+    assert e_zorro <= 2 * e_stock, f"log-probs: {e_zorro:.2e} > 2 x {e_stock:.2e}"
     assert e_grad <= 3 * max(noise, 2.0 ** -8), f"gradients: {e_grad:.2e} > 3 x {noise:.2e}"
