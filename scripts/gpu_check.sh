@@ -5,14 +5,16 @@
 #      absent: PyTorch's built-in flash kernels are used);
 #   2. the GPU tests (pytest -m gpu): flash gather, flash copy-free, flex (also with sliding windows, sinks and
 #      soft-capping, and tiny gpt-oss / Gemma 2 models), the hybrid (delta-net) models and, where mamba-ssm and
-#      causal-conv1d are installed, Mamba2 / Bamba on their fused Mamba-2 scan vs fp64 by the relative rule; zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with two or more
-#      GPUs, else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
+#      causal-conv1d are installed, Mamba2 / Bamba on their fused Mamba-2 scan vs fp64 by the relative rule;
+#      zorro_step under Ulysses sequence parallelism (flash backend, bf16, NCCL): SP = 2 with two or more GPUs,
+#      else SP = 1 on the one GPU (the exchange is then a copy: the shard / gather / backend path runs, the
 #      cross-GPU all-to-all does not; the CPU suite checks SP = 2 and SP = 2 x DP = 2 over gloo); megatron-core's
 #      GPTModel with Transformer Engine's spec and fused RoPE (zorro's per-token table) by the same rule (skipped
 #      where megatron-core or Transformer Engine is not installed on the machine), a Qwen3.5-shaped hybrid on
 #      megatron's real hybrid block spec (TE) with flash-linear-attention's gated delta rule (skipped without FLA),
-#      and zorro's context parallelism vs stock CP (verl's THD zigzag, Transformer Engine's CP attention) at CP = 2
-#      by the same rule (needs 2 GPUs);
+#      Qwen2.5-VL through verl's Megatron engine on the bridge's TE spec, and zorro's context parallelism (dense
+#      and varlen CP attention) vs stock CP (verl's THD zigzag, Transformer Engine's CP attention) at CP = 2 by
+#      the same rule (needs 2 GPUs);
 #   3. the op-level attention benchmark (--preset gpu --ops): each GPU backend's split attention vs the ordinary
 #      per-row SDPA of the same batch, bf16, Qwen3-0.6B heads (16/8 of 128), fwd and fwd_bwd;
 #   4. the model-level benchmark (--preset gpu): bf16 Qwen3-0.6B-shaped model from config, scenarios
