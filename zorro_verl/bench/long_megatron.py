@@ -24,73 +24,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from zorro_verl.bench.long_verl import REPO_HINT, _support
+from zorro_verl.bench.long_ranks import interleaved_runs, launch_ranks, rank_entry, support
 
 __all__ = ["run_verl_megatron", "run_rank"]
-
-
-def _repo_root() -> Path:
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "tests" / "support" / "megatron_engines.py").is_file():
-        raise RuntimeError(f"--long-engine verl-megatron: zorro_verl is imported from {root}, which is not a "
-                           f"repository checkout; {REPO_HINT}")
-    return root
 
 
 def run_verl_megatron(sc, settings: dict, cfg, rows: list) -> dict:
     """The measured dict of :func:`~zorro_verl.bench.long_context.long_row` for one scenario (rank 0's times;
     every rank's counts): the model of config ``cfg`` (random weights), the batch of ``rows`` (``[(prompt ids,
     response ids)]``)."""
-    import torch
-
-    root = _repo_root()
-    degree = int(settings["degree"])
-    with tempfile.TemporaryDirectory(prefix="zorro-long-mcore-") as tmp:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        model.config.architectures = [type(model).__name__]
-        model.save_pretrained(os.path.join(tmp, "ckpt"))
-        del model
-        spec = {**settings, "ckpt": os.path.join(tmp, "ckpt"), "rows": rows, "budget": sc.budget}
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        procs, outs, logs = [], [], []
-        for rank in range(degree):
-            out, log = os.path.join(tmp, f"rank{rank}.json"), os.path.join(tmp, f"rank{rank}.log")
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen([sys.executable, "-m", "zorro_verl.bench.long_megatron", str(rank),
-                                               str(degree), os.path.join(tmp, "init"), spec_path, out],
-                                              cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT))
-            outs.append(out)
-            logs.append(log)
-        try:
-            for p in procs:
-                p.wait(timeout=settings["timeout_s"])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"--long: the {degree} ranks did not finish within {settings['timeout_s']} s; rank 0 "
-                               f"log:\n{Path(logs[0]).read_text()[-3000:]}") from None
-        for rank, p in enumerate(procs):
-            if p.returncode != 0:
-                raise RuntimeError(f"--long: rank {rank} exited with {p.returncode}:\n"
-                                   f"{Path(logs[rank]).read_text()[-4000:]}")
-        results = [json.loads(Path(o).read_text()) for o in outs]
-    m = results[0]
-    for side in ("stock", "zorro"):
-        m[side]["rank_tokens"] = [r[side]["rank_tokens"] for r in results]
-        m[side]["comm_bytes"] = [r[side]["comm_bytes"] for r in results]
-    return m
+    return launch_ranks("zorro_verl.bench.long_megatron", "megatron_engines.py", sc, settings, cfg, rows)
 
 
 class _Counters:
@@ -175,7 +119,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
     cp, budget, grad_ckpt = int(spec["degree"]), int(spec["budget"]), bool(spec["grad_ckpt"])
     rollouts = sum(1 for p, _ in spec["rows"] if p == spec["rows"][0][0])  # n: each prompt's rows
     zorro = {"enable": True, "rollout_n": rollouts, "attention_backend": spec["backend"]}
-    E = _support("megatron_engines")
+    E = support("megatron_engines")
     if cuda:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -187,7 +131,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
                       transformer_overrides=_recompute(grad_ckpt))
         engines = {"stock": E.build_engine(spec["ckpt"], zorro=None, **common),
                    "zorro": E.build_engine(spec["ckpt"], zorro=zorro, **common)}
-    eng = _support("verl_engines")
+    eng = support("verl_engines")
     counters = _Counters()
     rows = [(p, r) for p, r in spec["rows"]]
     td = eng.make_engine_batch(base=batch_from_rows(rows, include_training_fields=True, seed=1), temperature=1.0,
@@ -197,37 +141,22 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
         E.gpt_of(e).embedding.register_forward_pre_hook(counters.hook, with_kwargs=True)
     loss = E.ppo_loss_fn()
     clock = Clock(spec["clock"], cuda)
-    names = list(engines)
-    res = {k: {"train_ms": [], "infer_ms": []} for k in names}
     log_probs = {}
-    for i in range(int(spec["warmup"]) + int(spec["reps"])):
-        timed = i >= int(spec["warmup"])
-        for name in names[i % 2:] + names[:i % 2]:  # each side first in every other run
-            e = engines[name]
-            dist.barrier()
-            t0 = clock.now()
-            with e.eval_mode():
-                out = e.infer_batch(td.clone(), loss_function=None)
-            t1 = clock.now()
-            if i == 0:
-                log_probs[name] = E.response_values(out["model_output"]["log_probs"], td)  # [N]
-                counters.start()
-            dist.barrier()
-            t2 = clock.now()
-            with e.train_mode():
-                e.train_batch(td.clone(), loss_function=loss)
-            t3 = clock.now()
-            if i == 0:
-                counters.on = False
-                # each micro-batch's CP buffer (stock: verl's THD rows padded to 2 cp; zorro: its packed row as its
-                # CP layout cuts it) is cp x what one rank embeds of it
-                res[name].update(comm_bytes=None if cuda and name == "stock" else counters.bytes,
-                                 rank_tokens=sum(counters.calls), mb_tokens=[cp * n for n in counters.calls])
-                if name == "zorro":
-                    res[name]["mb_rows"] = [list(b) for b in e.zorro_last_micro_batches.batches]
-            if timed:
-                res[name]["infer_ms"].append((t1 - t0) * 1e3)
-                res[name]["train_ms"].append((t3 - t2) * 1e3)
+
+    def first_infer(name, out):
+        log_probs[name] = E.response_values(out["model_output"]["log_probs"], td)  # [N]
+
+    def first_train(name, e):
+        counters.on = False
+        # each micro-batch's CP buffer (stock: verl's THD rows padded to 2 cp; zorro: its packed row as its CP layout
+        # cuts it) is cp x what one rank embeds of it
+        got = dict(comm_bytes=None if cuda and name == "stock" else counters.bytes, rank_tokens=sum(counters.calls),
+                   mb_tokens=[cp * n for n in counters.calls])
+        if name == "zorro":
+            got["mb_rows"] = [list(b) for b in e.zorro_last_micro_batches.batches]
+        return got
+
+    res = interleaved_runs(engines, td, loss, spec, clock, first_infer, first_train, counters.start)
     from zorro_verl.integrations.verl.v09.batching import row_group_ids, row_lengths
 
     p, r = row_lengths(td)
@@ -246,10 +175,4 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
 
 
 if __name__ == "__main__":
-    rank, world, init_file, spec_path, out_path = sys.argv[1:]
-    result = run_rank(int(rank), int(world), init_file, spec_path)
-    with open(out_path, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the result is on disk: skip the teardown where gloo's threads can abort a finished rank
+    rank_entry(run_rank)

@@ -24,85 +24,19 @@ built by ``tests.support.verl_engines.build_engine`` (the engine tests' builder)
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-__all__ = ["run_verl_fsdp", "run_rank", "REPO_HINT"]
+from zorro_verl.bench.long_ranks import interleaved_runs, launch_ranks, rank_entry, support
 
-REPO_HINT = ("run from a repository checkout: PYTHONPATH=<repo> .venv/bin/python -m zorro_verl.bench --long "
-             "(the engines' builder and the CPU shims live in its tests/support)")
-
-
-def _support(name: str):
-    try:
-        return importlib.import_module(f"tests.support.{name}")
-    except ImportError as e:
-        raise RuntimeError(f"--long: the repository's test support (tests/support/{name}.py, not part of the "
-                           f"package) could not be imported ({e}); {REPO_HINT}") from None
-
-
-def _repo_root() -> Path:
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "tests" / "support" / "verl_engines.py").is_file():
-        raise RuntimeError(f"--long: zorro_verl is imported from {root}, which is not a repository checkout; "
-                           f"{REPO_HINT}")
-    return root
+__all__ = ["run_verl_fsdp", "run_rank"]
 
 
 def run_verl_fsdp(sc, settings: dict, cfg, rows: list) -> dict:
     """The measured dict of :func:`~zorro_verl.bench.long_context.long_row` for one scenario (rank 0's times;
     every rank's counts): the model of config ``cfg`` (random weights), the batch of ``rows`` (``[(prompt ids,
     response ids)]``)."""
-    import torch
-
-    root = _repo_root()
-    degree = int(settings["degree"])
-    with tempfile.TemporaryDirectory(prefix="zorro-long-") as tmp:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        model.config.architectures = [type(model).__name__]
-        model.save_pretrained(os.path.join(tmp, "ckpt"))
-        del model
-        spec = {**settings, "ckpt": os.path.join(tmp, "ckpt"), "rows": rows, "budget": sc.budget}
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        procs, outs, logs = [], [], []
-        for rank in range(degree):
-            out, log = os.path.join(tmp, f"rank{rank}.json"), os.path.join(tmp, f"rank{rank}.log")
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen([sys.executable, "-m", "zorro_verl.bench.long_verl", str(rank),
-                                               str(degree), os.path.join(tmp, "init"), spec_path, out],
-                                              cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT))
-            outs.append(out)
-            logs.append(log)
-        try:
-            for p in procs:
-                p.wait(timeout=settings["timeout_s"])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"--long: the {degree} ranks did not finish within {settings['timeout_s']} s; rank 0 "
-                               f"log:\n{Path(logs[0]).read_text()[-3000:]}") from None
-        for rank, p in enumerate(procs):
-            if p.returncode != 0:
-                raise RuntimeError(f"--long: rank {rank} exited with {p.returncode}:\n"
-                                   f"{Path(logs[rank]).read_text()[-4000:]}")
-        results = [json.loads(Path(o).read_text()) for o in outs]
-    m = results[0]
-    for side in ("stock", "zorro"):
-        m[side]["rank_tokens"] = [r[side]["rank_tokens"] for r in results]
-        m[side]["comm_bytes"] = [r[side]["comm_bytes"] for r in results]
-    return m
+    return launch_ranks("zorro_verl.bench.long_verl", "verl_engines.py", sc, settings, cfg, rows)
 
 
 class _Counters:
@@ -159,14 +93,14 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
         stock_attn = "flash_attention_2"
     else:
         torch.set_num_threads(1)
-        _support("verl_cpu_platform").use_cpu_platform()
+        support("verl_cpu_platform").use_cpu_platform()
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     if not cuda:
         # stock's two GPU kernels, as they cost on a GPU (tests/support/cpu_stock_kernels.py): flash varlen attention
         # per packed row (not all T^2 pairs of the micro-batch under a mask) and blocked log-probs (not verl's
         # per-token Python loop); zorro's engine calls neither
-        ul, kernels = _support("verl_ulysses"), _support("cpu_stock_kernels")
+        ul, kernels = support("verl_ulysses"), support("cpu_stock_kernels")
         ul.install_cpu_varlen()
         from verl.models.transformers import monkey_patch
         from verl.workers.engine.fsdp import transformer_impl
@@ -176,7 +110,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
         stock_attn = ul.CPU_VARLEN_ATTN
     import verl.workers.engine  # noqa: F401  (registers the zorro engine)
 
-    eng = _support("verl_engines")
+    eng = support("verl_engines")
     counters = _Counters()
     sp, budget = int(spec["degree"]), int(spec["budget"])
     rows = [(p, r) for p, r in spec["rows"]]
@@ -194,37 +128,20 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
         e.module.get_input_embeddings().register_forward_pre_hook(counters.hook)
     loss = eng.ppo_loss_fn()
     clock = Clock(spec["clock"], cuda)
-    names = list(engines)
-    res = {k: {"train_ms": [], "infer_ms": []} for k in names}
     log_probs = {}
-    for i in range(int(spec["warmup"]) + int(spec["reps"])):
-        timed = i >= int(spec["warmup"])
-        for name in names[i % 2:] + names[:i % 2]:  # each side first in every other run
-            e = engines[name]
-            dist.barrier()
-            t0 = clock.now()
-            with e.eval_mode():
-                out = e.infer_batch(td.clone(), loss_function=None)
-            t1 = clock.now()
-            if i == 0:
-                log_probs[name] = eng.response_values(out["model_output"]["log_probs"], td)[mask]
-                counters.start()
-            dist.barrier()
-            t2 = clock.now()
-            with e.train_mode():
-                e.train_batch(td.clone(), loss_function=loss)
-            t3 = clock.now()
-            if i == 0:
-                counters.on = False
-                res[name].update(comm_bytes=counters.bytes, rank_tokens=counters.tokens)
-                if name == "stock":
-                    res[name]["mb_tokens"] = counters.mb_tokens
-                else:
-                    zmb = e.zorro_last_micro_batches
-                    res[name].update(mb_tokens=[int(c) for c in zmb.costs], mb_rows=[list(b) for b in zmb.batches])
-            if timed:
-                res[name]["infer_ms"].append((t1 - t0) * 1e3)
-                res[name]["train_ms"].append((t3 - t2) * 1e3)
+
+    def first_infer(name, out):
+        log_probs[name] = eng.response_values(out["model_output"]["log_probs"], td)[mask]
+
+    def first_train(name, e):
+        counters.on = False
+        if name == "stock":
+            return dict(comm_bytes=counters.bytes, rank_tokens=counters.tokens, mb_tokens=counters.mb_tokens)
+        zmb = e.zorro_last_micro_batches
+        return dict(comm_bytes=counters.bytes, rank_tokens=counters.tokens, mb_tokens=[int(c) for c in zmb.costs],
+                    mb_rows=[list(b) for b in zmb.batches])
+
+    res = interleaved_runs(engines, td, loss, spec, clock, first_infer, first_train, counters.start)
     from zorro_verl.integrations.verl.v09.batching import row_group_ids, row_lengths
 
     p, r = row_lengths(td)
@@ -242,10 +159,4 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
 
 
 if __name__ == "__main__":
-    rank, world, init_file, spec_path, out_path = sys.argv[1:]
-    result = run_rank(int(rank), int(world), init_file, spec_path)
-    with open(out_path, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the result is on disk: skip the teardown where gloo's threads can abort a finished rank
+    rank_entry(run_rank)

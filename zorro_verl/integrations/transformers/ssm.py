@@ -450,9 +450,10 @@ def zorro_mamba2_forward(self, hidden_states: torch.Tensor, cache_params=None, a
     gate, xBC, dt = mamba2_projections(self, hidden_states)  # [1, n, I], [1, n, conv_dim], [1, n, H]
     dt = ssm_step_size(self, dt, fused)  # [1, n, H]; token-wise, so before any exchange
     conv_fn = _conv_fn(self) if self.activation in ("silu", "swish") else None
-    scan_fn = _scan_fn(self) if fused else None  # the stock mixer's own scan kernel, where it runs fused
+    loaded_scan = _scan_fn(self)
+    scan_fn = loaded_scan if fused else None  # the stock mixer's own scan kernel, where it runs fused
     if hidden_states.is_cuda:
-        if scan_fn is None and _scan_fn(self) is None:
+        if loaded_scan is None:
             _report_fallback(ctx.calls, "mamba-ssm", "the Mamba-2 scan runs zorro's torch chunked kernel (exact, "
                              "slower)", "mamba-ssm")
         if conv_fn is None:
