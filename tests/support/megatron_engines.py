@@ -26,7 +26,8 @@ import torch
 
 from tests.support.megatron_cpu import CudaAsCpu
 
-__all__ = ["setup_process", "start_rank", "save_tiny_checkpoint", "build_engine", "make_batch", "ppo_loss_fn", "gpt_of",
+__all__ = ["setup_process", "start_rank", "save_tiny_checkpoint", "build_engine", "build_gpu_engine", "make_batch",
+           "ppo_loss_fn", "gpt_of",
            "grads", "VOCAB"]
 
 VOCAB = 128
@@ -280,6 +281,37 @@ def build_engine(ckpt: str, *, zorro: dict | None, tp: int = 1, pp: int = 1, rem
 
         for chunk in engine.module:  # every model chunk (virtual pipeline stages) gets verl's mask
             unwrap_model(chunk).register_forward_pre_hook(_mask_hook, with_kwargs=True)
+    return engine
+
+
+def build_gpu_engine(ckpt: str, *, zorro: dict | None, cp: int = 1, micro_batch: int = 2, max_tokens: int = 48,
+                     transformer_overrides: dict | None = None, optimizer: dict | None = None):
+    """verl's Megatron LM engine on this rank's GPU as verl builds it: Megatron-Bridge with its default Transformer
+    Engine layer spec, bf16, TP = PP = 1, ``cp`` context-parallel ranks, verl's packed (THD) path; ``zorro`` the
+    zorro mapping (None: a stock ``McoreEngineConfig``); ``optimizer``: ``McoreOptimizerConfig`` keys (default SGD at
+    lr 1e-3, gradient clipping 1.0). No CPU patches: the GPU tests' and the GPU benchmark's builder."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
+
+    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=True)
+    object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # a checkpoint without one
+    kw = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp,
+              use_mbridge=True, vanilla_mbridge=False, use_distributed_optimizer=False, use_remove_padding=True,
+              micro_batch_size_per_gpu=micro_batch, infer_micro_batch_size_per_gpu=micro_batch,
+              max_token_len_per_gpu=max_tokens, infer_max_token_len_per_gpu=max_tokens, seed=1,
+              override_transformer_config=dict(transformer_overrides or {}))
+    cfg = (McoreEngineConfig(dtype="bfloat16", **kw) if zorro is None
+           else ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw))
+    optim = McoreOptimizerConfig(**(optimizer or dict(optimizer="sgd", lr=1e-3, total_training_steps=10,
+                                                       weight_decay=0.0, clip_grad=1.0)))
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # megatron asserts them per build
+        os.environ.pop(var, None)
+    engine = EngineRegistry.get_engine_cls("language_model", "megatron")(
+        model_config=model_config, engine_config=cfg, optimizer_config=optim, checkpoint_config=CheckpointConfig())
+    engine.initialize()
     return engine
 
 

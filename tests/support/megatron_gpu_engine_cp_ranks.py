@@ -12,9 +12,6 @@ Run as ``python -m tests.support.megatron_gpu_engine_cp_ranks RANK WORLD INIT_FI
 
 from __future__ import annotations
 
-import os
-from types import SimpleNamespace
-
 import torch
 
 from tests.support.multi_rank import rank_main
@@ -24,27 +21,9 @@ ZORRO = {"enable": True, "rollout_n": 4, "attention_backend": "auto"}
 
 def _engine(ckpt: str, zorro: dict | None, micro_batch: int = 2):
     """verl's Megatron LM engine on this rank's GPU through Megatron-Bridge (TE spec, bf16), CP = 2."""
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
+    from tests.support.megatron_engines import build_gpu_engine
 
-    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
-
-    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=True)
-    object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # a checkpoint without one
-    kw = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=2,
-              use_mbridge=True, vanilla_mbridge=False, use_distributed_optimizer=False, use_remove_padding=True,
-              micro_batch_size_per_gpu=micro_batch, infer_micro_batch_size_per_gpu=micro_batch,
-              max_token_len_per_gpu=48, infer_max_token_len_per_gpu=48, seed=1)
-    cfg = (McoreEngineConfig(dtype="bfloat16", **kw) if zorro is None
-           else ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw))
-    optim = McoreOptimizerConfig(optimizer="sgd", lr=1e-3, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
-    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # megatron asserts them per build
-        os.environ.pop(var, None)
-    engine = EngineRegistry.get_engine_cls("language_model", "megatron")(
-        model_config=model_config, engine_config=cfg, optimizer_config=optim, checkpoint_config=CheckpointConfig())
-    engine.initialize()
-    return engine
+    return build_gpu_engine(ckpt, zorro=zorro, cp=2, micro_batch=micro_batch)
 
 
 def _hf_log_probs(ckpt: str, td) -> torch.Tensor:

@@ -73,33 +73,6 @@ class _Counters:
         self.on = True
 
 
-def _gpu_engine(ckpt: str, zorro, cp: int, budget: int, grad_ckpt: bool):
-    """verl's Megatron LM engine on this rank's GPU through Megatron-Bridge (its Transformer Engine spec, bf16)."""
-    from types import SimpleNamespace
-
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
-
-    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
-
-    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=True)
-    object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # a checkpoint without one
-    kw = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp,
-              use_mbridge=True, vanilla_mbridge=False, use_distributed_optimizer=False, use_remove_padding=True,
-              max_token_len_per_gpu=budget, infer_max_token_len_per_gpu=budget, seed=1,
-              override_transformer_config=_recompute(grad_ckpt))
-    cfg = (McoreEngineConfig(dtype="bfloat16", **kw) if zorro is None
-           else ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw))
-    optim = McoreOptimizerConfig(optimizer="adam", lr=0.0, total_training_steps=10, weight_decay=0.0)
-    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # megatron asserts them per build
-        os.environ.pop(var, None)
-    engine = EngineRegistry.get_engine_cls("language_model", "megatron")(
-        model_config=model_config, engine_config=cfg, optimizer_config=optim, checkpoint_config=CheckpointConfig())
-    engine.initialize()
-    return engine
-
-
 def _recompute(on: bool) -> dict:
     """Megatron's full activation recompute of every layer (the gradient checkpointing the FSDP row turns on)."""
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if on else {}
@@ -123,8 +96,11 @@ def run_rank(rank: int, world: int, init_file: str, spec_path: str) -> dict:
     if cuda:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        engines = {"stock": _gpu_engine(spec["ckpt"], None, cp, budget, grad_ckpt),
-                   "zorro": _gpu_engine(spec["ckpt"], zorro, cp, budget, grad_ckpt)}
+        # Megatron-Bridge's TE spec, bf16; Adam at lr 0 (every run on the same weights)
+        gpu = dict(cp=cp, max_tokens=budget, transformer_overrides=_recompute(grad_ckpt),
+                   optimizer=dict(optimizer="adam", lr=0.0, total_training_steps=10, weight_decay=0.0))
+        engines = {"stock": E.build_gpu_engine(spec["ckpt"], zorro=None, **gpu),
+                   "zorro": E.build_gpu_engine(spec["ckpt"], zorro=zorro, **gpu)}
     else:
         E.start_rank(rank, world, init_file, spec["ckpt"])  # the CPU patches, gloo; the checkpoint exists
         common = dict(tp=1, remove_padding=True, max_tokens=budget, engine_kwargs={"context_parallel_size": cp},

@@ -16,7 +16,6 @@ computation reassociated). Skipped without CUDA, Transformer Engine, megatron-co
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,26 +40,10 @@ def _init(tmp_path) -> None:
 
 def _engine(ckpt: str, zorro: dict | None, micro_batch: int = 2, max_tokens: int = 48):
     """verl's Megatron LM engine on this GPU through Megatron-Bridge (its TE spec, bf16, fused RoPE)."""
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
+    from tests.support.megatron_engines import build_gpu_engine
 
-    from zorro_verl.integrations.verl.v09.config import ZorroMcoreEngineConfig
-
-    model_config = HFModelConfig(path=ckpt, load_tokenizer=False, use_remove_padding=True)
-    object.__setattr__(model_config, "tokenizer", SimpleNamespace(pad_token_id=0))  # a checkpoint without one
-    kw = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_mbridge=True, vanilla_mbridge=False,
-              use_distributed_optimizer=False, use_remove_padding=True, micro_batch_size_per_gpu=micro_batch,
-              infer_micro_batch_size_per_gpu=micro_batch, max_token_len_per_gpu=max_tokens,
-              infer_max_token_len_per_gpu=max_tokens,
-              seed=1, override_transformer_config={"apply_rope_fusion": True})
-    cfg = (McoreEngineConfig(dtype="bfloat16", **kw) if zorro is None
-           else ZorroMcoreEngineConfig(dtype="bfloat16", zorro=zorro, **kw))
-    optim = McoreOptimizerConfig(optimizer="sgd", lr=1e-3, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
-    engine = EngineRegistry.get_engine_cls("language_model", "megatron")(
-        model_config=model_config, engine_config=cfg, optimizer_config=optim, checkpoint_config=CheckpointConfig())
-    engine.initialize()
-    return engine
+    return build_gpu_engine(ckpt, zorro=zorro, micro_batch=micro_batch, max_tokens=max_tokens,
+                            transformer_overrides={"apply_rope_fusion": True})
 
 
 def _hf_log_probs(ckpt: str, td) -> torch.Tensor:
