@@ -31,7 +31,7 @@ import types
 import typing
 from functools import partial
 
-__all__ = ["AVAILABLE", "install", "BRIDGES", "INSTALL_HINT", "installed_bridges", "results_on"]
+__all__ = ["AVAILABLE", "install", "BRIDGES", "INSTALL_HINT", "installed_bridges", "results_on", "require_bridge"]
 
 #: Whether megatron-bridge is installed here (scripts/setup_megatron_env.sh installs 0.6.2).
 AVAILABLE = importlib.util.find_spec("megatron.bridge") is not None
@@ -66,6 +66,19 @@ def _te_stub() -> dict:
 def installed_bridges() -> list:
     """The builders installed here, in :data:`BRIDGES` order (Megatron-Bridge, verl's default, first)."""
     return [b for b in BRIDGES if b != "megatron-bridge" or AVAILABLE]
+
+
+def require_bridge() -> None:
+    """In a test: skip when megatron-bridge is not installed here, or fail where ``ZORRO_REQUIRE_MEGATRON_BRIDGE=1``
+    (scripts/test_megatron.sh installs it)."""
+    import os
+
+    import pytest
+
+    if not AVAILABLE:
+        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
+            pytest.fail(f"megatron-bridge is not installed in this environment ({INSTALL_HINT})")
+        pytest.skip(f"megatron-bridge (verl's default Megatron builder) is not installed here ({INSTALL_HINT})")
 
 
 def results_on(all_results: list, bridge: str) -> list:

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed here (run scripts/test_megatron.sh: "
                                             ".venv-megatron)")
 
-from tests.support.megatron_bridge_cpu import AVAILABLE as BRIDGE_AVAILABLE  # noqa: E402
+from tests.support.megatron_bridge_cpu import require_bridge  # noqa: E402
 
 TOL_VALUE = 2e-6
 TOL_SCALAR_REL = 1e-6
@@ -40,10 +40,7 @@ CASES = {"cp2tp2/fixed": (2, 2, 1, 1, True, True), "cp2pp2/fixed": (2, 1, 2, 1, 
 def results(tmp_path_factory):
     from tests.support.multi_rank import run_ranks
 
-    if not BRIDGE_AVAILABLE:
-        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
-            pytest.fail("megatron-bridge is not installed (scripts/setup_megatron_env.sh installs it)")
-        pytest.skip("megatron-bridge is not installed here")
+    require_bridge()
     if os.environ.get("ZORRO_MEGATRON_4RANKS", "1") == "0":
         pytest.skip("ZORRO_MEGATRON_4RANKS=0")
     tmp = tmp_path_factory.mktemp("megatron_engine_cp")

@@ -35,13 +35,10 @@ TOL_HF = 1e-5
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from tests.support.megatron_bridge_cpu import AVAILABLE
+    from tests.support.megatron_bridge_cpu import require_bridge
     from tests.support.multi_rank import run_ranks
 
-    if not AVAILABLE:
-        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
-            pytest.fail("megatron-bridge is not installed in this environment (scripts/setup_megatron_env.sh)")
-        pytest.skip("megatron-bridge is not installed here (scripts/setup_megatron_env.sh installs it)")
+    require_bridge()
     tmp = tmp_path_factory.mktemp("megatron_hybrid_engine")
     return run_ranks("tests.support.megatron_hybrid_engine_ranks", 1, [str(tmp / "ckpt")], tmp,
                      timeout_s=int(os.environ.get("ZORRO_MEGATRON_RANK_TIMEOUT", "900")))[0]

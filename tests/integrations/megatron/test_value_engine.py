@@ -86,10 +86,7 @@ def engine_results(tmp_path_factory):
     from tests.support import megatron_bridge_cpu
     from tests.support.multi_rank import run_ranks
 
-    if not megatron_bridge_cpu.AVAILABLE:
-        if os.environ.get("ZORRO_REQUIRE_MEGATRON_BRIDGE") == "1":
-            pytest.fail("megatron-bridge is not installed in this environment (scripts/setup_megatron_env.sh)")
-        pytest.skip("megatron-bridge (verl's default Megatron builder) is not installed here")
+    megatron_bridge_cpu.require_bridge()
     tmp = tmp_path_factory.mktemp("megatron_value_engine")
     return run_ranks("tests.support.megatron_value_ranks", 2, [str(tmp / "ckpt")], tmp,
                      timeout_s=int(os.environ.get("ZORRO_MEGATRON_RANK_TIMEOUT", "1500")))
